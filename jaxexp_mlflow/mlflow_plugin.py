@@ -1,0 +1,58 @@
+"""MLflow plugin points: ``mlflow.jaxexp`` without importing jax, and run tags.
+
+MLflow imports every ``mlflow.run_context_provider`` entry point while ``import mlflow`` runs.
+This module is that entry point, so an installed jaxexp-mlflow makes ``mlflow.jaxexp`` exist in a
+fresh interpreter as a lazy module: the flavor (and jax) load on first use, never at start-up.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from mlflow.tracking.context.abstract_context import RunContextProvider
+
+_FLAVOR_MODULE = "jaxexp_mlflow.flavors.jaxexp"
+
+
+def install_mlflow_module() -> None:
+    """Make ``mlflow.jaxexp`` and ``import mlflow.jaxexp`` resolve to the flavor, lazily."""
+    import mlflow
+    from mlflow.utils.lazy_load import LazyLoader
+
+    if "mlflow.jaxexp" in sys.modules or isinstance(getattr(mlflow, "jaxexp", None), type(sys)):
+        return
+    lazy = LazyLoader("mlflow.jaxexp", vars(mlflow), _FLAVOR_MODULE)
+    mlflow.jaxexp = lazy
+    sys.modules["mlflow.jaxexp"] = lazy
+
+
+class JaxRunContextProvider(RunContextProvider):
+    """Tags runs with the JAX environment, only when jax is already imported."""
+
+    def in_context(self) -> bool:
+        return "jax" in sys.modules
+
+    def tags(self) -> dict[str, str]:
+        jax = sys.modules.get("jax")
+        if jax is None:
+            return {}
+        try:
+            import jaxlib
+
+            devices = jax.devices()
+            return {
+                "jaxexp.jax_version": jax.__version__,
+                "jaxexp.jaxlib_version": jaxlib.__version__,
+                "jaxexp.backend": jax.default_backend(),
+                "jaxexp.device_kind": devices[0].device_kind if devices else "",
+                "jaxexp.device_count": str(len(devices)),
+            }
+        except Exception:  # a tag provider must never break run creation
+            return {}
+
+
+try:  # runs when MLflow loads this entry point during ``import mlflow``
+    if "mlflow" in sys.modules:
+        install_mlflow_module()
+except Exception:  # pragma: no cover - partial mlflow import; jaxexp_mlflow import retries
+    pass
