@@ -1,19 +1,23 @@
 """jaxexp-mlflow: an MLflow model flavor for ``jax.export``.
 
-Importing this package makes ``mlflow.jaxexp`` available. It imports neither jax nor the flavor
-module itself: both load on first attribute access, so ``import jaxexp_mlflow`` stays cheap.
+``mlflow.jaxexp`` is installed by MLflow itself through this package's plugin entry point as soon
+as ``import mlflow`` runs (see ``mlflow_plugin``); importing this package installs it too when
+MLflow is already imported. Nothing heavy (jax, mlflow, orbax) is imported here: the public
+names below load their modules on first access.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
 
-from jaxexp_mlflow.mlflow_plugin import install_mlflow_module  # noqa: E402
+if "mlflow" in sys.modules:
+    from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
 
-install_mlflow_module()
+    install_mlflow_module()
 
 _LAZY = {
     "save_model": "jaxexp_mlflow.flavors.jaxexp",

@@ -3,31 +3,22 @@
 MLflow imports every ``mlflow.run_context_provider`` entry point while ``import mlflow`` runs.
 This module is that entry point, so an installed jaxexp-mlflow makes ``mlflow.jaxexp`` exist in a
 fresh interpreter as a lazy module: the flavor (and jax) load on first use, never at start-up.
+The module imports nothing heavy at top level (MLflow may be half-initialised when it loads us).
 """
 
 from __future__ import annotations
 
 import sys
 
-from mlflow.tracking.context.abstract_context import RunContextProvider
-
 _FLAVOR_MODULE = "jaxexp_mlflow.flavors.jaxexp"
 
 
-def install_mlflow_module() -> None:
-    """Make ``mlflow.jaxexp`` and ``import mlflow.jaxexp`` resolve to the flavor, lazily."""
-    import mlflow
-    from mlflow.utils.lazy_load import LazyLoader
+class JaxRunContextProvider:
+    """Tags runs with the JAX environment, only when jax is already imported.
 
-    if "mlflow.jaxexp" in sys.modules or isinstance(getattr(mlflow, "jaxexp", None), type(sys)):
-        return
-    lazy = LazyLoader("mlflow.jaxexp", vars(mlflow), _FLAVOR_MODULE)
-    mlflow.jaxexp = lazy
-    sys.modules["mlflow.jaxexp"] = lazy
-
-
-class JaxRunContextProvider(RunContextProvider):
-    """Tags runs with the JAX environment, only when jax is already imported."""
+    Implements MLflow's ``RunContextProvider`` protocol (``in_context`` and ``tags``); it never
+    imports jax itself, so MLflow users without JAX pay nothing.
+    """
 
     def in_context(self) -> bool:
         return "jax" in sys.modules
@@ -51,8 +42,19 @@ class JaxRunContextProvider(RunContextProvider):
             return {}
 
 
+def install_mlflow_module() -> None:
+    """Make ``mlflow.jaxexp`` and ``import mlflow.jaxexp`` resolve to the flavor, lazily."""
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is None or "mlflow.jaxexp" in sys.modules:
+        return
+    from mlflow.utils.lazy_load import LazyLoader
+
+    lazy = LazyLoader("mlflow.jaxexp", vars(mlflow), _FLAVOR_MODULE)
+    mlflow.jaxexp = lazy
+    sys.modules["mlflow.jaxexp"] = lazy
+
+
 try:  # runs when MLflow loads this entry point during ``import mlflow``
-    if "mlflow" in sys.modules:
-        install_mlflow_module()
-except Exception:  # pragma: no cover - partial mlflow import; jaxexp_mlflow import retries
+    install_mlflow_module()
+except Exception:  # pragma: no cover - never break ``import mlflow``
     pass
