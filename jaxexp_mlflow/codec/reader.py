@@ -1,0 +1,708 @@
+"""Read a ``jax.export`` serialized blob without JAX: a typed, JSON-able description.
+
+``read_blob(data)`` parses the flatbuffer written by ``Exported.serialize()`` (any writer from
+jax 0.4.x to 0.10.x, see ``docs/codec.md``) and returns a :class:`BlobDescription`: function name,
+platforms, device count, input/output avals and pytree structures, shardings, effects, safety
+checks, versions, the vjp chain depth, the StableHLO producer and the custom-call targets of the
+module. It imports only the standard library (``struct``, ``hashlib``, ``dataclasses``), so it
+runs in a few hundred microseconds in a process that never loads jax, jaxlib, numpy or mlflow.
+
+Every malformed input (truncated, bit-flipped, random, cyclic, oversized counts, bad UTF-8)
+raises :class:`BlobFormatError` naming the field at fault, in time and memory linear in the blob
+size. ``jax.export.deserialize`` trusts its input; validate with this reader first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxexp_mlflow.codec import mlir_bytecode
+from jaxexp_mlflow.codec.schema import (
+    AXIS_TYPES,
+    DTYPE_NAMES,
+    MAX_DEPTH,
+    MEMORY_SPACES,
+    PYTREE_KINDS,
+    AbstractDeviceSlots,
+    AbstractMeshSlots,
+    AbstractValueSlots,
+    BlobFormatError,
+    Budget,
+    DisabledSafetyCheckSlots,
+    EffectSlots,
+    ExportedSlots,
+    NamedShardingSlots,
+    PartitionSpecOneAxisSlots,
+    PartitionSpecSlots,
+    PyTreeDefSlots,
+    ShardingSlots,
+    Table,
+    root_table,
+)
+
+__all__ = [
+    "BlobFormatError",
+    "BlobDescription",
+    "TreeNode",
+    "read_blob",
+    "read_blob_file",
+    "MAX_BLOB_FILE_BYTES",
+]
+
+# read_blob_file refuses larger files rather than reading them whole into memory.
+MAX_BLOB_FILE_BYTES = 2 * 1024**3
+
+_TREE_KINDS = frozenset(PYTREE_KINDS)
+
+
+@dataclass(frozen=True)
+class TreeNode:
+    """One node of a serialized PyTreeDef.
+
+    ``kind`` is one of ``leaf``, ``none``, ``tuple``, ``list``, ``dict``, ``custom``; ``keys`` holds
+    the dict keys (in the order written, which JAX sorts); ``custom_name`` the name a custom node
+    was registered under with ``jax.export.register_pytree_node_serialization`` and
+    ``custom_auxdata`` its serialized auxiliary data.
+    """
+
+    kind: str
+    children: tuple[TreeNode, ...] = ()
+    keys: tuple[str, ...] | None = None
+    custom_name: str | None = None
+    custom_auxdata: bytes | None = None
+
+    @property
+    def num_leaves(self) -> int:
+        """Number of ``leaf`` nodes under (and including) this node."""
+        if self.kind == "leaf":
+            return 1
+        return sum(c.num_leaves for c in self.children)
+
+    def _str(self) -> str:
+        kind = self.kind
+        if kind == "leaf":
+            return "*"
+        if kind == "none":
+            return "None"
+        parts = [c._str() for c in self.children]
+        if kind == "tuple":
+            return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
+        if kind == "list":
+            return f"[{', '.join(parts)}]"
+        if kind == "dict":
+            keys = self.keys or ()
+            return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(keys, parts)) + "}"
+        aux = len(self.custom_auxdata or b"")
+        return f"CustomNode({self.custom_name}[{aux} bytes], [{', '.join(parts)}])"
+
+    def tree_str(self) -> str:
+        """The structure as JAX prints a PyTreeDef, e.g. ``PyTreeDef(((*, *), {}))``.
+
+        Identical to ``str(jax.tree.structure(...))`` for trees of tuples, lists, dicts and None;
+        custom nodes print as ``CustomNode(<registered name>[<n> bytes], [...])`` since their
+        Python type is unknown without JAX.
+        """
+        return f"PyTreeDef({self._str()})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able nested form."""
+        d: dict[str, Any] = {"kind": self.kind}
+        if self.children:
+            d["children"] = [c.to_dict() for c in self.children]
+        if self.keys is not None:
+            d["keys"] = list(self.keys)
+        if self.custom_name is not None:
+            d["custom_name"] = self.custom_name
+        if self.custom_auxdata is not None:
+            d["custom_auxdata_hex"] = self.custom_auxdata.hex()
+        return d
+
+
+@dataclass(frozen=True)
+class BlobDescription:
+    """What a ``jax.export`` blob says about itself. All fields are plain Python values.
+
+    Avals are ``"<dtype>[<dims>]"`` strings as JAX prints them (``"float32[b,784]"``,
+    ``"bfloat16[]"``), symbolic dimensions kept. Shardings are ``None`` when unspecified, else
+    the HLO sharding text for blobs of schema generation < 6 (``"{devices=[4,1]<=[4]}"``,
+    ``"{replicated}"``) and the ``NamedSharding(...)`` repr JAX prints for newer ones.
+    ``serialization_version`` is the number written in the file; ``schema_generation`` the
+    oldest JAX serialization schema version that can have written the fields present (see
+    ``docs/codec.md``). ``custom_call_targets`` is ``None`` when the module could not be read
+    (``module_error`` says why).
+    """
+
+    fun_name: str
+    platforms: tuple[str, ...]
+    nr_devices: int
+    in_avals: tuple[str, ...]
+    out_avals: tuple[str, ...]
+    in_tree: TreeNode
+    out_tree: TreeNode
+    in_shardings: tuple[str | None, ...]
+    out_shardings: tuple[str | None, ...]
+    ordered_effects: tuple[str, ...]
+    unordered_effects: tuple[str, ...]
+    disabled_safety_checks: tuple[str, ...]
+    calling_convention_version: int
+    serialization_version: int
+    schema_generation: int
+    module_kept_var_idx: tuple[int, ...]
+    uses_global_constants: bool
+    vjp_order: int
+    stablehlo_producer: str | None
+    custom_call_targets: tuple[str, ...] | None
+    size: int
+    sha256: str
+    in_memory_spaces: tuple[str, ...] = ()
+    out_memory_spaces: tuple[str, ...] = ()
+    mlir_bytecode_version: int | None = None
+    module_size: int = 0
+    module_error: str | None = None
+    unknown_fields: tuple[int, ...] = field(default=())
+
+    def in_tree_str(self) -> str:
+        """``in_tree`` as JAX prints it."""
+        return self.in_tree.tree_str()
+
+    def out_tree_str(self) -> str:
+        """``out_tree`` as JAX prints it."""
+        return self.out_tree.tree_str()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every field (trees nested, plus their ``*_tree_str``)."""
+        d: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, TreeNode):
+                d[name] = value.to_dict()
+                d[name + "_str"] = value.tree_str()
+            elif isinstance(value, tuple):
+                d[name] = list(value)
+            else:
+                d[name] = value
+        return d
+
+
+def read_blob(data: bytes | bytearray | memoryview) -> BlobDescription:
+    """Describe a blob written by ``jax.export.Exported.serialize()``, without JAX.
+
+    Raises :class:`BlobFormatError` (a ``ValueError``) for anything that is not a well-formed
+    blob, with the faulty field named; ``TypeError`` if ``data`` is not bytes-like.
+    """
+    if isinstance(data, bytes):
+        buf = data
+    elif isinstance(data, (bytearray, memoryview)):
+        buf = bytes(data)
+    else:
+        raise TypeError(f"read_blob expects bytes, bytearray or memoryview, got {type(data)}")
+    budget = Budget(len(buf) // 2 + 1024)
+    root = root_table(buf, "Exported", budget)
+    state = _Gen()
+    desc = _read_exported(root, state, depth=0)
+    vjp_order = 0
+    vjp = root.table(ExportedSlots.vjp, "vjp")
+    while vjp is not None:
+        vjp_order += 1
+        if vjp_order > MAX_DEPTH:
+            raise BlobFormatError(
+                f"Exported.vjp: chain deeper than {MAX_DEPTH} levels (cyclic offsets?)"
+            )
+        _read_exported(vjp, _Gen(), depth=vjp_order)
+        vjp = vjp.table(ExportedSlots.vjp, "vjp")
+
+    module = desc.pop("_module")
+    info = mlir_bytecode.scan_module(module)
+    return BlobDescription(
+        **desc,
+        schema_generation=state.generation(desc["serialization_version"]),
+        vjp_order=vjp_order,
+        stablehlo_producer=info.producer,
+        custom_call_targets=info.custom_call_targets,
+        mlir_bytecode_version=info.bytecode_version,
+        module_size=len(module),
+        module_error=info.error,
+        size=len(buf),
+        sha256=hashlib.sha256(buf).hexdigest(),
+    )
+
+
+def read_blob_file(path: str | os.PathLike[str]) -> BlobDescription:
+    """:func:`read_blob` on a file's bytes (``OSError`` if it cannot be read)."""
+    size = os.path.getsize(path)
+    if size > MAX_BLOB_FILE_BYTES:
+        raise BlobFormatError(
+            f"{os.fspath(path)}: {size} bytes is larger than the {MAX_BLOB_FILE_BYTES}-byte limit "
+            "for a jax.export blob"
+        )
+    with open(path, "rb") as f:
+        return read_blob(f.read())
+
+
+# -- internals ------------------------------------------------------------------------------------
+
+
+class _Gen:
+    """Evidence of the writer's schema generation, collected while reading."""
+
+    __slots__ = ("level",)
+
+    def __init__(self) -> None:
+        self.level = 0
+
+    def saw(self, level: int) -> None:
+        if level > self.level:
+            self.level = level
+
+    def generation(self, written: int) -> int:
+        base = 1 if written == 1 else 2
+        return max(base, self.level)
+
+
+def _read_exported(t: Table, gen: _Gen, depth: int) -> dict[str, Any]:
+    S = ExportedSlots
+    nslots = t.nslots()
+    unknown = tuple(range(S.KNOWN, nslots)) if nslots > S.KNOWN else ()
+    serialization_version = t.u16(S.serialization_version, "serialization_version")
+    if t.has(S.nr_devices):
+        gen.saw(5)
+    if any(t.has(s) for s in range(S.unique_avals, S.out_shardings_idxs + 1)):
+        gen.saw(10)
+    if t.has(S.jax_version):
+        gen.saw(12)
+
+    fun_name = t.string(S.function_name, "function_name")
+    if fun_name is None:
+        raise BlobFormatError("Exported.function_name: missing (required by jax.export)")
+
+    # Avals: v10+ writes unique_avals plus index vectors; older writers the avals inline.
+    unique_avals = [_aval(a, gen) for a in t.tables(S.unique_avals, "unique_avals")]
+    in_avals = _avals(t, S.in_avals_idxs, S.in_avals, "in_avals", unique_avals, gen)
+    out_avals = _avals(t, S.out_avals_idxs, S.out_avals, "out_avals", unique_avals, gen)
+
+    # Shardings.
+    meshes = [_mesh(m, gen) for m in t.tables(S.unique_abstract_meshes, "unique_abstract_meshes")]
+    unique_shardings = [
+        _named_sharding(s, meshes, gen)
+        for s in t.tables(S.unique_named_shardings, "unique_named_shardings")
+    ]
+    in_shardings = _shardings(
+        t, S.in_shardings_idxs, S.in_shardings, "in_shardings", unique_shardings, meshes, gen
+    )
+    out_shardings = _shardings(
+        t, S.out_shardings_idxs, S.out_shardings, "out_shardings", unique_shardings, meshes, gen
+    )
+    in_shardings = _fit(in_shardings, len(in_avals), t.path + ".in_shardings")
+    out_shardings = _fit(out_shardings, len(out_avals), t.path + ".out_shardings")
+
+    in_tree_t = t.table(S.in_tree, "in_tree")
+    out_tree_t = t.table(S.out_tree, "out_tree")
+    if in_tree_t is None or out_tree_t is None:
+        raise BlobFormatError(
+            f"{t.path}.{'in_tree' if in_tree_t is None else 'out_tree'}: missing "
+            "(required by jax.export)"
+        )
+    in_tree = _tree(in_tree_t, 0, gen)
+    out_tree = _tree(out_tree_t, 0, gen)
+    for name, tree, avals in (("in", in_tree, in_avals), ("out", out_tree, out_avals)):
+        if tree.num_leaves != len(avals):
+            raise BlobFormatError(
+                f"{t.path}.{name}_tree: has {tree.num_leaves} leaves but {name}_avals has "
+                f"{len(avals)} entries"
+            )
+
+    nr_devices = t.u32(S.nr_devices, "nr_devices") or t.i16(S.nr_devices_short, "nr_devices_short")
+    if nr_devices < 1:
+        raise BlobFormatError(f"{t.path}.nr_devices: {nr_devices}, expected at least 1")
+
+    platforms = t.strings(S.platforms, "platforms")
+    ordered = tuple(_effect(e) for e in t.tables(S.ordered_effects, "ordered_effects"))
+    unordered = tuple(_effect(e) for e in t.tables(S.unordered_effects, "unordered_effects"))
+    checks = tuple(_check(c) for c in t.tables(S.disabled_checks, "disabled_checks"))
+    module = t.bytes_(S.mlir_module_serialized, "mlir_module_serialized")
+    if module is None:
+        raise BlobFormatError(f"{t.path}.mlir_module_serialized: missing")
+    kept = t.ints(S.module_kept_var_idx, "module_kept_var_idx", 2)
+    for i in kept:
+        if i >= len(in_avals):
+            raise BlobFormatError(
+                f"{t.path}.module_kept_var_idx: index {i} but there are {len(in_avals)} inputs"
+            )
+
+    return {
+        "fun_name": fun_name,
+        "platforms": platforms,
+        "nr_devices": nr_devices,
+        "in_avals": tuple(a for a, _ in in_avals),
+        "out_avals": tuple(a for a, _ in out_avals),
+        "in_memory_spaces": tuple(m for _, m in in_avals),
+        "out_memory_spaces": tuple(m for _, m in out_avals),
+        "in_tree": in_tree,
+        "out_tree": out_tree,
+        "in_shardings": in_shardings,
+        "out_shardings": out_shardings,
+        "ordered_effects": ordered,
+        "unordered_effects": unordered,
+        "disabled_safety_checks": checks,
+        "calling_convention_version": t.u16(
+            S.calling_convention_version, "calling_convention_version"
+        ),
+        "serialization_version": serialization_version,
+        "module_kept_var_idx": kept,
+        "uses_global_constants": bool(t.u8(S.uses_global_constants, "uses_global_constants")),
+        "unknown_fields": unknown,
+        "_module": module,
+    }
+
+
+def _fit(shardings: tuple[str | None, ...], n: int, path: str) -> tuple[str | None, ...]:
+    if not shardings:
+        return (None,) * n
+    if len(shardings) != n:
+        raise BlobFormatError(f"{path}: {len(shardings)} shardings for {n} avals")
+    return shardings
+
+
+def _avals(
+    t: Table, idx_slot: int, inline_slot: int, name: str, unique: list, gen: _Gen
+) -> list[tuple[str, str]]:
+    idxs = t.ints(idx_slot, name + "_idxs", 4)
+    if idxs:
+        out = []
+        for i in idxs:
+            if i >= len(unique):
+                raise BlobFormatError(
+                    f"{t.path}.{name}_idxs: index {i} but unique_avals has {len(unique)} entries"
+                )
+            out.append(unique[i])
+        return out
+    return [_aval(a, gen) for a in t.tables(inline_slot, name)]
+
+
+def _aval(a: Table, gen: _Gen) -> tuple[str, str]:
+    S = AbstractValueSlots
+    kind = a.u8(S.kind, "kind")
+    if kind != 0:
+        raise BlobFormatError(f"{a.path}.kind: {kind}, only 0 (shapedArray) is defined")
+    code = a.u8(S.dtype, "dtype")
+    dtype = DTYPE_NAMES.get(code)
+    if dtype is None:
+        raise BlobFormatError(f"{a.path}.dtype: unknown DType code {code}")
+    if code >= 27:
+        gen.saw(4)
+    mem_code = a.u8(S.memory_space, "memory_space")
+    if mem_code not in MEMORY_SPACES:
+        raise BlobFormatError(f"{a.path}.memory_space: unknown MemorySpace code {mem_code}")
+    if mem_code:
+        gen.saw(5)
+    dims = a.strings(S.shape, "shape")
+    for i, d in enumerate(dims):
+        if not d or "," in d or "[" in d or "]" in d:
+            raise BlobFormatError(f"{a.path}.shape[{i}]: {d!r} is not a dimension expression")
+    return f"{dtype}[{','.join(dims)}]", MEMORY_SPACES[mem_code] or "Device"
+
+
+def _tree(p: Table, depth: int, gen: _Gen) -> TreeNode:
+    if depth > MAX_DEPTH:
+        raise BlobFormatError(f"{p.path}: PyTreeDef nested deeper than {MAX_DEPTH} levels")
+    S = PyTreeDefSlots
+    code = p.u8(S.kind, "kind")
+    if code >= len(PYTREE_KINDS):
+        raise BlobFormatError(f"{p.path}.kind: unknown PyTreeDefKind {code}")
+    kind = PYTREE_KINDS[code]
+    children = tuple(_tree(c, depth + 1, gen) for c in p.tables(S.children, "children"))
+    keys = None
+    custom_name = None
+    aux = None
+    if kind in ("leaf", "none") and children:
+        raise BlobFormatError(f"{p.path}: a {kind} node has {len(children)} children")
+    if kind == "dict":
+        keys = p.strings(S.children_names, "children_names")
+        if len(keys) != len(children):
+            raise BlobFormatError(
+                f"{p.path}.children_names: {len(keys)} keys for {len(children)} children"
+            )
+    elif kind == "custom":
+        gen.saw(3)
+        custom_name = p.string(S.custom_name, "custom_name")
+        if custom_name is None:
+            raise BlobFormatError(f"{p.path}.custom_name: missing for a custom node")
+        aux = p.bytes_(S.custom_auxdata, "custom_auxdata") or b""
+    return TreeNode(kind, children, keys, custom_name, aux)
+
+
+def _effect(e: Table) -> str:
+    name = e.string(EffectSlots.type_name, "type_name")
+    if name is None:
+        raise BlobFormatError(f"{e.path}.type_name: missing")
+    return name
+
+
+def _check(c: Table) -> str:
+    S = DisabledSafetyCheckSlots
+    kind = c.u8(S.kind, "kind")
+    if kind == 0:
+        return "platform"
+    if kind == 1:
+        target = c.string(S.custom_call_target, "custom_call_target")
+        if target is None:
+            raise BlobFormatError(f"{c.path}.custom_call_target: missing for a custom_call check")
+        return f"custom_call:{target}"
+    if kind == 2:
+        return "shape_assertions"
+    raise BlobFormatError(f"{c.path}.kind: unknown DisabledSafetyCheckKind {kind}")
+
+
+def _shardings(
+    t: Table,
+    idx_slot: int,
+    inline_slot: int,
+    name: str,
+    unique: list[str],
+    meshes: list[str],
+    gen: _Gen,
+) -> tuple[str | None, ...]:
+    idxs = t.ints(idx_slot, name + "_idxs", 4)
+    if idxs:
+        out: list[str | None] = []
+        for i in idxs:
+            if i > len(unique):
+                raise BlobFormatError(
+                    f"{t.path}.{name}_idxs: index {i} but unique_named_shardings has "
+                    f"{len(unique)} entries"
+                )
+            out.append(unique[i - 1] if i else None)
+        return tuple(out)
+    return tuple(_sharding(s, meshes, gen) for s in t.tables(inline_slot, name))
+
+
+def _sharding(s: Table, meshes: list[str], gen: _Gen) -> str | None:
+    S = ShardingSlots
+    kind = s.u8(S.kind, "kind")
+    if kind > 2:
+        raise BlobFormatError(f"{s.path}.kind: unknown ShardingKind {kind}")
+    named = s.table(S.named_sharding, "named_sharding")
+    if named is not None:
+        return _named_sharding(named, meshes, gen)
+    if s.has(S.hlo_sharding_proto):
+        proto = s.bytes_(S.hlo_sharding_proto, "hlo_sharding_proto") or b""
+        return hlo_sharding_str(proto, s.path + ".hlo_sharding_proto")
+    return None
+
+
+def _named_sharding(s: Table, meshes: list[str], gen: _Gen) -> str:
+    gen.saw(6)
+    S = NamedShardingSlots
+    if meshes:
+        gen.saw(10)
+        idx = s.u32(S.abstract_mesh_idx, "abstract_mesh_idx")
+        if idx >= len(meshes):
+            raise BlobFormatError(
+                f"{s.path}.abstract_mesh_idx: {idx} but there are {len(meshes)} meshes"
+            )
+        mesh = meshes[idx]
+    else:
+        m = s.table(S.mesh, "mesh")
+        if m is None:
+            raise BlobFormatError(f"{s.path}.mesh: missing")
+        mesh = _mesh(m, gen)
+    spec_t = s.table(S.spec, "spec")
+    if spec_t is None:
+        raise BlobFormatError(f"{s.path}.spec: missing")
+    spec = _partition_spec(spec_t)
+    memory_kind = s.string(S.memory_kind, "memory_kind")
+    mem = "" if memory_kind is None else f", memory_kind={memory_kind}"
+    return f"NamedSharding(mesh={mesh}, spec={spec}{mem})"
+
+
+def _mesh(m: Table, gen: _Gen) -> str:
+    S = AbstractMeshSlots
+    sizes = m.ints(S.axis_sizes, "axis_sizes", 4)
+    names = m.strings(S.axis_names, "axis_names")
+    types = m.ints(S.axis_types, "axis_types", 1)
+    if not (len(sizes) == len(names) == len(types)):
+        raise BlobFormatError(
+            f"{m.path}: {len(sizes)} axis sizes, {len(names)} names and {len(types)} types"
+        )
+    type_names = []
+    for i, code in enumerate(types):
+        tn = AXIS_TYPES.get(code)
+        if tn is None:
+            raise BlobFormatError(f"{m.path}.axis_types[{i}]: unknown AxisType code {code}")
+        type_names.append(tn)
+    shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes)) if names else "()"
+    atr = "(" + ", ".join(type_names) + ("," if len(type_names) == 1 else "") + ")"
+    dev = ""
+    d = m.table(S.abstract_device, "abstract_device")
+    if d is not None:
+        gen.saw(8)
+        kind = d.string(AbstractDeviceSlots.device_kind, "device_kind")
+        if kind is None:
+            raise BlobFormatError(f"{d.path}.device_kind: missing")
+        cores = (
+            d.u32(AbstractDeviceSlots.num_cores, "num_cores")
+            if d.has(AbstractDeviceSlots.num_cores)
+            else None
+        )
+        platform = d.string(AbstractDeviceSlots.platform, "platform")
+        if platform:
+            gen.saw(11)
+        else:
+            platform = _platform_from_device_kind(kind)
+        dev = f", device_kind={kind}, num_cores={cores}, platform={platform}"
+    return f"AbstractMesh({shape}, axis_types={atr}{dev})"
+
+
+def _platform_from_device_kind(kind: str) -> str:
+    # What jax does for blobs written before AbstractDevice.platform existed (schema < 11).
+    k = kind.lower()
+    if "cpu" in k:
+        return "cpu"
+    if "tpu" in k:
+        return "tpu"
+    if any(x in k for x in ("nvidia", "tesla", "amd")):
+        return "gpu"
+    return "unknown"
+
+
+def _partition_spec(p: Table) -> str:
+    S = PartitionSpecSlots
+    parts: list[Any] = []
+    for one in p.tables(S.partitions, "partitions"):
+        axes = one.strings(PartitionSpecOneAxisSlots.axes, "axes")
+        parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    reduced = sorted(set(p.strings(S.reduced, "reduced")))
+    unreduced = sorted(set(p.strings(S.unreduced, "unreduced")))
+    pr = repr(tuple(parts))[1:-1]
+    if not reduced and not unreduced:
+        return f"P({pr})"
+
+    def fmt(xs: list[str]) -> str:
+        return "{" + ", ".join(repr(x) for x in xs) + "}"
+
+    extra = []
+    if unreduced:
+        extra.append(f"unreduced={fmt(unreduced)}")
+    if reduced:
+        extra.append(f"reduced={fmt(reduced)}")
+    pr = "" if not pr else f"{pr} " if pr.endswith(",") else f"{pr}, "
+    return f"P({pr}{', '.join(extra)})"
+
+
+# -- xla.OpSharding (protobuf) to HLO sharding text ----------------------------------------------
+
+_OP_SHARDING_TYPES = {0: "replicated", 1: "maximal", 2: "tuple", 3: "other", 4: "manual"}
+_OP_SHARDING_UNKNOWN, _OP_SHARDING_UNREDUCED = 5, 6
+_LAST_TILE_DIM_NAMES = {0: "replicated", 1: "maximal", 3: "other", 4: "manual", 6: "unreduced"}
+
+
+def _proto_varint(b: bytes, p: int, path: str) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if p >= len(b) or shift > 63:
+            raise BlobFormatError(f"{path}: truncated or overlong protobuf varint")
+        c = b[p]
+        p += 1
+        result |= (c & 0x7F) << shift
+        if not c & 0x80:
+            return result, p
+        shift += 7
+
+
+def _proto_fields(b: bytes, path: str) -> dict[int, list[Any]]:
+    """Decode a protobuf message into {field number: [values]} (varints and byte strings)."""
+    out: dict[int, list[Any]] = {}
+    p = 0
+    while p < len(b):
+        key, p = _proto_varint(b, p, path)
+        num, wire = key >> 3, key & 7
+        if num == 0:
+            raise BlobFormatError(f"{path}: protobuf field number 0")
+        if wire == 0:
+            v, p = _proto_varint(b, p, path)
+        elif wire == 2:
+            n, p = _proto_varint(b, p, path)
+            if n > len(b) - p:
+                raise BlobFormatError(f"{path}: protobuf field {num} longer than the message")
+            v, p = b[p : p + n], p + n
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            if n > len(b) - p:
+                raise BlobFormatError(f"{path}: truncated protobuf fixed field {num}")
+            v, p = int.from_bytes(b[p : p + n], "little"), p + n
+        else:
+            raise BlobFormatError(f"{path}: unsupported protobuf wire type {wire}")
+        out.setdefault(num, []).append(v)
+    return out
+
+
+def _proto_ints(fields: dict[int, list[Any]], num: int, path: str) -> list[int]:
+    """A repeated integer field, packed or not; int64 negatives come back as signed."""
+    vals: list[int] = []
+    for v in fields.get(num, ()):
+        if isinstance(v, bytes):
+            p = 0
+            while p < len(v):
+                x, p = _proto_varint(v, p, path)
+                vals.append(x)
+        else:
+            vals.append(v)
+    return [x - (1 << 64) if x >= 1 << 63 else x for x in vals]
+
+
+def hlo_sharding_str(proto: bytes, path: str = "hlo_sharding_proto", depth: int = 0) -> str:
+    """XLA's text form of a serialized ``xla.OpSharding`` (as ``str(HloSharding)`` prints it).
+
+    Covers replicated, maximal, manual, unknown, tuple and tiled shardings, with iota or explicit
+    device lists, ``last_tile_dim_replicate`` and ``last_tile_dims``; sharding metadata and
+    shard groups are not rendered.
+    """
+    if depth > 16:
+        raise BlobFormatError(f"{path}: tuple shardings nested too deep")
+    f = _proto_fields(proto, path)
+    typ = (f.get(1) or [0])[-1]
+    if typ == 0:
+        return "{replicated}"
+    if typ == 4:
+        return "{manual}"
+    if typ == _OP_SHARDING_UNKNOWN:
+        return "{unknown}"
+    if typ == _OP_SHARDING_UNREDUCED:
+        return "{unreduced}"
+    devices = _proto_ints(f, 4, path)
+    if typ == 1:
+        if not devices:
+            raise BlobFormatError(f"{path}: maximal sharding without a device")
+        return f"{{maximal device={devices[0]}}}"
+    if typ == 2:
+        elems = []
+        for i, sub in enumerate(f.get(5, ())):
+            if not isinstance(sub, bytes):
+                raise BlobFormatError(f"{path}.tuple_shardings[{i}]: not a message")
+            elems.append(hlo_sharding_str(sub, f"{path}.tuple_shardings[{i}]", depth + 1))
+        return "{" + ", ".join(elems) + "}"
+    if typ != 3:
+        raise BlobFormatError(f"{path}: unknown OpSharding type {typ}")
+    dims = _proto_ints(f, 3, path)
+    reshape = _proto_ints(f, 9, path)
+    perm = _proto_ints(f, 10, path)
+    if not dims:
+        raise BlobFormatError(f"{path}: tiled sharding without tile_assignment_dimensions")
+    text = "{devices=[" + ",".join(map(str, dims)) + "]"
+    if reshape:
+        text += "<=[" + ",".join(map(str, reshape)) + "]"
+        if perm and perm != list(range(len(perm))):
+            text += "T(" + ",".join(map(str, perm)) + ")"
+    else:
+        text += ",".join(map(str, devices))
+    replicate_last = bool((f.get(6) or [0])[-1])
+    last_tile_dims = _proto_ints(f, 8, path)
+    if replicate_last:
+        text += " last_tile_dim_replicate"
+    elif last_tile_dims:
+        names = [_LAST_TILE_DIM_NAMES.get(x, str(x)) for x in last_tile_dims]
+        text += " last_tile_dims={" + ", ".join(names) + "}"
+    return text + "}"

@@ -1,0 +1,380 @@
+"""Bounds-checked access to the ``jax.export`` flatbuffer tables, with the stdlib only.
+
+This module knows the binary layout of a FlatBuffers buffer (root offset, tables with their
+vtables, vectors, strings) and the slot numbers of the ``jax.export`` schema
+(``jax/_src/export/serialization.fbs``). Every read is checked against the buffer's size before it
+happens, so a hostile or damaged blob yields :class:`BlobFormatError`, never ``struct.error``,
+``IndexError``, ``UnicodeDecodeError`` or a runaway loop.
+
+It uses neither jax's generated module nor the ``flatbuffers`` runtime: the runtime does no bounds
+checks at all and imports numpy (about 0.1 s), while the reader must stay a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = [
+    "BlobFormatError",
+    "Budget",
+    "Table",
+    "root_table",
+    "MAX_DEPTH",
+]
+
+# Nesting bound for recursive structures (PyTreeDef children, vjp chain). JAX itself has no such
+# bound, but no real function has a pytree 200 levels deep; a cyclic blob hits this bound fast.
+MAX_DEPTH = 200
+
+_U8 = struct.Struct("<B").unpack_from
+_U16 = struct.Struct("<H").unpack_from
+_I16 = struct.Struct("<h").unpack_from
+_U32 = struct.Struct("<I").unpack_from
+_I32 = struct.Struct("<i").unpack_from
+
+
+class BlobFormatError(ValueError):
+    """The bytes are not a readable ``jax.export`` serialization.
+
+    The message names the field (as a path such as ``Exported.in_tree.children[1]``) and what is
+    wrong with it. It is the only exception :func:`jaxexp_mlflow.codec.reader.read_blob` raises
+    for bad input.
+    """
+
+
+class Budget:
+    """Counts tables and vector elements visited, so that shared or cyclic offsets (a DAG that
+    expands exponentially, a vjp that points to itself) cannot make the work unbounded."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def spend(self, n: int, path: str) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise BlobFormatError(
+                f"{path}: the blob references more than {self.limit} tables/elements, more than "
+                "its size allows for a real export (shared or cyclic offsets?)"
+            )
+
+
+class Table:
+    """One flatbuffer table: ``pos`` is its start, ``vt`` its vtable, ``path`` its name in errors."""
+
+    __slots__ = ("buf", "n", "pos", "vt", "vtlen", "tlen", "path", "budget")
+
+    def __init__(self, buf: bytes, pos: int, path: str, budget: Budget) -> None:
+        n = len(buf)
+        if pos < 0 or pos + 4 > n:
+            raise BlobFormatError(f"{path}: table offset {pos} is outside the {n}-byte buffer")
+        budget.spend(1, path)
+        vt = pos - _I32(buf, pos)[0]
+        if vt < 0 or vt + 4 > n:
+            raise BlobFormatError(f"{path}: vtable offset {vt} is outside the {n}-byte buffer")
+        vtlen, tlen = _U16(buf, vt)[0], _U16(buf, vt + 2)[0]
+        if vtlen < 4 or vtlen & 1 or vt + vtlen > n:
+            raise BlobFormatError(f"{path}: vtable at {vt} has an invalid size {vtlen}")
+        if tlen < 4 or pos + tlen > n:
+            raise BlobFormatError(
+                f"{path}: table at {pos} claims {tlen} bytes, past the buffer end"
+            )
+        self.buf = buf
+        self.n = n
+        self.pos = pos
+        self.vt = vt
+        self.vtlen = vtlen
+        self.tlen = tlen
+        self.path = path
+        self.budget = budget
+
+    # -- raw field access ------------------------------------------------------------------
+    def nslots(self) -> int:
+        """Number of slots this table's vtable has (the highest present field + 1)."""
+        return (self.vtlen - 4) // 2
+
+    def has(self, slot: int) -> bool:
+        """Whether the field in ``slot`` is present (non-default) in this table."""
+        o = 4 + 2 * slot
+        return o < self.vtlen and _U16(self.buf, self.vt + o)[0] != 0
+
+    def _field(self, slot: int, size: int, name: str) -> int:
+        o = 4 + 2 * slot
+        if o >= self.vtlen:
+            return 0
+        fo = _U16(self.buf, self.vt + o)[0]
+        if fo == 0:
+            return 0
+        if fo + size > self.tlen:
+            raise BlobFormatError(
+                f"{self.path}.{name}: field at +{fo} ({size} bytes) is past the table's "
+                f"{self.tlen} bytes"
+            )
+        return self.pos + fo
+
+    def u8(self, slot: int, name: str, default: int = 0) -> int:
+        p = self._field(slot, 1, name)
+        return _U8(self.buf, p)[0] if p else default
+
+    def u16(self, slot: int, name: str, default: int = 0) -> int:
+        p = self._field(slot, 2, name)
+        return _U16(self.buf, p)[0] if p else default
+
+    def i16(self, slot: int, name: str, default: int = 0) -> int:
+        p = self._field(slot, 2, name)
+        return _I16(self.buf, p)[0] if p else default
+
+    def u32(self, slot: int, name: str, default: int = 0) -> int:
+        p = self._field(slot, 4, name)
+        return _U32(self.buf, p)[0] if p else default
+
+    def _target(self, slot: int, name: str) -> int:
+        """Absolute position an offset field points to, or 0 when the field is absent."""
+        p = self._field(slot, 4, name)
+        if not p:
+            return 0
+        t = p + _U32(self.buf, p)[0]
+        if t + 4 > self.n:
+            raise BlobFormatError(
+                f"{self.path}.{name}: offset points to {t}, outside the {self.n}-byte buffer"
+            )
+        return t
+
+    def table(self, slot: int, name: str) -> Table | None:
+        t = self._target(slot, name)
+        return Table(self.buf, t, f"{self.path}.{name}", self.budget) if t else None
+
+    def _vector(self, slot: int, name: str, elem_size: int) -> tuple[int, int]:
+        """(start of the elements, element count), checked to fit in the buffer."""
+        t = self._target(slot, name)
+        if not t:
+            return 0, 0
+        count = _U32(self.buf, t)[0]
+        start = t + 4
+        if count * elem_size > self.n - start:
+            raise BlobFormatError(
+                f"{self.path}.{name}: vector of {count} elements of {elem_size} bytes does not fit "
+                f"in the {self.n - start} bytes left in the buffer"
+            )
+        return start, count
+
+    def vector_len(self, slot: int, name: str, elem_size: int = 4) -> int:
+        return self._vector(slot, name, elem_size)[1]
+
+    def string(self, slot: int, name: str) -> str | None:
+        t = self._target(slot, name)
+        if not t:
+            return None
+        return _string_at(self.buf, t, f"{self.path}.{name}")
+
+    def bytes_(self, slot: int, name: str) -> bytes | None:
+        start, count = self._vector(slot, name, 1)
+        if not start:
+            return None
+        return bytes(self.buf[start : start + count])
+
+    def ints(self, slot: int, name: str, size: int) -> tuple[int, ...]:
+        start, count = self._vector(slot, name, size)
+        if not count:
+            return ()
+        self.budget.spend(count, f"{self.path}.{name}")
+        fmt = {1: "B", 2: "H", 4: "I"}[size]
+        return struct.unpack_from(f"<{count}{fmt}", self.buf, start)
+
+    def tables(self, slot: int, name: str) -> list[Table]:
+        start, count = self._vector(slot, name, 4)
+        if not count:
+            return []
+        path = f"{self.path}.{name}"
+        self.budget.spend(count, path)
+        buf, n = self.buf, self.n
+        out = []
+        for i in range(count):
+            p = start + 4 * i
+            t = p + _U32(buf, p)[0]
+            if t + 4 > n:
+                raise BlobFormatError(
+                    f"{path}[{i}]: offset points to {t}, outside the {n}-byte buffer"
+                )
+            out.append(Table(buf, t, f"{path}[{i}]", self.budget))
+        return out
+
+    def strings(self, slot: int, name: str) -> tuple[str, ...]:
+        start, count = self._vector(slot, name, 4)
+        if not count:
+            return ()
+        path = f"{self.path}.{name}"
+        self.budget.spend(count, path)
+        buf, n = self.buf, self.n
+        out = []
+        for i in range(count):
+            p = start + 4 * i
+            t = p + _U32(buf, p)[0]
+            if t + 4 > n:
+                raise BlobFormatError(
+                    f"{path}[{i}]: offset points to {t}, outside the {n}-byte buffer"
+                )
+            out.append(_string_at(buf, t, f"{path}[{i}]"))
+        return tuple(out)
+
+
+def _string_at(buf: bytes, t: int, path: str) -> str:
+    n = len(buf)
+    length = _U32(buf, t)[0]
+    if length > n - t - 4:
+        raise BlobFormatError(
+            f"{path}: string of {length} bytes does not fit in the {n - t - 4} bytes left"
+        )
+    raw = buf[t + 4 : t + 4 + length]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BlobFormatError(f"{path}: string is not valid UTF-8 ({e.reason} at byte {e.start})")
+
+
+def root_table(buf: bytes, name: str, budget: Budget) -> Table:
+    """The root table of a finished flatbuffer (no file identifier: jax writes none)."""
+    if len(buf) < 8:
+        raise BlobFormatError(
+            f"blob is {len(buf)} bytes; a jax.export serialization is at least 8 bytes "
+            "(root offset and a table)"
+        )
+    return Table(buf, _U32(buf, 0)[0], name, budget)
+
+
+# -- the jax.export schema: slot numbers (field ids) per table ----------------------------------
+# Written from jax/_src/export/serialization.fbs. A slot is the field's position in its table
+# declaration; FlatBuffers never renumbers fields, so older blobs simply lack the later slots.
+
+
+class PyTreeDefSlots:
+    kind = 0  # PyTreeDefKind: byte
+    children = 1  # [PyTreeDef]
+    children_names = 2  # [string], only for dict
+    custom_name = 3  # string, only for custom (schema v3+)
+    custom_auxdata = 4  # [byte], only for custom (schema v3+)
+
+
+PYTREE_KINDS = ("leaf", "none", "tuple", "list", "dict", "custom")
+
+
+class AbstractValueSlots:
+    kind = 0  # AbstractValueKind: 0 shapedArray, 1 abstractToken (unused)
+    shape = 1  # [string]
+    dtype = 2  # DType: byte
+    memory_space = 3  # MemorySpace: byte (schema v5+; 0 = missing)
+
+
+DTYPE_NAMES = {
+    0: "bool",
+    1: "int8",
+    2: "int16",
+    3: "int32",
+    4: "int64",
+    5: "uint8",
+    6: "uint16",
+    7: "uint32",
+    8: "uint64",
+    9: "float16",
+    10: "float32",
+    11: "float64",
+    12: "complex64",
+    13: "complex128",
+    14: "bfloat16",
+    15: "int4",
+    16: "uint4",
+    17: "float8_e4m3b11fnuz",
+    18: "float8_e4m3fn",
+    19: "float8_e4m3fnuz",
+    20: "float8_e5m2",
+    21: "float8_e5m2fnuz",
+    22: "float0",
+    23: "float8_e4m3",
+    24: "float8_e3m4",
+    25: "float8_e8m0fnu",
+    26: "float4_e2m1fn",
+    27: "key<fry>",
+    28: "key<rbg>",
+    29: "key<unsafe_rbg>",
+}
+
+MEMORY_SPACES = {0: None, 1: "Device", 2: "Host", 3: "Any"}
+AXIS_TYPES = {0: None, 1: "Auto", 2: "Explicit", 3: "Manual"}
+
+
+class AbstractDeviceSlots:
+    device_kind = 0  # string
+    num_cores = 1  # uint32 = null
+    platform = 2  # string (schema v11+)
+
+
+class AbstractMeshSlots:
+    axis_sizes = 0  # [uint32]
+    axis_names = 1  # [string]
+    axis_types = 2  # [AxisType: byte]
+    abstract_device = 3  # AbstractDevice (schema v8+)
+
+
+class PartitionSpecOneAxisSlots:
+    axes = 0  # [string]
+
+
+class PartitionSpecSlots:
+    partitions = 0  # [PartitionSpecOneAxis]
+    reduced = 1  # [string]
+    unreduced = 2  # [string]
+
+
+class NamedShardingSlots:
+    mesh = 0  # AbstractMesh
+    spec = 1  # PartitionSpec
+    memory_kind = 2  # string
+    abstract_mesh_idx = 3  # uint32 (schema v10+)
+
+
+class ShardingSlots:
+    kind = 0  # ShardingKind: 0 unspecified, 1 hlo_sharding, 2 named_sharding (deprecated)
+    hlo_sharding_proto = 1  # [byte]: a serialized xla.OpSharding proto (schema <= v8)
+    named_sharding = 2  # NamedSharding (schema v6+)
+
+
+class EffectSlots:
+    type_name = 0  # string
+
+
+class DisabledSafetyCheckSlots:
+    kind = 0  # 0 platform, 1 custom_call, 2 shape_assertions (unused)
+    custom_call_target = 1  # string
+
+
+class ExportedSlots:
+    serialization_version = 0  # uint16
+    function_name = 1  # string
+    in_tree = 2  # PyTreeDef
+    in_avals = 3  # [AbstractValue]
+    out_tree = 4  # PyTreeDef
+    out_avals = 5  # [AbstractValue]
+    nr_devices_short = 6  # short (deprecated in v5, dropped by writers of v10+)
+    in_shardings = 7  # [Sharding]
+    out_shardings = 8  # [Sharding]
+    platforms = 9  # [string]
+    ordered_effects = 10  # [Effect]
+    unordered_effects = 11  # [Effect]
+    disabled_checks = 12  # [DisabledSafetyCheck]
+    mlir_module_serialized = 13  # [byte]
+    calling_convention_version = 14  # uint16
+    module_kept_var_idx = 15  # [uint16]
+    uses_global_constants = 16  # bool
+    vjp = 17  # Exported
+    nr_devices = 18  # uint32 (schema v5+)
+    unique_avals = 19  # [AbstractValue] (schema v10+)
+    unique_abstract_meshes = 20  # [AbstractMesh] (schema v10+)
+    unique_named_shardings = 21  # [NamedSharding] (schema v10+)
+    in_avals_idxs = 22  # [uint32] (schema v10+)
+    out_avals_idxs = 23  # [uint32] (schema v10+)
+    in_shardings_idxs = 24  # [uint32], 1-based, 0 = unspecified (schema v10+)
+    out_shardings_idxs = 25  # [uint32] (schema v10+)
+    jax_version = 26  # string (added after jax 0.10.2)
+    KNOWN = 27
