@@ -1,0 +1,284 @@
+"""Params I/O benchmark: save_params / restore_params against raw file I/O of the same bytes.
+
+Baselines, measured in the same run and interleaved with the measured figures (the disk of a
+shared VM drifts, so each round measures raw and Orbax back to back and the median is kept):
+
+* save: raw ``write`` + ``fsync`` of every array into its own file;
+* restore warm: raw ``readinto`` of those files into fresh buffers, page cache warm;
+* restore cold: the same after ``posix_fadvise(DONTNEED)`` on every file (after fsync).
+
+Peak memory (point 2 of issue 7): a subprocess builds a params tree of ``--mem-gib`` GiB, saves
+it, and a second subprocess restores it; each reports its peak RSS (VmHWM, the ru_maxrss of
+that process image). Goal: peak below two copies.
+
+    python benchmarks/bench_params.py               # 1 GiB in 20 float32 arrays, 4 GiB memory
+    python benchmarks/bench_params.py --quick       # 64 MiB, 256 MiB memory: seconds
+    python benchmarks/bench_params.py --json out.json --size-gib 1 --mem-gib 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+GB = 1e9
+N_ARRAYS = 20
+
+
+def evict(directory: str) -> None:
+    """Drop every file of ``directory`` from the page cache (after fsync so nothing is dirty)."""
+    for dp, _, files in os.walk(directory):
+        for f in files:
+            fd = os.open(os.path.join(dp, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def make_params(total_bytes: int, n: int = N_ARRAYS) -> dict:
+    """``n`` float32 jax arrays, 2-D, totalling ``total_bytes`` (values in [0, 1): incompressible
+    like trained weights; zero-copy from aligned numpy buffers so only one copy exists)."""
+    import jax
+
+    from jaxexp_mlflow.codec.params import _aligned_empty
+
+    rng = np.random.default_rng(0)
+    cols = 1024
+    rows = max(1, total_bytes // 4 // n // cols)
+    out = {}
+    for i in range(n):
+        buf = _aligned_empty((rows, cols), np.float32)
+        rng.random(out=buf, dtype=np.float32)
+        out[f"layer_{i:02d}"] = {"w": jax.device_put(buf)}
+    return out
+
+
+def raw_write(params: dict, directory: str) -> float:
+    import jax
+
+    os.makedirs(directory)
+    t = time.perf_counter()
+    for i, a in enumerate(jax.tree.leaves(params)):
+        with open(os.path.join(directory, f"{i}.bin"), "wb", buffering=0) as f:
+            f.write(memoryview(np.asarray(a)).cast("B"))
+            os.fsync(f.fileno())
+    dfd = os.open(directory, os.O_RDONLY)
+    os.fsync(dfd)
+    os.close(dfd)
+    return time.perf_counter() - t
+
+
+def raw_read(params: dict, directory: str) -> float:
+    import jax
+
+    t = time.perf_counter()
+    bufs = []
+    for i, a in enumerate(jax.tree.leaves(params)):
+        buf = np.empty(a.shape, a.dtype)
+        with open(os.path.join(directory, f"{i}.bin"), "rb", buffering=0) as f:
+            f.readinto(memoryview(buf).cast("B"))
+        bufs.append(buf)
+    dt = time.perf_counter() - t
+    del bufs
+    return dt
+
+
+def bench_io(size_gib: float, rounds: int, compressions: list, workdir: str) -> list[dict]:
+    import jax
+
+    from jaxexp_mlflow.codec import params as P
+
+    params = make_params(int(size_gib * 2**30))
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params
+    )
+    times: dict[str, list[float]] = {}
+
+    def rec(name: str, dt: float) -> None:
+        times.setdefault(name, []).append(dt)
+
+    P.save_params(params, os.path.join(workdir, "warmup"), compression=None)  # imports, threads
+    jax.block_until_ready(P.restore_params(os.path.join(workdir, "warmup"), target=target))
+    shutil.rmtree(os.path.join(workdir, "warmup"))
+    for r in range(rounds):
+        raw = os.path.join(workdir, f"raw{r}")
+        rec("raw_write", raw_write(params, raw))
+        evict(raw)
+        rec("raw_read_cold", raw_read(params, raw))
+        rec("raw_read_warm", raw_read(params, raw))
+        shutil.rmtree(raw)
+        for comp in compressions:
+            tag = comp or "none"
+            ck = os.path.join(workdir, f"ck_{tag}{r}")
+            t = time.perf_counter()
+            P.save_params(params, ck, compression=comp)
+            rec(f"save_{tag}", time.perf_counter() - t)
+            evict(ck)
+            t = time.perf_counter()
+            out = jax.block_until_ready(P.restore_params(ck, target=target))
+            rec(f"restore_cold_{tag}", time.perf_counter() - t)
+            del out
+            t = time.perf_counter()
+            out = jax.block_until_ready(P.restore_params(ck, target=target))
+            rec(f"restore_warm_{tag}", time.perf_counter() - t)
+            stats = dict(P._LAST_RESTORE_STATS)
+            del out
+            shutil.rmtree(ck)
+            times.setdefault(f"paths_{tag}", []).append(stats)  # type: ignore[arg-type]
+
+    def gbps(name: str) -> float:
+        return nbytes / statistics.median(times[name]) / GB
+
+    rows = []
+    for comp in compressions:
+        tag = comp or "none"
+        for fig, base, label in (
+            (f"save_{tag}", "raw_write", "raw write+fsync"),
+            (f"restore_warm_{tag}", "raw_read_warm", "raw readinto warm"),
+            (f"restore_cold_{tag}", "raw_read_cold", "raw readinto cold"),
+        ):
+            rows.append(
+                {
+                    "figure": f"{fig} ({size_gib:g} GiB, {N_ARRAYS} arrays) GB/s",
+                    "value": round(gbps(fig), 3),
+                    "baseline_name": label,
+                    "baseline": round(gbps(base), 3),
+                    "ratio": round(gbps(fig) / gbps(base), 3),
+                    "goal": ">= 0.8" if comp is None else "(trade-off, no goal)",
+                    "samples_s": [round(x, 4) for x in times[fig]],
+                    "baseline_samples_s": [round(x, 4) for x in times[base]],
+                    "restore_paths": times[f"paths_{tag}"][-1],
+                }
+            )
+    return rows
+
+
+_CHILD = r"""
+import json, os, resource, sys, time
+sys.path.insert(0, {bench_dir!r})
+import jax
+import bench_params as B
+from jaxexp_mlflow.codec import params as P
+mode, ck, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def peak():
+    # VmHWM (peak RSS of this process image): unlike ru_maxrss it does not inherit the parent's
+    # high-water mark across fork+exec.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak()
+if mode == "save":
+    params = B.make_params(size)
+    before = peak()
+    P.save_params(params, ck)
+    print(json.dumps({{"base": base, "before": before, "peak": peak()}}))
+else:
+    tree = P.checkpoint_tree(ck)
+    base = before = peak()
+    out = jax.block_until_ready(P.restore_params(ck, target=tree))
+    print(json.dumps({{"base": base, "before": before, "peak": peak(),
+                  "stats": P._LAST_RESTORE_STATS}}))
+"""
+
+
+def bench_memory(mem_gib: float, workdir: str) -> list[dict]:
+    """Peak RSS of saving and restoring a ``mem_gib`` params tree, each in a fresh process."""
+    size = int(mem_gib * 2**30)
+    code = _CHILD.format(bench_dir=os.path.dirname(os.path.abspath(__file__)))
+    ck = os.path.join(workdir, "mem_ck")
+    res = {}
+    for mode in ("save", "restore"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, mode, ck, str(size)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        res[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    shutil.rmtree(ck, ignore_errors=True)
+    rows = []
+    for mode in ("save", "restore"):
+        # Memory the operation needs beyond the interpreter (jax, orbax, mlflow imported): the
+        # params themselves (built before save, produced by restore) plus any transient copy.
+        peak = res[mode]["peak"] - res[mode]["base"]
+        rows.append(
+            {
+                "figure": f"{mode} peak RSS above interpreter ({mem_gib:g} GiB params) GiB",
+                "value": round(peak / 2**30, 3),
+                "baseline_name": "params size",
+                "baseline": round(size / 2**30, 3),
+                "ratio": round(peak / size, 3),
+                "goal": "< 2.0 (never two copies)",
+                "interpreter_rss_gib": round(res[mode]["base"] / 2**30, 3),
+                "peak_rss_gib": round(res[mode]["peak"] / 2**30, 3),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="64 MiB, 256 MiB memory test, 1 round")
+    ap.add_argument("--size-gib", type=float, default=None, help="I/O size (default 1)")
+    ap.add_argument("--mem-gib", type=float, default=None, help="memory test size (default 4)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
+    ap.add_argument("--no-zstd", action="store_true", help="skip the compression='zstd' rows")
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir in cwd)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args(argv)
+    size = a.size_gib if a.size_gib is not None else (1 / 16 if a.quick else 1.0)
+    mem = a.mem_gib if a.mem_gib is not None else (0.25 if a.quick else 4.0)
+    rounds = a.rounds or (1 if a.quick else 3)
+    comps = [None] if a.no_zstd else [None, "zstd"]
+    workdir = tempfile.mkdtemp(prefix="bench_params_", dir=a.dir or os.getcwd())
+    try:
+        mem_rows = bench_memory(mem, workdir)  # first, while this process is small
+        rows = bench_io(size, rounds, comps, workdir) + mem_rows
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    w = max(len(r["figure"]) for r in rows)
+    print(f"{'figure':<{w}}  {'value':>8}  {'baseline':>8}  {'ratio':>6}  goal  (baseline)")
+    for r in rows:
+        print(
+            f"{r['figure']:<{w}}  {r['value']:>8.3f}  {r['baseline']:>8.3f}  {r['ratio']:>6.2f}  "
+            f"{r['goal']}  ({r['baseline_name']})"
+        )
+    if a.json:
+        import jax
+        import orbax.checkpoint as ocp
+
+        doc = {
+            "benchmark": "params",
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "jax": jax.__version__,
+                "orbax": ocp.__version__,
+            },
+            "rows": rows,
+        }
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
