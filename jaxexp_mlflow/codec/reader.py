@@ -94,7 +94,7 @@ class TreeNode:
             return f"[{', '.join(parts)}]"
         if kind == "dict":
             keys = self.keys or ()
-            return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(keys, parts)) + "}"
+            return "{" + ", ".join(f"{k!r}: {p}" for k, p in zip(keys, parts, strict=False)) + "}"
         aux = len(self.custom_auxdata or b"")
         return f"CustomNode({self.custom_name}[{aux} bytes], [{', '.join(parts)}])"
 
@@ -533,7 +533,7 @@ def _mesh(m: Table, gen: _Gen) -> str:
         if tn is None:
             raise BlobFormatError(f"{m.path}.axis_types[{i}]: unknown AxisType code {code}")
         type_names.append(tn)
-    shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes)) if names else "()"
+    shape = ", ".join(f"{n!r}: {s}" for n, s in zip(names, sizes, strict=True)) if names else "()"
     atr = "(" + ", ".join(type_names) + ("," if len(type_names) == 1 else "") + ")"
     dev = ""
     d = m.table(S.abstract_device, "abstract_device")

@@ -62,7 +62,7 @@ class Budget:
 
 
 class Table:
-    """One flatbuffer table: ``pos`` is its start, ``vt`` its vtable, ``path`` its name in errors."""
+    """A flatbuffer table: ``pos`` is its start, ``vt`` its vtable, ``path`` its name in errors."""
 
     __slots__ = ("buf", "n", "pos", "vt", "vtlen", "tlen", "path", "budget")
 
@@ -231,7 +231,9 @@ def _string_at(buf: bytes, t: int, path: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BlobFormatError(f"{path}: string is not valid UTF-8 ({e.reason} at byte {e.start})")
+        raise BlobFormatError(
+            f"{path}: string is not valid UTF-8 ({e.reason} at byte {e.start})"
+        ) from None
 
 
 def root_table(buf: bytes, name: str, budget: Budget) -> Table:
