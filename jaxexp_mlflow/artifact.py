@@ -1,0 +1,124 @@
+"""The jaxexp model directory: what ``save_model`` writes next to MLmodel and how it is read back.
+
+Layout (all paths relative to the model directory; no pickle anywhere)::
+
+    exported.bin             Exported.serialize(vjp_order) bytes, unchanged
+    params/                  Orbax checkpoint of the params (absent when the model has none)
+    reference/inputs.npz     the input example, flat leaves in_0, in_1, ... (inputs only)
+    reference/outputs.npz    the outputs computed from it at save time, out_0, out_1, ...
+
+The MLmodel ``jaxexp`` section (see ``codec.metadata``) records avals, trees, versions, checksum
+and the dtypes of the reference leaves.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxexp_mlflow.codec import arrays, blob
+from jaxexp_mlflow.errors import ArtifactError, ParamsMismatchError
+
+EXPORTED_FILE = "exported.bin"
+PARAMS_DIR = "params"
+REFERENCE_INPUTS = "reference/inputs.npz"
+REFERENCE_OUTPUTS = "reference/outputs.npz"
+
+
+def args_tree(exported: Any) -> tuple[Any, Any]:
+    """The treedefs of the positional args tuple and of the kwargs dict of an export."""
+    args, kwargs = exported.in_tree.children()
+    return args, kwargs
+
+
+def params_treedef(exported: Any) -> Any:
+    """Treedef of the first positional argument (where the params go)."""
+    args, _ = args_tree(exported)
+    children = args.children()
+    if not children:
+        raise ParamsMismatchError(
+            f"params were given, but the exported function {exported.fun_name!r} takes no "
+            f"positional arguments (in_tree {exported.in_tree}). Export fn(params, *inputs), or "
+            "pass params=None."
+        )
+    return children[0]
+
+
+def params_target(exported: Any, in_shardings: tuple = ()) -> Any:
+    """ShapeDtypeStructs (with the placement's shardings) the checkpoint must restore into."""
+    treedef = params_treedef(exported)
+    n = treedef.num_leaves
+    shardings = list(in_shardings[:n]) or [None] * n
+    leaves = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        for a, s in zip(exported.in_avals[:n], shardings, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def check_params(exported: Any, params: Any) -> int:
+    """Verify ``params`` fit the export's first argument; return its number of leaves."""
+    from jaxexp_mlflow.codec.metadata import aval_str
+
+    expected = params_treedef(exported)
+    leaves, found = jax.tree.flatten(params)
+    if found != expected:
+        raise ParamsMismatchError(
+            f"params do not have the structure of the exported function's first argument: "
+            f"expected {expected}, found {found}. Pass the params the function was exported with "
+            "(the export's first argument), or params=None for a function without params."
+        )
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for path, leaf, aval in zip(paths, leaves, exported.in_avals, strict=False):
+        got = jax.ShapeDtypeStruct(np.shape(leaf), jax.numpy.result_type(leaf))
+        if tuple(got.shape) != tuple(aval.shape) or got.dtype != aval.dtype:
+            raise ParamsMismatchError(
+                f"params{path}: expected {aval_str(aval)}, found "
+                f"{got.dtype}{list(got.shape)}. Pass params of the exported shapes and dtypes, "
+                "or export the function again for these params."
+            )
+    return len(leaves)
+
+
+def write_reference(path: str | os.PathLike, inputs: tuple, outputs: Any) -> dict[str, list[str]]:
+    """Store the input example and its outputs; return the dtype lists for MLmodel."""
+    ref = Path(path, "reference")
+    ref.mkdir(parents=True, exist_ok=True)
+    in_dtypes = arrays.save_arrays(Path(path, REFERENCE_INPUTS), jax.tree.leaves(inputs), "in")
+    out_dtypes = arrays.save_arrays(Path(path, REFERENCE_OUTPUTS), jax.tree.leaves(outputs), "out")
+    return {"input_dtypes": in_dtypes, "output_dtypes": out_dtypes}
+
+
+def read_reference(path: str | os.PathLike, meta: dict[str, Any]) -> tuple[list, list] | None:
+    """The stored reference (flat input leaves, flat output leaves), or None if there is none."""
+    ref = meta.get("reference")
+    if not ref:
+        return None
+    try:
+        inputs = arrays.load_arrays(Path(path, REFERENCE_INPUTS), ref["input_dtypes"], "in")
+        outputs = arrays.load_arrays(Path(path, REFERENCE_OUTPUTS), ref["output_dtypes"], "out")
+    except (OSError, KeyError, ValueError) as err:
+        raise ArtifactError(
+            f"The model's reference arrays under {Path(path, 'reference')} are missing or "
+            f"damaged ({err}). Download the model again."
+        ) from err
+    return inputs, outputs
+
+
+def read_blob(path: str | os.PathLike, meta: dict[str, Any]) -> bytes:
+    """Read ``exported.bin``, verified against the recorded checksum."""
+    file = Path(path, meta.get("exported_file", EXPORTED_FILE))
+    try:
+        data = file.read_bytes()
+    except OSError as err:
+        raise ArtifactError(
+            f"The model's serialized function {file} cannot be read ({err}). Download the "
+            "model again; it is incomplete."
+        ) from err
+    if meta.get("exported_sha256"):
+        blob.verify_checksum(data, meta["exported_sha256"], source=str(file))
+    return data

@@ -1,0 +1,72 @@
+"""The serialized ``jax.export`` blob: write it, and hand it to JAX only once it is proven sound.
+
+``jax.export.deserialize`` trusts its input (a corrupted flatbuffer can crash the process), so
+``deserialize_checked`` verifies the recorded sha256 and parses the blob with the jax-free reader
+first, and turns any failure into an ``ArtifactError`` that says what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from jaxexp_mlflow.errors import ArtifactError
+
+
+def sha256(data: bytes | bytearray | memoryview) -> str:
+    """Hex sha256 of the blob, as recorded in MLmodel (``exported_sha256``)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def verify_checksum(data: bytes | bytearray | memoryview, expected: str, *, source: str) -> None:
+    """Raise ``ArtifactError`` unless ``data`` hashes to the recorded ``expected`` sha256."""
+    found = sha256(data)
+    if found != expected:
+        raise ArtifactError(
+            f"{source} does not match its recorded checksum: expected sha256 {expected}, found "
+            f"{found} ({len(data)} bytes). The file was altered or truncated; download the "
+            "model again or restore it from a backup."
+        )
+
+
+def describe(data: bytes | bytearray | memoryview, *, source: str = "blob") -> Any:
+    """Parse the blob with the jax-free reader; raise ``ArtifactError`` if it is malformed."""
+    from jaxexp_mlflow.codec.reader import BlobFormatError, read_blob
+
+    try:
+        return read_blob(data)
+    except BlobFormatError as err:
+        raise ArtifactError(
+            f"{source} is not a valid jax.export serialization: {err}. Expected the bytes of "
+            "Exported.serialize(); re-export the function or restore the artifact from a backup."
+        ) from err
+
+
+def deserialize_checked(
+    data: bytes | bytearray | memoryview,
+    *,
+    expected_sha256: str | None = None,
+    source: str = "blob",
+    node_types: list[str] | None = None,
+) -> Any:
+    """Verify then deserialize a blob into a ``jax.export.Exported``.
+
+    ``node_types`` are the custom pytree node names recorded at save time; they are registered
+    before JAX sees the blob.
+    """
+    if expected_sha256 is not None:
+        verify_checksum(data, expected_sha256, source=source)
+    describe(data, source=source)
+
+    import jax
+
+    from jaxexp_mlflow.pytrees import register_for_load
+
+    register_for_load(node_types or [])
+    try:
+        return jax.export.deserialize(bytearray(data))
+    except Exception as err:  # jax raises assorted types for blobs it cannot read
+        raise ArtifactError(
+            f"jax {jax.__version__} could not deserialize {source}: {err}. Check the "
+            "compatibility verdict (`jaxexp check`) and install a jax that can read it."
+        ) from err

@@ -1,0 +1,229 @@
+"""The ``jaxexp`` MLflow flavor: ``jax.export`` functions with Orbax parameters.
+
+Follows MLflow's built-in flavors (``mlflow.sklearn`` and friends): ``save_model``,
+``log_model``, ``load_model``, ``_load_pyfunc``, ``get_default_pip_requirements`` and
+``get_default_conda_env``. Available as ``mlflow.jaxexp`` once this package is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from mlflow import pyfunc
+from mlflow.models import Model, ModelInputExample, ModelSignature
+from mlflow.models.model import MLMODEL_FILE_NAME, ModelInfo
+from mlflow.tracking._model_registry import DEFAULT_AWAIT_MAX_SLEEP_SECONDS
+from mlflow.tracking.artifact_utils import _download_artifact_from_uri
+from mlflow.utils.environment import (
+    _CONDA_ENV_FILE_NAME,
+    _CONSTRAINTS_FILE_NAME,
+    _PYTHON_ENV_FILE_NAME,
+    _REQUIREMENTS_FILE_NAME,
+    _mlflow_conda_env,
+    _process_conda_env,
+    _process_pip_requirements,
+    _PythonEnv,
+    _validate_env_arguments,
+)
+from mlflow.utils.file_utils import get_total_file_size, write_to
+from mlflow.utils.model_utils import (
+    _add_code_from_conf_to_system_path,
+    _get_flavor_configuration,
+    _validate_and_copy_code_paths,
+    _validate_and_prepare_target_save_path,
+)
+from mlflow.utils.requirements_utils import _get_pinned_requirement
+
+from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
+
+FLAVOR_NAME = "jaxexp"
+
+install_mlflow_module()
+
+
+def get_default_pip_requirements() -> list[str]:
+    """Packages a fresh environment needs to load a jaxexp model (pinned to the versions here)."""
+    return [
+        _get_pinned_requirement(name)
+        for name in ("jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy")
+    ]
+
+
+def get_default_conda_env() -> dict[str, Any]:
+    """The default conda environment for jaxexp models (pip requirements inside)."""
+    return _mlflow_conda_env(additional_pip_deps=get_default_pip_requirements())
+
+
+def save_model(
+    exported: Any,
+    path: str | os.PathLike,
+    *,
+    params: Any = None,
+    vjp_order: int = 0,
+    signature: ModelSignature | None = None,
+    input_example: ModelInputExample | None = None,
+    pip_requirements: list[str] | str | None = None,
+    extra_pip_requirements: list[str] | str | None = None,
+    metadata: dict[str, Any] | None = None,
+    mlflow_model: Model | None = None,
+    conda_env: Any = None,
+    code_paths: list[str] | None = None,
+    batch_polymorphic: bool = True,
+    platforms: list[str] | tuple[str, ...] | None = None,
+    **kwargs: Any,
+) -> None:
+    """Save a JAX model to ``path`` as an MLflow model with the ``jaxexp`` and pyfunc flavors.
+
+    ``exported`` is a ``jax.export.Exported``, the bytes of a serialized one (stored unchanged),
+    or a jitted function ``fn(params, *inputs)`` that is exported here against ``params`` and
+    ``input_example`` (leading dimensions symbolic unless ``batch_polymorphic=False``; for
+    ``platforms`` given, lowered for each). ``params`` (a pytree of arrays, or the path of an
+    existing Orbax checkpoint) are stored as an Orbax checkpoint and bound at load time.
+    ``input_example`` is the positional inputs after the params (a tuple for several); it and
+    the outputs computed from it are stored as the model's reference result.
+    """
+    from jaxexp_mlflow.flavors import saving
+
+    if "_jax_params" in kwargs:  # from log_model: Model.log keeps ``params`` for MLflow's own
+        params = kwargs.pop("_jax_params")
+    _validate_env_arguments(conda_env, pip_requirements, extra_pip_requirements)
+    path = os.fspath(path)
+    _validate_and_prepare_target_save_path(path)
+    code_dir_subpath = _validate_and_copy_code_paths(code_paths, path)
+    if mlflow_model is None:
+        mlflow_model = Model()
+
+    flavor_conf = saving.write_model_files(
+        exported,
+        path,
+        params=params,
+        vjp_order=vjp_order,
+        input_example=input_example,
+        batch_polymorphic=batch_polymorphic,
+        platforms=platforms,
+        **kwargs,
+    )
+    if signature is not None:
+        mlflow_model.signature = signature
+    if metadata is not None:
+        mlflow_model.metadata = metadata
+
+    pyfunc.add_to_model(
+        mlflow_model,
+        loader_module=__name__,
+        conda_env=_CONDA_ENV_FILE_NAME,
+        python_env=_PYTHON_ENV_FILE_NAME,
+        code=code_dir_subpath,
+    )
+    mlflow_model.add_flavor(FLAVOR_NAME, code=code_dir_subpath, **flavor_conf)
+    if size := get_total_file_size(path):
+        mlflow_model.model_size_bytes = size
+    mlflow_model.save(os.path.join(path, MLMODEL_FILE_NAME))
+
+    if conda_env is None:
+        default_reqs = get_default_pip_requirements() if pip_requirements is None else None
+        conda_env, pip_requirements, pip_constraints = _process_pip_requirements(
+            default_reqs, pip_requirements, extra_pip_requirements
+        )
+    else:
+        conda_env, pip_requirements, pip_constraints = _process_conda_env(conda_env)
+    import yaml
+
+    with open(os.path.join(path, _CONDA_ENV_FILE_NAME), "w") as f:
+        yaml.safe_dump(conda_env, stream=f, default_flow_style=False)
+    if pip_constraints:
+        write_to(os.path.join(path, _CONSTRAINTS_FILE_NAME), "\n".join(pip_constraints))
+    write_to(os.path.join(path, _REQUIREMENTS_FILE_NAME), "\n".join(pip_requirements))
+    _PythonEnv.current().to_yaml(os.path.join(path, _PYTHON_ENV_FILE_NAME))
+
+
+def log_model(
+    exported: Any,
+    name: str | None = None,
+    *,
+    params: Any = None,
+    vjp_order: int = 0,
+    signature: ModelSignature | None = None,
+    input_example: ModelInputExample | None = None,
+    registered_model_name: str | None = None,
+    await_registration_for: int = DEFAULT_AWAIT_MAX_SLEEP_SECONDS,
+    pip_requirements: list[str] | str | None = None,
+    extra_pip_requirements: list[str] | str | None = None,
+    conda_env: Any = None,
+    code_paths: list[str] | None = None,
+    metadata: dict[str, Any] | None = None,
+    mlflow_params: dict[str, Any] | None = None,
+    tags: dict[str, Any] | None = None,
+    step: int = 0,
+    model_id: str | None = None,
+    artifact_path: str | None = None,
+    **kwargs: Any,
+) -> ModelInfo:
+    """Log a JAX model to the current MLflow run (or ``run_id=``) and return its ``ModelInfo``.
+
+    Takes what ``save_model`` takes. ``params`` are the JAX parameters bound to the function;
+    MLflow's own logged-model parameters (``params=`` of other flavors) go in ``mlflow_params``.
+    ``artifact_path`` is a deprecated alias of ``name``.
+    """
+    if artifact_path is not None:
+        warnings.warn(
+            "artifact_path is deprecated; use name= instead.", FutureWarning, stacklevel=2
+        )
+    return Model.log(
+        artifact_path=artifact_path,
+        name=name,
+        flavor=sys.modules[__name__],
+        exported=exported,
+        _jax_params=params,
+        vjp_order=vjp_order,
+        signature=signature,
+        input_example=input_example,
+        registered_model_name=registered_model_name,
+        await_registration_for=await_registration_for,
+        pip_requirements=pip_requirements,
+        extra_pip_requirements=extra_pip_requirements,
+        conda_env=conda_env,
+        code_paths=code_paths,
+        metadata=metadata,
+        params=mlflow_params,
+        tags=tags,
+        step=step,
+        model_id=model_id,
+        **kwargs,
+    )
+
+
+def load_model(
+    model_uri: str,
+    dst_path: str | None = None,
+    *,
+    allow_incompatible: bool = False,
+) -> Any:
+    """Load a jaxexp model as a callable ``JaxExpModel`` with its params bound.
+
+    The model is checked (checksum, format, compatibility verdict) before JAX sees it, placed on
+    the platform and devices at hand, and raises a clear error where it cannot run.
+    ``allow_incompatible=True`` tries anyway after an "incompatible" verdict.
+    """
+    from jaxexp_mlflow.runtime.loader import load_directory
+
+    local_path = _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path)
+    flavor_conf = _get_flavor_configuration(model_path=local_path, flavor_name=FLAVOR_NAME)
+    _add_code_from_conf_to_system_path(local_path, flavor_conf)
+    return load_directory(local_path, flavor_conf, allow_incompatible=allow_incompatible)
+
+
+def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
+    """Load the pyfunc implementation; called by ``mlflow.pyfunc.load_model``."""
+    from jaxexp_mlflow.flavors.pyfunc import JaxExpPyfunc
+    from jaxexp_mlflow.runtime.loader import load_directory
+
+    model_dir = Path(path)
+    if model_dir.is_file():
+        model_dir = model_dir.parent
+    flavor_conf = _get_flavor_configuration(model_path=str(model_dir), flavor_name=FLAVOR_NAME)
+    return JaxExpPyfunc(load_directory(model_dir, flavor_conf), model_config or {})

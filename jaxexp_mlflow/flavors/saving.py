@@ -1,0 +1,144 @@
+"""Write the jaxexp files of a model directory: blob, params checkpoint, reference result."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxexp_mlflow import artifact
+from jaxexp_mlflow.codec import blob as blob_codec
+from jaxexp_mlflow.codec.metadata import exported_metadata, package_version
+from jaxexp_mlflow.errors import UnsupportedModelError
+from jaxexp_mlflow.export import as_args, export_function
+from jaxexp_mlflow.pytrees import register_for_save
+
+
+def _serialize(exported: Any, vjp_order: int) -> bytes:
+    try:
+        return bytes(exported.serialize(vjp_order=vjp_order))
+    except Exception as err:
+        raise UnsupportedModelError(
+            f"Exported.serialize(vjp_order={vjp_order}) failed for {exported.fun_name!r}: {err}. "
+            "Custom pytree nodes must be registered with "
+            "jax.export.register_pytree_node_serialization (Flax types are registered "
+            "automatically); functions that cannot be differentiated need vjp_order=0."
+        ) from err
+
+
+def resolve_exported(
+    exported: Any,
+    *,
+    params: Any,
+    input_example: Any,
+    vjp_order: int,
+    batch_polymorphic: bool,
+    platforms: Any,
+) -> tuple[Any, bytes, tuple[str | None, str | None], Any]:
+    """Normalise what the user passed into (Exported, blob bytes, exporter versions, description).
+
+    Bytes are stored unchanged (a blob from an older JAX may not re-serialize under this one).
+    """
+    here = (jax.__version__, package_version("jaxlib"))
+    if isinstance(exported, bytes | bytearray | memoryview):
+        data = bytes(exported)
+        description = blob_codec.describe(data, source="the given blob")
+        exp = blob_codec.deserialize_checked(data, source="the given blob")
+        depth = description.vjp_order
+        if vjp_order > depth:
+            raise UnsupportedModelError(
+                f"vjp_order={vjp_order} was asked, but the given blob carries derivatives up to "
+                f"order {depth} only. Serialize it again with Exported.serialize(vjp_order="
+                f"{vjp_order}), or pass vjp_order<={depth}."
+            )
+        return exp, data, (None, None), description
+    if isinstance(exported, jax.export.Exported):
+        exp = exported
+    elif callable(exported):
+        if platforms is not None and hasattr(exported, "platforms"):
+            raise UnsupportedModelError("platforms= applies only to functions, not Exported.")
+        exp = export_function(
+            exported,
+            params,
+            input_example,
+            batch_polymorphic=batch_polymorphic,
+            platforms=platforms,
+        )
+    else:
+        raise UnsupportedModelError(
+            f"Cannot save an object of type {type(exported).__name__} as a jaxexp model: expected "
+            "a jax.export.Exported, the bytes of Exported.serialize(), or a jax.jit-wrapped "
+            "function fn(params, *inputs). Export your function with jax.export.export first."
+        )
+    register_for_save(exp.in_tree)
+    register_for_save(exp.out_tree)
+    data = _serialize(exp, vjp_order)
+    return exp, data, here, blob_codec.describe(data, source="the serialized export")
+
+
+def write_model_files(
+    exported: Any,
+    path: str | os.PathLike,
+    *,
+    params: Any = None,
+    vjp_order: int = 0,
+    input_example: Any = None,
+    batch_polymorphic: bool = True,
+    platforms: Any = None,
+    compression: Any = "default",
+) -> dict[str, Any]:
+    """Write blob, params and reference into ``path``; return the MLmodel ``jaxexp`` section."""
+    from jaxexp_mlflow.codec import params as params_codec
+    from jaxexp_mlflow.runtime.model import JaxExpModel
+
+    exp, data, versions, description = resolve_exported(
+        exported,
+        params=params,
+        input_example=input_example,
+        vjp_order=vjp_order,
+        batch_polymorphic=batch_polymorphic,
+        platforms=platforms,
+    )
+    n_params = 0
+    params_path = None
+    params_conf: dict[str, Any] | None = None
+    if params is not None:
+        params_path = artifact.PARAMS_DIR
+        target = Path(path, params_path)
+        if isinstance(params, str | os.PathLike):
+            artifact.check_params(exp, params_codec.checkpoint_tree(params))
+            params_conf = params_codec.copy_checkpoint(params, target)
+            n_params = artifact.params_treedef(exp).num_leaves
+        else:
+            n_params = artifact.check_params(exp, params)
+            kw = {} if compression == "default" else {"compression": compression}
+            params_conf = params_codec.save_params(params, target, **kw)
+    Path(path, artifact.EXPORTED_FILE).write_bytes(data)
+
+    node_types = sorted({*register_for_save(exp.in_tree), *register_for_save(exp.out_tree)})
+    conf = exported_metadata(
+        exp,
+        vjp_order=description.vjp_order,
+        exported_file=artifact.EXPORTED_FILE,
+        exported_sha256=blob_codec.sha256(data),
+        params_path=params_path,
+        n_param_leaves=n_params,
+        exporter_versions=versions,
+        serialization_version=description.serialization_version,
+        custom_call_targets=(
+            None
+            if description.custom_call_targets is None
+            else list(description.custom_call_targets)
+        ),
+        node_types=node_types,
+    )
+    conf["params_format"] = params_conf
+    if input_example is not None:
+        bound = params
+        if isinstance(params, str | os.PathLike):  # an on-disk checkpoint: read it to run once
+            bound = params_codec.restore_params(params, target=artifact.params_target(exp))
+        outputs = JaxExpModel(exp, bound, conf)(*as_args(input_example))
+        conf["reference"] = artifact.write_reference(path, as_args(input_example), outputs)
+    return conf

@@ -1,0 +1,110 @@
+"""The loaded model: an ``Exported`` with its params bound, callable like the original function."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from jaxexp_mlflow.errors import IncompatibleError, InputError
+
+
+def _guard_vjp(exported: Any, vjp_order: int, level: int = 0) -> Any:
+    """Replace JAX's bare "No VJP is available" past ``vjp_order`` with an actionable error."""
+    inner = exported._get_vjp
+    if inner is not None and level < vjp_order:
+        return dataclasses.replace(
+            exported, _get_vjp=lambda e: _guard_vjp(inner(e), vjp_order, level + 1)
+        )
+
+    def refuse(_: Any) -> Any:
+        raise IncompatibleError(
+            f"This model was saved with vjp_order={vjp_order}, so it can be differentiated at "
+            f"most {vjp_order} time(s); order {level + 1} was requested. Save it again with "
+            f"vjp_order>={level + 1} (log_model(..., vjp_order={level + 1}))."
+        )
+
+    return dataclasses.replace(exported, _get_vjp=refuse)
+
+
+class JaxExpModel:
+    """An exported JAX function with its parameters bound.
+
+    ``model(*inputs, **kw)`` calls the export with the stored params as first argument (when the
+    model has params), through one ``jax.jit``-compiled callable kept per model: a bare
+    ``Exported.call`` outside jit costs 2-3x more at small batch sizes.
+    """
+
+    def __init__(
+        self,
+        exported: Any,
+        params: Any = None,
+        metadata: dict[str, Any] | None = None,
+        *,
+        vjp_order: int | None = None,
+        placement: Any = None,
+    ) -> None:
+        self.metadata = dict(metadata or {})
+        order = self.metadata.get("vjp_order", 0) if vjp_order is None else vjp_order
+        self.exported = _guard_vjp(exported, int(order))
+        self.params = params
+        self.placement = placement
+        self.has_params = params is not None
+        self._in_shardings = tuple(placement.in_shardings) if placement is not None else ()
+        self._n_param_leaves = len(jax.tree.leaves(params)) if self.has_params else 0
+        self._jit_call = jax.jit(self._raw_call)
+        self._jit_call_with_params = jax.jit(self.exported.call)
+
+    def _raw_call(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
+        if self.has_params:
+            return self.exported.call(params, *inputs, **kwargs)
+        return self.exported.call(*inputs, **kwargs)
+
+    def _place(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        shardings = self._in_shardings[self._n_param_leaves :]
+        if not any(s is not None for s in shardings):
+            return inputs, kwargs
+        leaves, tree = jax.tree.flatten((inputs, kwargs))
+        placed = [
+            leaf if s is None else jax.device_put(leaf, s)
+            for leaf, s in zip(leaves, shardings, strict=False)
+        ]
+        return jax.tree.unflatten(tree, placed)
+
+    def _explain(self, err: Exception, inputs: tuple, kwargs: dict) -> InputError:
+        expected = self.metadata.get("in_avals") or [str(a) for a in self.exported.in_avals]
+        expected = expected[self._n_param_leaves :]
+        found = [
+            f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}"
+            for x in jax.tree.leaves((inputs, kwargs))
+        ]
+        return InputError(
+            f"The inputs do not match the exported function {self.exported.fun_name!r}: "
+            f"expected {expected}, found {found}. Pass arrays of those dtypes and shapes "
+            f"(symbolic dimensions may take any size). JAX said: {err}"
+        )
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the model on ``inputs`` with the bound params; returns the exported out pytree."""
+        inputs, kwargs = self._place(inputs, kwargs)
+        try:
+            return self._jit_call(self.params, *inputs, **kwargs)
+        except (TypeError, ValueError) as err:
+            raise self._explain(err, inputs, kwargs) from err
+
+    def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
+        """Run with other ``params`` of the same structure, e.g. to differentiate wrt them."""
+        if not self.has_params:
+            raise InputError(
+                "This model was saved without params, so there are none to replace: "
+                "call it as model(*inputs) instead."
+            )
+        return self._jit_call_with_params(params, *inputs, **kwargs)
+
+    def __repr__(self) -> str:
+        meta = self.metadata
+        return (
+            f"JaxExpModel({self.exported.fun_name!r}, in={meta.get('in_avals')}, "
+            f"out={meta.get('out_avals')}, platforms={list(self.exported.platforms)})"
+        )

@@ -1,0 +1,58 @@
+"""Shared fixtures: a real MLflow tracking store (sqlite) per test, the shared corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))
+
+
+def corpus_cases(version: str | None = None) -> list[Path]:
+    """Corpus case directories (``jax-<V>/<case>``), optionally of one jax version."""
+    if not CORPUS.is_dir():
+        return []
+    pattern = f"jax-{version}/*" if version else "jax-*/*"
+    return sorted(p for p in CORPUS.glob(pattern) if (p / "exported.bin").is_file())
+
+
+def case_id(path: Path) -> str:
+    return f"{path.parent.name}/{path.name}"
+
+
+def load_case(path: Path) -> tuple[dict, list[np.ndarray], list[np.ndarray]]:
+    """meta.json, flat inputs and flat outputs of a corpus case, with real dtypes restored."""
+    from jaxexp_mlflow.codec.arrays import resolve_dtype
+
+    meta = json.loads((path / "meta.json").read_text())
+
+    def read(file: str, specs: list[dict]) -> list[np.ndarray]:
+        with np.load(path / file, allow_pickle=False) as data:
+            out = []
+            for spec in specs:
+                arr = data[spec["name"]]
+                want = resolve_dtype(spec["dtype"])
+                out.append(arr.view(want) if arr.dtype != want else arr)
+            return out
+
+    return meta, read("inputs.npz", meta["inputs"]), read("outputs.npz", meta["outputs"])
+
+
+@pytest.fixture
+def tracking_uri(tmp_path, monkeypatch):
+    """A fresh sqlite-backed MLflow store with artifacts under tmp_path."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    exp_id = mlflow.create_experiment("tests", artifact_location=(tmp_path / "artifacts").as_uri())
+    mlflow.set_experiment(experiment_id=exp_id)
+    yield uri
+    mlflow.end_run()
+    mlflow.set_tracking_uri(None)

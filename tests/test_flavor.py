@@ -1,0 +1,366 @@
+"""The jaxexp flavor core: save, log and load against a real MLflow store (issue 2)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import mlflow
+import numpy as np
+import pytest
+import yaml
+
+import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
+from jaxexp_mlflow.errors import (
+    ArtifactError,
+    IncompatibleError,
+    InputError,
+    ParamsMismatchError,
+    UnsupportedModelError,
+)
+from tests.conftest import case_id, corpus_cases, load_case
+from tests.models import batch, export_mlp, mlp_apply, mlp_params
+
+REQUIRED_KEYS = {
+    "jax_version",
+    "jaxlib_version",
+    "platforms",
+    "nr_devices",
+    "vjp_order",
+    "calling_convention_version",
+    "serialization_version",
+    "fun_name",
+    "in_avals",
+    "out_avals",
+    "exported_file",
+    "exported_sha256",
+    "params",
+    "jaxexp_mlflow_version",
+}
+
+
+def _flavor_conf(model_dir: Path) -> dict:
+    return yaml.safe_load((model_dir / "MLmodel").read_text())["flavors"]["jaxexp"]
+
+
+def _local_dir(model_uri: str) -> Path:
+    return Path(mlflow.artifacts.download_artifacts(model_uri))
+
+
+def _assert_close(got, want, dtype_name: str) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype.kind in "biu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        tol = 2e-2 if want.dtype.itemsize <= 2 else 1e-5
+        np.testing.assert_allclose(
+            got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol, err_msg=dtype_name
+        )
+
+
+# -- corpus blobs logged as bytes ---------------------------------------------------------------
+
+SINGLE_DEVICE_CASES = [c for c in corpus_cases("0.10.2") if c.name != "sharded4"]
+
+
+@pytest.mark.parametrize("case", SINGLE_DEVICE_CASES, ids=case_id)
+def test_corpus_blob_round_trip(case, tracking_uri):
+    meta, inputs, outputs = load_case(case)
+    data = (case / "exported.bin").read_bytes()
+    exp = jax.export.deserialize(bytearray(data))
+    args, kwargs = jax.tree.unflatten(exp.in_tree, inputs)
+    assert kwargs == {}
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model(data, name="model", input_example=tuple(args))
+    model_dir = _local_dir(info.model_uri)
+    assert (model_dir / "exported.bin").read_bytes() == data  # stored unchanged
+    conf = _flavor_conf(model_dir)
+    assert REQUIRED_KEYS <= conf.keys()
+    assert conf["jax_version"] is None and conf["jaxlib_version"] is None  # a bare blob
+    assert conf["fun_name"] == meta["fun_name"]
+    assert conf["platforms"] == meta["platforms"]
+    assert conf["in_avals"] == meta["in_avals"] and conf["out_avals"] == meta["out_avals"]
+    assert conf["vjp_order"] == meta["vjp_order"]
+    assert conf["calling_convention_version"] == meta["calling_convention_version"]
+    assert conf["serialization_version"] == meta["serialization_version_flatbuffer"]
+    assert conf["params"] is None
+
+    model = mlflow.jaxexp.load_model(info.model_uri)
+    got = jax.tree.leaves(model(*args))
+    assert len(got) == len(outputs)
+    for g, w, spec in zip(got, outputs, meta["outputs"], strict=True):
+        _assert_close(g, w, spec["dtype"])
+
+
+def test_corpus_vjp2_grads_match(tracking_uri):
+    case = next((c for c in SINGLE_DEVICE_CASES if c.name == "vjp2"), None)
+    if case is None:
+        pytest.skip("corpus not available")
+    meta, inputs, _ = load_case(case)
+    with np.load(case / "grads.npz") as g:
+        grad1, grad2 = g["grad1"], g["grad2"]
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model((case / "exported.bin").read_bytes(), name="m")
+    model = mlflow.jaxexp.load_model(info.model_uri)
+    assert model.metadata["vjp_order"] == 2
+    x = inputs[0]
+    f = lambda x: model(x).sum()  # noqa: E731
+    np.testing.assert_allclose(jax.grad(f)(x), grad1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        jax.grad(lambda x: jax.grad(f)(x).sum())(x), grad2, rtol=1e-4, atol=1e-4
+    )
+
+
+# -- live models with params ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def logged_mlp(tracking_uri):
+    params = mlp_params()
+    x = batch(4)
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model(
+            export_mlp(params), name="model", params=params, input_example=x, vjp_order=1
+        )
+    return info, params, x
+
+
+def test_live_model_round_trip_other_process(logged_mlp, tracking_uri, tmp_path):
+    info, params, _ = logged_mlp
+    x = batch(7, seed=3)
+    np.save(tmp_path / "x.npy", x)
+    code = (
+        "import sys, numpy as np, mlflow\n"
+        "m = mlflow.jaxexp.load_model(sys.argv[1])\n"
+        "np.save(sys.argv[3], np.asarray(m(np.load(sys.argv[2]))))\n"
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            info.model_uri,
+            str(tmp_path / "x.npy"),
+            str(tmp_path / "y.npy"),
+        ],
+        check=True,
+        env={**os.environ},
+    )
+    np.testing.assert_allclose(
+        np.load(tmp_path / "y.npy"), mlp_apply(params, x), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_model_dir_layout_and_metadata(logged_mlp):
+    info, params, x = logged_mlp
+    model_dir = _local_dir(info.model_uri)
+    conf = _flavor_conf(model_dir)
+    assert REQUIRED_KEYS <= conf.keys()
+    assert conf["jax_version"] == jax.__version__
+    assert conf["params"] == "params" and (model_dir / "params").is_dir()
+    assert conf["in_avals"][-1] == "float32[b,8]" and conf["out_avals"] == ["float32[b,4]"]
+    assert conf["vjp_order"] == 1 and conf["nr_devices"] == 1 and conf["platforms"] == ["cpu"]
+    for name in ("requirements.txt", "python_env.yaml", "conda.yaml"):
+        assert (model_dir / name).is_file()
+    reqs = (model_dir / "requirements.txt").read_text()
+    for pkg in ("jax==", "jaxlib==", "flatbuffers==", "orbax-checkpoint==", "numpy=="):
+        assert pkg in reqs
+    # the reference result is the outputs of the input example
+    with np.load(model_dir / "reference/outputs.npz", allow_pickle=False) as ref:
+        np.testing.assert_allclose(ref["out_0"], mlp_apply(params, x), rtol=1e-6)
+    # no pickle anywhere: every npz loads without pickle, no pickle stream in any file
+    for f in model_dir.rglob("*"):
+        if f.is_file():
+            assert not f.read_bytes()[:2] == b"\x80\x04", f"pickle found in {f}"
+            if f.suffix == ".npz":
+                np.load(f, allow_pickle=False).close()
+
+
+def test_blob_size_does_not_grow_with_params(tracking_uri, tmp_path):
+    sizes = []
+    for d_hidden in (16, 1024):
+        params = mlp_params(d_hidden=d_hidden)
+        path = tmp_path / f"m{d_hidden}"
+        mlflow.jaxexp.save_model(export_mlp(params), path, params=params)
+        sizes.append((path / "exported.bin").stat().st_size)
+    # 64x more params (8*1024*4 bytes ~ 160 KB of weights), blob within a few bytes
+    assert abs(sizes[1] - sizes[0]) < 64
+
+
+def test_grad_through_reloaded_model_matches(logged_mlp):
+    info, params, _ = logged_mlp
+    model = mlflow.jaxexp.load_model(info.model_uri)
+    x = batch(3, seed=5)
+    want = jax.grad(lambda x: mlp_apply(params, x).sum())(x)
+    got = jax.grad(lambda x: model(x).sum())(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # wrt params, through call_with_params
+    gp = jax.grad(lambda p: model.call_with_params(p, x).sum())(model.params)
+    wp = jax.grad(lambda p: mlp_apply(p, x).sum())(params)
+    for k in params:
+        np.testing.assert_allclose(gp[k], wp[k], rtol=1e-5, atol=1e-6)
+    # works under jit too
+    np.testing.assert_allclose(jax.jit(model)(x), mlp_apply(params, x), rtol=1e-6)
+
+
+def test_grad_beyond_vjp_order_is_a_clear_error(logged_mlp):
+    info, _, _ = logged_mlp
+    model = mlflow.jaxexp.load_model(info.model_uri)
+    x = batch(2)
+    f = lambda x: jax.grad(lambda x: model(x).sum())(x).sum()  # noqa: E731
+    with pytest.raises(IncompatibleError, match=r"vjp_order=1.*order 2.*vjp_order>=2"):
+        jax.grad(f)(x)
+
+
+def test_jitted_function_is_exported_batch_polymorphic(tracking_uri):
+    params = mlp_params()
+    x = batch(4)
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model(jax.jit(mlp_apply), name="m", params=params, input_example=x)
+    model = mlflow.jaxexp.load_model(info.model_uri)
+    assert model.metadata["in_avals"][-1] == "float32[b,8]"
+    for n in (1, 9):
+        np.testing.assert_allclose(model(batch(n)), mlp_apply(params, batch(n)), rtol=1e-6)
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model(
+            jax.jit(mlp_apply), name="m", params=params, input_example=x, batch_polymorphic=False
+        )
+    assert mlflow.jaxexp.load_model(info.model_uri).metadata["in_avals"][-1] == "float32[4,8]"
+
+
+def test_flax_frozendict_and_nnx_state_params(tracking_uri):
+    from flax import nnx
+    from flax.core import FrozenDict
+
+    x = batch(3)
+    fd = FrozenDict(mlp_params())
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model(jax.jit(mlp_apply), name="fd", params=fd, input_example=x)
+    np.testing.assert_allclose(
+        mlflow.jaxexp.load_model(info.model_uri)(x), mlp_apply(fd, x), rtol=1e-6
+    )
+
+    layer = nnx.Linear(8, 2, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+
+    def apply(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model(jax.jit(apply), name="nnx", params=state, input_example=x)
+    np.testing.assert_allclose(mlflow.jaxexp.load_model(info.model_uri)(x), layer(x), rtol=1e-6)
+
+
+def test_mlflow_params_tags_and_registration_pass_through(tracking_uri):
+    params = mlp_params()
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model(
+            export_mlp(params),
+            name="m",
+            params=params,
+            mlflow_params={"lr": 0.1},
+            tags={"team": "jax"},
+            registered_model_name="mlp",
+            step=3,
+        )
+    assert info.registered_model_version == 1
+    logged = mlflow.get_logged_model(info.model_id)
+    assert logged.params == {"lr": "0.1"} and logged.tags["team"] == "jax"
+    model = mlflow.jaxexp.load_model("models:/mlp/1")
+    np.testing.assert_allclose(model(batch(2)), mlp_apply(params, batch(2)), rtol=1e-6)
+
+
+def test_artifact_path_is_a_deprecated_alias(tracking_uri):
+    params = mlp_params()
+    with mlflow.start_run(), pytest.warns(FutureWarning, match="name="):
+        info = mlflow.jaxexp.log_model(export_mlp(params), artifact_path="old", params=params)
+    assert mlflow.jaxexp.load_model(info.model_uri).has_params
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def _save(tmp_path, name="m"):
+    params = mlp_params()
+    path = tmp_path / name
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
+    return path
+
+
+def test_altered_blob_is_refused_with_checksum(tmp_path):
+    path = _save(tmp_path)
+    blob = bytearray((path / "exported.bin").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (path / "exported.bin").write_bytes(blob)
+    with pytest.raises(ArtifactError, match="checksum: expected sha256 .* found"):
+        mlflow.jaxexp.load_model(str(path))
+
+
+def test_truncated_blob_is_refused(tmp_path):
+    path = _save(tmp_path)
+    data = (path / "exported.bin").read_bytes()
+    (path / "exported.bin").write_bytes(data[:100])
+    with pytest.raises(ArtifactError, match="checksum"):
+        mlflow.jaxexp.load_model(str(path))
+    with pytest.raises(ArtifactError, match="not a valid jax.export serialization"):
+        mlflow.jaxexp.save_model(data[:100], tmp_path / "bad")
+
+
+def test_missing_checkpoint_is_refused(tmp_path):
+    path = _save(tmp_path)
+    shutil.rmtree(path / "params")
+    with pytest.raises(ArtifactError, match="params checkpoint .* is missing"):
+        mlflow.jaxexp.load_model(str(path))
+
+
+def test_mismatched_checkpoint_is_refused(tmp_path):
+    path = _save(tmp_path)
+    other = tmp_path / "other"
+    wide = mlp_params(d_hidden=32)
+    mlflow.jaxexp.save_model(export_mlp(wide), other, params=wide)
+    shutil.rmtree(path / "params")
+    shutil.copytree(other / "params", path / "params")
+    with pytest.raises(ParamsMismatchError, match=r"w1.*expected float32\[8,16\].*found"):
+        mlflow.jaxexp.load_model(str(path))
+
+
+def test_params_not_matching_export_are_refused_at_save(tmp_path):
+    params = mlp_params()
+    wrong_shape = dict(params, w1=jnp.zeros((8, 17)))
+    with pytest.raises(ParamsMismatchError, match=r"\['w1'\]: expected float32\[8,16\]"):
+        mlflow.jaxexp.save_model(export_mlp(params), tmp_path / "a", params=wrong_shape)
+    wrong_tree = {k: v for k, v in params.items() if k != "b2"}
+    with pytest.raises(ParamsMismatchError, match="structure"):
+        mlflow.jaxexp.save_model(export_mlp(params), tmp_path / "b", params=wrong_tree)
+    assert not (tmp_path / "a" / "MLmodel").exists()
+
+
+def test_unsupported_object_is_refused(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="expected a jax.export.Exported"):
+        mlflow.jaxexp.save_model({"not": "a model"}, tmp_path / "m")
+    with pytest.raises(UnsupportedModelError, match="needs an input_example"):
+        mlflow.jaxexp.save_model(jax.jit(mlp_apply), tmp_path / "n", params=mlp_params())
+
+
+def test_wrong_input_shape_is_a_clear_error(tmp_path):
+    model = mlflow.jaxexp.load_model(str(_save(tmp_path)))
+    with pytest.raises(InputError, match=r"expected \['float32\[b,8\]'\], found"):
+        model(np.zeros((2, 9), np.float32))
+
+
+def test_mlflow_jaxexp_in_fresh_interpreter_without_jax():
+    code = (
+        "import sys, mlflow\n"
+        "assert 'jax' not in sys.modules\n"
+        "f = mlflow.jaxexp.log_model\n"  # attribute access loads the flavor
+        "import mlflow.jaxexp as m\n"
+        "print(m.FLAVOR_NAME, m.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["jaxexp", "jaxexp_mlflow.flavors.jaxexp"]
