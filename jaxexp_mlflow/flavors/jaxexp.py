@@ -202,19 +202,21 @@ def load_model(
     dst_path: str | None = None,
     *,
     allow_incompatible: bool = False,
+    **options: Any,
 ) -> Any:
     """Load a jaxexp model as a callable ``JaxExpModel`` with its params bound.
 
     The model is checked (checksum, format, compatibility verdict) before JAX sees it, placed on
     the platform and devices at hand, and raises a clear error where it cannot run.
-    ``allow_incompatible=True`` tries anyway after an "incompatible" verdict.
+    ``allow_incompatible=True`` tries anyway after an "incompatible" verdict; ``options`` go to
+    the device placement (see ``runtime.devices.plan``).
     """
     from jaxexp_mlflow.runtime.loader import load_directory
 
     local_path = _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path)
     flavor_conf = _get_flavor_configuration(model_path=local_path, flavor_name=FLAVOR_NAME)
     _add_code_from_conf_to_system_path(local_path, flavor_conf)
-    return load_directory(local_path, flavor_conf, allow_incompatible=allow_incompatible)
+    return load_directory(local_path, flavor_conf, allow_incompatible=allow_incompatible, **options)
 
 
 def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:

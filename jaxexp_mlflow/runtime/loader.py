@@ -30,9 +30,15 @@ def enforce(verdict: compat.Verdict, *, allow_incompatible: bool) -> None:
 
 
 def load_directory(
-    path: str | os.PathLike, meta: dict[str, Any], *, allow_incompatible: bool = False
+    path: str | os.PathLike,
+    meta: dict[str, Any],
+    *,
+    allow_incompatible: bool = False,
+    **options: Any,
 ) -> JaxExpModel:
-    """Verify, deserialize and bind params for the model stored at ``path``."""
+    """Verify, deserialize and bind params for the model stored at ``path``.
+
+    ``options`` go to ``devices.plan`` (platform and device choices)."""
     enforce(compat.assess(meta), allow_incompatible=allow_incompatible)
     data = artifact.read_blob(path, meta)
     exported = blob.deserialize_checked(
@@ -40,7 +46,7 @@ def load_directory(
         source=str(Path(path, meta.get("exported_file", artifact.EXPORTED_FILE))),
         node_types=meta.get("pytree_node_types"),
     )
-    placement = devices.plan(exported)
+    placement = devices.plan(exported, **options)
     params = None
     if meta.get("params"):
         from jaxexp_mlflow.codec.params import restore_params

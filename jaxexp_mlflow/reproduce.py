@@ -1,0 +1,85 @@
+"""Reproduce an archived result: run the stored reference input, compare with stored outputs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxexp_mlflow import artifact
+from jaxexp_mlflow.errors import ArtifactError
+
+#: Default tolerances per dtype width: a newer XLA may differ in the last bits.
+DEFAULT_TOLERANCES = {2: (2e-2, 2e-2), 4: (1e-5, 1e-6), 8: (1e-12, 1e-14)}
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """One output leaf of the reference comparison."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: str
+    max_abs_err: float
+    max_rel_err: float
+    rtol: float
+    atol: float
+    passed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _tolerances(dtype: np.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
+    if dtype.kind in "biu":
+        return 0.0, 0.0
+    drtol, datol = DEFAULT_TOLERANCES.get(dtype.itemsize, (1e-5, 1e-6))
+    return (drtol if rtol is None else rtol), (datol if atol is None else atol)
+
+
+def compare_outputs(
+    got: list[Any], want: list[np.ndarray], *, rtol: float | None = None, atol: float | None = None
+) -> list[OutputCheck]:
+    """Compare flat output leaves with the reference, per dtype-aware tolerance."""
+    if len(got) != len(want):
+        raise ArtifactError(
+            f"The model returned {len(got)} output leaves but the reference has {len(want)}; "
+            "the reference does not belong to this model."
+        )
+    checks = []
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g = np.asarray(g)
+        r, a = _tolerances(w.dtype, rtol, atol)
+        same_shape = g.shape == w.shape and g.dtype == w.dtype
+        g64 = g.astype(np.float64) if same_shape else np.zeros(w.shape)
+        w64 = w.astype(np.float64)
+        diff = np.abs(g64 - w64)
+        max_abs = float(diff.max()) if diff.size else 0.0
+        max_rel = float((diff / np.maximum(np.abs(w64), 1e-30)).max()) if diff.size else 0.0
+        ok = same_shape and bool(np.all((diff <= a + r * np.abs(w64)) | (g64 == w64)))
+        checks.append(OutputCheck(i, tuple(w.shape), str(w.dtype), max_abs, max_rel, r, a, ok))
+    return checks
+
+
+def verify_directory(
+    model: Any, path: str | os.PathLike, *, rtol: float | None = None, atol: float | None = None
+) -> list[OutputCheck]:
+    """Run ``model`` (a loaded ``JaxExpModel``) on its stored reference input and compare."""
+    import jax
+
+    ref = artifact.read_reference(path, model.metadata)
+    if ref is None:
+        raise ArtifactError(
+            f"The model at {path} carries no reference input/outputs (it was saved without "
+            "input_example), so there is nothing to reproduce. Log it again with input_example=."
+        )
+    inputs, outputs = ref
+    # the reference holds the inputs after the params: fill the params slots, then drop them
+    leaves = [None] * model._n_param_leaves + list(inputs)
+    args, kwargs = jax.tree.unflatten(model.exported.in_tree, leaves)
+    if model.has_params:
+        args = args[1:]
+    got = jax.tree.leaves(model(*args, **kwargs))
+    return compare_outputs(got, outputs, rtol=rtol, atol=atol)
