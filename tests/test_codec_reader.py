@@ -1,0 +1,415 @@
+"""The jax-free blob reader agrees with the corpus metadata and with ``jax.export.deserialize``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxexp_mlflow.codec.reader import (
+    BlobDescription,
+    BlobFormatError,
+    TreeNode,
+    hlo_sharding_str,
+    read_blob,
+    read_blob_file,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))
+BLOBS = sorted(CORPUS.glob("jax-*/*/exported.bin")) if CORPUS.is_dir() else []
+# schema_generation detected for each writer (see docs/codec.md). jax 0.10.2 writes schema 11,
+# but only a blob with a device mesh carries a v11-only field; the others are v10 byte for byte.
+EXPECTED_GENERATION = {"0.4.35": 2, "0.6.2": 2, "0.8.3": 5, "0.10.2": 10}
+
+
+def _blob_id(path: Path) -> str:
+    return f"{path.parent.parent.name}/{path.parent.name}"
+
+
+def _need_corpus() -> None:
+    if not BLOBS:
+        pytest.skip(f"no jax.export corpus at {CORPUS} (set JAXEXP_CORPUS)")
+
+
+def _aval_str(a: dict) -> str:
+    return f"{a['dtype']}[{','.join(a['shape'])}]"
+
+
+def _none(x: str) -> str | None:
+    return None if x == "None" else x
+
+
+# -- corpus: exact values from meta.json ------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", BLOBS, ids=[_blob_id(p) for p in BLOBS])
+def test_corpus_blob_matches_meta(path: Path) -> None:
+    meta = json.loads((path.parent / "meta.json").read_text())
+    raw = path.read_bytes()
+    d = read_blob_file(path)
+    assert d.fun_name == meta["fun_name"]
+    assert d.platforms == tuple(meta["platforms"])
+    assert d.nr_devices == meta["nr_devices"]
+    assert d.in_avals == tuple(_aval_str(a) for a in meta["in_avals_struct"])
+    assert d.out_avals == tuple(_aval_str(a) for a in meta["out_avals_struct"])
+    assert d.in_tree_str() == meta["in_tree"]
+    assert d.out_tree_str() == meta["out_tree"]
+    assert d.calling_convention_version == meta["calling_convention_version_flatbuffer"]
+    assert d.serialization_version == meta["serialization_version_flatbuffer"]
+    assert d.module_kept_var_idx == tuple(meta["module_kept_var_idx"])
+    assert d.uses_global_constants is meta["uses_global_constants"]
+    assert d.vjp_order == meta["vjp_order"]
+    assert d.custom_call_targets == tuple(meta["custom_call_targets"])
+    assert d.ordered_effects == tuple(meta["ordered_effects"])
+    assert d.unordered_effects == tuple(meta["unordered_effects"])
+    assert d.disabled_safety_checks == tuple(meta["disabled_safety_checks"])
+    assert d.size == meta["serialized_size_bytes"] == len(raw)
+    assert d.sha256 == hashlib.sha256(raw).hexdigest()
+    if "in_named_shardings" in meta:  # jax 0.10.2 blobs carry NamedShardings
+        assert d.in_shardings == tuple(_none(s) for s in meta["in_named_shardings"])
+        assert d.out_shardings == tuple(_none(s) for s in meta["out_named_shardings"])
+    else:
+        assert d.in_shardings == tuple(_none(s) for s in meta["in_shardings_hlo"])
+        assert d.out_shardings == tuple(_none(s) for s in meta["out_shardings_hlo"])
+    version = meta["jax_version"]
+    expected_gen = EXPECTED_GENERATION[version]
+    if version == "0.10.2" and meta["case"] == "sharded4":
+        expected_gen = 11
+    assert d.schema_generation == expected_gen
+    assert d.schema_generation <= meta["serialization_version_source"]
+    assert d.stablehlo_producer is not None and d.stablehlo_producer.startswith("StableHLO_v")
+    assert d.module_error is None and d.unknown_fields == ()
+    json.dumps(d.to_dict())  # JSON-able
+
+
+def test_corpus_linalg_custom_calls_per_version() -> None:
+    _need_corpus()
+    got = {
+        p.parent.parent.name: read_blob_file(p).custom_call_targets
+        for p in BLOBS
+        if p.parent.name == "linalg"
+    }
+    assert got["jax-0.4.35"] == ("blas_strsm", "lapack_sgetrf_ffi", "lapack_ssyevd_ffi")
+    assert got["jax-0.10.2"] == ("lapack_sgetrf_ffi", "lapack_ssyevd_ffi", "lapack_strsm_ffi")
+
+
+# -- agreement with jax.export.deserialize -----------------------------------------------------
+
+_CUSTOM_CALL_RE = re.compile(r'custom_call\s*@"?([^\s("]+)|call_target_name\s*=\s*"([^"]*)"')
+
+
+def _jax_custom_calls(exp) -> tuple[str, ...]:
+    text = exp.mlir_module()
+    return tuple(sorted({a or b for a, b in _CUSTOM_CALL_RE.findall(text)}))
+
+
+def _jax_shardings(exp, side: str) -> tuple[str | None, ...]:
+    if exp._has_named_shardings:
+        named = getattr(exp, f"_{side}_named_shardings")
+        return tuple(None if s is None else repr(s) for s in named)
+    hlo = getattr(exp, f"{side}_shardings_hlo")
+    return tuple(None if s is None else str(s) for s in hlo)
+
+
+def _assert_agrees_with_jax(d: BlobDescription, blob: bytes) -> None:
+    from jax import export
+
+    exp = export.deserialize(bytearray(blob))
+    assert d.fun_name == exp.fun_name
+    assert d.platforms == tuple(exp.platforms)
+    assert d.nr_devices == exp.nr_devices
+    assert d.in_avals == tuple(a.str_short() for a in exp.in_avals)
+    assert d.out_avals == tuple(a.str_short() for a in exp.out_avals)
+    assert d.in_tree_str() == str(exp.in_tree)
+    assert d.out_tree_str() == str(exp.out_tree)
+    assert d.in_tree.num_leaves == exp.in_tree.num_leaves
+    assert d.in_shardings == _jax_shardings(exp, "in")
+    assert d.out_shardings == _jax_shardings(exp, "out")
+    assert d.ordered_effects == tuple(str(type(e)) for e in exp.ordered_effects)
+    assert d.unordered_effects == tuple(str(type(e)) for e in exp.unordered_effects)
+    assert d.disabled_safety_checks == tuple(str(c) for c in exp.disabled_safety_checks)
+    assert d.calling_convention_version == exp.calling_convention_version
+    assert d.module_kept_var_idx == tuple(exp.module_kept_var_idx)
+    assert d.uses_global_constants == exp.uses_global_constants
+    assert d.module_size == len(exp.mlir_module_serialized)
+    assert d.custom_call_targets == _jax_custom_calls(exp)
+    order, e = 0, exp
+    while e.has_vjp():
+        order, e = order + 1, e.vjp()
+    assert d.vjp_order == order
+
+
+@pytest.mark.parametrize("path", BLOBS, ids=[_blob_id(p) for p in BLOBS])
+def test_corpus_blob_agrees_with_jax(path: Path) -> None:
+    raw = path.read_bytes()
+    _assert_agrees_with_jax(read_blob(raw), raw)
+
+
+DTYPES = [
+    "bool",
+    "int4",
+    "uint4",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "float8_e4m3b11fnuz",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e4m3",
+    "float8_e3m4",
+    "float8_e8m0fnu",
+    "float4_e2m1fn",
+    "key<fry>",
+]
+DIMS = [0, 1, 2, 3, "a", "b", "2*a"]
+_LEAF = object()
+
+_keys = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=4)
+_trees = st.recursive(
+    st.one_of(st.just(_LEAF), st.none()),
+    lambda ch: st.one_of(
+        st.lists(ch, max_size=3),
+        st.lists(ch, max_size=3).map(tuple),
+        st.dictionaries(_keys, ch, max_size=3),
+    ),
+    max_leaves=6,
+)
+
+
+def _fill(tree, draw_leaf):
+    """Replace the _LEAF markers of a generated tree with ShapeDtypeStructs."""
+    if tree is _LEAF:
+        return draw_leaf()
+    if isinstance(tree, list):
+        return [_fill(t, draw_leaf) for t in tree]
+    if isinstance(tree, tuple):
+        return tuple(_fill(t, draw_leaf) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _fill(v, draw_leaf) for k, v in tree.items()}
+    return tree
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    args=st.lists(_trees, max_size=3),
+    kwargs=st.dictionaries(st.sampled_from(["x", "y", "params", "batch"]), _trees, max_size=2),
+    out_tree=_trees,
+    platforms=st.lists(
+        st.sampled_from(["cpu", "cuda", "tpu", "rocm"]), min_size=1, max_size=3, unique=True
+    ),
+    vjp_order=st.integers(0, 3),
+    disabled=st.lists(st.sampled_from(["platform", "my_custom_target"]), unique=True),
+)
+def test_reader_agrees_with_jax_on_generated_exports(
+    data, args, kwargs, out_tree, platforms, vjp_order, disabled
+) -> None:
+    import jax
+    from jax import export
+
+    a, b = export.symbolic_shape("a, b")
+    symbols = {"a": a, "b": b, "2*a": 2 * a}
+
+    def draw_leaf():
+        dtype_name = data.draw(st.sampled_from(DTYPES), label="dtype")
+        if dtype_name.startswith("key<"):
+            dtype = jax.random.key(0).dtype
+            differentiable_ok[0] = False
+        else:
+            dtype = jax.numpy.dtype(dtype_name)
+        dims = data.draw(st.lists(st.sampled_from(DIMS), max_size=3), label="shape")
+        return jax.ShapeDtypeStruct(tuple(symbols.get(d, d) for d in dims), dtype)
+
+    differentiable_ok = [True]
+    with jax.enable_x64(True):
+        in_args = tuple(_fill(t, draw_leaf) for t in args)
+        in_kwargs = {k: _fill(t, draw_leaf) for k, t in kwargs.items()}
+        n_in = len(jax.tree.leaves((in_args, in_kwargs)))
+        out_picks = []
+
+        def pick():
+            i = data.draw(st.integers(0, max(n_in - 1, 0)), label="out leaf")
+            out_picks.append(i)
+            return i
+
+        out_struct = _fill(out_tree, pick) if n_in else jax.tree.map(lambda _: None, out_tree)
+
+        def fun(*args, **kwargs):
+            leaves = jax.tree.leaves((args, kwargs))
+            return jax.tree.map(lambda i: leaves[i], out_struct)
+
+        fun.__name__ = "generated_fun"
+        checks = [
+            export.DisabledSafetyCheck.platform()
+            if c == "platform"
+            else export.DisabledSafetyCheck.custom_call(c)
+            for c in disabled
+        ]
+        exp = export.export(jax.jit(fun), platforms=platforms, disabled_checks=checks)(
+            *in_args, **in_kwargs
+        )
+        order = vjp_order if differentiable_ok[0] else 0
+        blob = bytes(exp.serialize(vjp_order=order))
+        d = read_blob(blob)
+        _assert_agrees_with_jax(d, blob)
+        assert d.vjp_order == order
+        assert d.fun_name == "generated_fun"
+        assert d.platforms == tuple(platforms)
+
+
+def test_custom_pytree_node_is_read_as_custom() -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    Point = namedtuple("Point", ["x", "y"])
+    try:
+        export.register_namedtuple_serialization(Point, serialized_name="tests.codec.Point")
+    except ValueError:  # already registered in this process
+        pass
+    exp = export.export(jax.jit(lambda p: Point(p.y, p.x)))(
+        Point(jax.ShapeDtypeStruct((2,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+    )
+    d = read_blob(bytes(exp.serialize()))
+    point = d.in_tree.children[0].children[0]
+    assert point.kind == "custom" and point.custom_name == "tests.codec.Point"
+    assert [c.kind for c in point.children] == ["leaf", "leaf"]
+    assert d.out_tree.kind == "custom" and d.out_tree.num_leaves == 2
+    assert d.in_avals == ("float32[2]", "int32[]")
+    assert d.schema_generation >= 3
+    assert "CustomNode(tests.codec.Point" in d.in_tree_str()
+
+
+# -- API details ----------------------------------------------------------------------------
+
+
+def test_accepts_bytes_like_and_rejects_other_types(tmp_path: Path) -> None:
+    _need_corpus()
+    raw = BLOBS[0].read_bytes()
+    expected = read_blob(raw)
+    assert read_blob(bytearray(raw)) == expected
+    assert read_blob(memoryview(raw)) == expected
+    (tmp_path / "b.bin").write_bytes(raw)
+    assert read_blob_file(tmp_path / "b.bin") == expected
+    assert read_blob_file(str(tmp_path / "b.bin")) == expected
+    with pytest.raises(TypeError):
+        read_blob("not bytes")  # type: ignore[arg-type]
+    with pytest.raises(BlobFormatError, match="at least 8 bytes"):
+        read_blob(b"")
+
+
+def test_to_dict_is_json_and_complete() -> None:
+    _need_corpus()
+    path = next(p for p in BLOBS if p.parent.name == "pytree_io")
+    d = read_blob_file(path)
+    out = json.loads(json.dumps(d.to_dict()))
+    assert out["in_tree_str"] == d.in_tree_str()
+    assert out["in_tree"]["kind"] == "tuple"
+    assert out["in_avals"] == list(d.in_avals)
+    assert out["sha256"] == d.sha256
+    assert set(BlobDescription.__dataclass_fields__) <= set(out)
+
+
+def test_tree_str_rendering() -> None:
+    leaf, none = TreeNode("leaf"), TreeNode("none")
+    t = TreeNode(
+        "tuple",
+        (
+            TreeNode("tuple", (leaf,)),
+            TreeNode("dict", (leaf, TreeNode("list", (none, leaf))), keys=("a", "b'c")),
+        ),
+    )
+    assert t.tree_str() == "PyTreeDef(((*,), {'a': *, \"b'c\": [None, *]}))"
+    assert t.num_leaves == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"type": "REPLICATED"},
+        {"type": "MAXIMAL", "tile_assignment_devices": [3]},
+        {"type": "MANUAL"},
+        {
+            "type": "OTHER",
+            "tile_assignment_dimensions": [4, 1],
+            "iota_reshape_dims": [4],
+            "iota_transpose_perm": [0],
+        },
+        {
+            "type": "OTHER",
+            "tile_assignment_dimensions": [2, 2],
+            "iota_reshape_dims": [2, 2],
+            "iota_transpose_perm": [1, 0],
+        },
+        {
+            "type": "OTHER",
+            "tile_assignment_dimensions": [2, 2],
+            "tile_assignment_devices": [0, 2, 1, 3],
+        },
+        {
+            "type": "OTHER",
+            "tile_assignment_dimensions": [2, 1, 2],
+            "iota_reshape_dims": [4],
+            "iota_transpose_perm": [0],
+            "replicate_on_last_tile_dim": True,
+        },
+        {
+            "type": "OTHER",
+            "tile_assignment_dimensions": [2, 2, 2],
+            "tile_assignment_devices": list(range(8)),
+            "last_tile_dims": ["MANUAL", "REPLICATED"],
+        },
+    ],
+)
+def test_hlo_sharding_text_matches_xla(kwargs: dict) -> None:
+    from jax._src.lib import xla_client as xc
+
+    types = xc.OpSharding.Type
+    proto = xc.OpSharding()
+    for k, v in kwargs.items():
+        if k == "type":
+            v = getattr(types, v)
+        elif k == "last_tile_dims":
+            v = [getattr(types, x) for x in v]
+        setattr(proto, k, v)
+    expected = str(xc.HloSharding.from_proto(proto))
+    assert hlo_sharding_str(proto.SerializeToString()) == expected
+
+
+def test_reader_imports_no_jax_numpy_mlflow_or_flatbuffers() -> None:
+    _need_corpus()
+    code = (
+        "import sys\n"
+        "from jaxexp_mlflow.codec.reader import read_blob_file\n"
+        f"d = read_blob_file({str(BLOBS[0])!r})\n"
+        "heavy = [m for m in ('jax', 'jaxlib', 'numpy', 'mlflow', 'flatbuffers') "
+        "if m in sys.modules]\n"
+        "print(d.fun_name, heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.strip().endswith("[]"), out
