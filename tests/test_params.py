@@ -1,0 +1,288 @@
+"""Params codec: Orbax checkpoints written, read, compared and copied (real Orbax, real files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxexp_mlflow.codec import params as P
+from jaxexp_mlflow.errors import ArtifactError, ParamsMismatchError
+
+
+def sds_tree(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+
+
+def assert_tree_equal(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert isinstance(g, jax.Array)
+        assert g.dtype == np.asarray(w).dtype and g.shape == np.shape(w)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def mixed_tree():
+    rng = np.random.default_rng(0)
+    return {
+        "dense": {
+            "w": jnp.asarray(rng.standard_normal((7, 5)), jnp.bfloat16),
+            "b": jnp.zeros((5,), jnp.float32),  # all fill value: no chunk written on disk
+        },
+        "ints": [
+            np.arange(-4, 4, dtype=np.int8),
+            np.array([0, 1, 2**32 - 1], np.uint32),
+            (np.array([True, False, True]), None),
+        ],
+        "half": np.linspace(-1, 1, 6, dtype=np.float16).reshape(2, 3),
+        "scalar": np.float32(3.5),
+        "nothing": None,
+        "empty": {},
+        "i32": jnp.arange(12, dtype=jnp.int32).reshape(3, 4),
+    }
+
+
+def test_round_trip_many_dtypes_uses_fast_path(tmp_path):
+    tree = mixed_tree()
+    desc = P.save_params(tree, tmp_path / "ck")
+    assert desc["format"] == "orbax-pytree"
+    assert desc["compression"] == "none" and desc["use_zarr3"] is True
+    assert desc["num_arrays"] == 8
+    json.dumps(desc)  # goes into MLmodel
+    target = sds_tree(tree)
+    out = P.restore_params(tmp_path / "ck", target=target)
+    want = dict(tree, scalar=np.asarray(tree["scalar"]))
+    assert_tree_equal(out, want)
+    assert out["dense"]["w"].dtype == ml_dtypes.bfloat16
+    assert isinstance(out["ints"][2], tuple)  # target structure, not Orbax's lists
+    assert P._LAST_RESTORE_STATS == {"fast": 8, "orbax": 0}
+
+
+def test_orbax_itself_restores_the_checkpoint(tmp_path):
+    tree = {"a": np.arange(10, dtype=np.float32), "b": [jnp.ones((2, 2), jnp.bfloat16)]}
+    P.save_params(tree, tmp_path / "ck")
+    restored = ocp.PyTreeCheckpointer().restore(str(tmp_path / "ck"))
+    np.testing.assert_array_equal(np.asarray(restored["a"]), tree["a"])
+    np.testing.assert_array_equal(np.asarray(restored["b"][0]), np.ones((2, 2)))
+
+
+def test_zstd_round_trip_goes_through_orbax(tmp_path):
+    tree = {"w": np.zeros((256, 64), np.float32) + 1.0, "v": np.arange(5, dtype=np.int8)}
+    desc = P.save_params(tree, tmp_path / "ck", compression="zstd")
+    assert desc["compression"] == "zstd"
+    out = P.restore_params(tmp_path / "ck", target=sds_tree(tree))
+    assert_tree_equal(out, tree)
+    assert P._LAST_RESTORE_STATS["orbax"] == 2
+    with pytest.raises(ValueError, match="compression='lz77'"):
+        P.save_params(tree, tmp_path / "ck2", compression="lz77")
+
+
+def test_flax_containers_round_trip(tmp_path):
+    from flax import nnx
+    from flax.core import FrozenDict
+
+    fd = FrozenDict({"p": {"w": jnp.arange(6.0).reshape(2, 3)}})
+    P.save_params(fd, tmp_path / "fd")
+    out = P.restore_params(tmp_path / "fd", target=sds_tree(fd))
+    assert isinstance(out, FrozenDict)
+    np.testing.assert_array_equal(np.asarray(out["p"]["w"]), np.arange(6.0).reshape(2, 3))
+
+    state = nnx.state(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), nnx.Param)
+    P.save_params(state, tmp_path / "nnx")
+    out = P.restore_params(tmp_path / "nnx", target=sds_tree(state))
+    assert type(out) is type(state)
+    np.testing.assert_array_equal(
+        np.asarray(out["kernel"].value), np.asarray(state["kernel"].value)
+    )
+    assert P._LAST_RESTORE_STATS["fast"] == 2
+
+
+def test_multi_chunk_layouts(tmp_path):
+    """Orbax-written arrays split into chunks: along axis 0 (fast path) and along axis 1."""
+    rng = np.random.default_rng(1)
+    tree = {
+        "rows": rng.standard_normal((1000, 16)).astype(np.float32),
+        "cols": rng.random((8, 999)),
+    }
+    tree["cols"] = tree["cols"].astype(np.float32)
+    save_args = {
+        "rows": ocp.SaveArgs(chunk_byte_size=64 * 97 * 4),  # uneven: last chunk is partial
+        "cols": ocp.SaveArgs(chunk_byte_size=8 * 100 * 4),
+    }
+    ck = ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True, use_compression=False)
+    )
+    ck.save(tmp_path / "ck", args=ocp.args.PyTreeSave(tree, save_args=save_args))
+    meta = json.loads((tmp_path / "ck" / "rows" / "zarr.json").read_text())
+    assert meta["codecs"][0]["configuration"]["chunk_shape"][0] < 1000  # really chunked
+    out = P.restore_params(tmp_path / "ck", target=sds_tree(tree))
+    assert_tree_equal(out, tree)
+    assert P._LAST_RESTORE_STATS["fast"] >= 1
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("saved") / "ck"
+    tree = {"params": {"w": np.ones((784, 10), np.float32), "b": np.zeros((10,), np.float32)}}
+    P.save_params(tree, d)
+    return d, tree
+
+
+def test_shape_mismatch_message(saved):
+    d, tree = saved
+    target = sds_tree(tree)
+    target["params"]["w"] = jax.ShapeDtypeStruct((784, 12), jnp.float32)
+    with pytest.raises(ParamsMismatchError) as e:
+        P.restore_params(d, target=target)
+    msg = str(e.value)
+    assert "params['params']['w']: expected float32[784,12], found float32[784,10]" in msg
+    assert "1 difference" in msg and "Log the model again" in msg
+
+
+def test_dtype_mismatch_message(saved):
+    d, tree = saved
+    target = sds_tree(tree)
+    target["params"]["b"] = jax.ShapeDtypeStruct((10,), jnp.bfloat16)
+    with pytest.raises(
+        ParamsMismatchError,
+        match=r"\['b'\]: expected bfloat16\[10\], found "
+        r"float32\[10\]",
+    ):
+        P.restore_params(d, target=target)
+
+
+def test_structure_mismatch_message(saved):
+    d, tree = saved
+    target = {
+        "params": {"w": sds_tree(tree)["params"]["w"], "c": jax.ShapeDtypeStruct((3,), jnp.float32)}
+    }
+    with pytest.raises(ParamsMismatchError) as e:
+        P.restore_params(d, target=target)
+    msg = str(e.value)
+    assert "params['params']['c']: expected float32[3], found no such array" in msg
+    assert "params['params']['b']: expected nothing there, found float32[10]" in msg
+
+
+def test_checkpoint_tree_is_metadata_only(saved):
+    d, _ = saved
+    tree = P.checkpoint_tree(d)
+    assert tree["params"]["w"] == jax.ShapeDtypeStruct((784, 10), jnp.float32)
+    assert tree["params"]["b"] == jax.ShapeDtypeStruct((10,), jnp.float32)
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, saved):
+    target = sds_tree(saved[1])
+    with pytest.raises(ArtifactError, match="not found"):
+        P.restore_params(tmp_path / "nope", target=target)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x.txt").write_text("hi")
+    with pytest.raises(ArtifactError, match="Not an Orbax PyTree checkpoint"):
+        P.restore_params(tmp_path / "junk", target=target)
+
+    tree = {"w": np.arange(4096, dtype=np.float32)}
+    P.save_params(tree, tmp_path / "bad_meta")
+    (tmp_path / "bad_meta" / "_METADATA").write_text("{not json")
+    with pytest.raises(ArtifactError):
+        P.restore_params(tmp_path / "bad_meta", target=sds_tree(tree))
+
+    P.save_params(tree, tmp_path / "trunc")
+    (chunk,) = [
+        p for p in (tmp_path / "trunc" / "w").rglob("*") if p.is_file() and p.name != "zarr.json"
+    ]
+    os.truncate(chunk, 100)
+    with pytest.raises(ArtifactError, match="Truncated|damaged"):
+        P.restore_params(tmp_path / "trunc", target=sds_tree(tree))
+
+
+def test_save_errors(tmp_path):
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(FileExistsError):
+        P.save_params({"w": np.ones(2)}, tmp_path / "exists")
+    with pytest.raises(ParamsMismatchError, match=r"params\['f'\]: expected an array"):
+        P.save_params({"f": "text"}, tmp_path / "x")
+    with pytest.raises(
+        ParamsMismatchError,
+        match=r"params\['e'\]: expected a non-empty array, "
+        r"found float32\[0,3\]",
+    ):
+        P.save_params({"e": np.zeros((0, 3), np.float32)}, tmp_path / "y")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_copy_checkpoint_from_checkpoint_manager(tmp_path):
+    tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.int8)}
+    root = tmp_path / "mgr"
+    with ocp.CheckpointManager(root, item_names=("params",)) as mgr:
+        mgr.save(7, args=ocp.args.Composite(params=ocp.args.StandardSave(tree)))
+        mgr.wait_until_finished()
+
+    desc = P.copy_checkpoint(root / "7", tmp_path / "copy1")  # step dir: item found
+    assert desc["num_arrays"] == 2 and desc["use_ocdbt"] is True
+    out = P.restore_params(tmp_path / "copy1", target=sds_tree(tree))
+    assert_tree_equal(out, tree)
+
+    P.copy_checkpoint(root / "7" / "params", tmp_path / "copy2")  # item dir
+    assert_tree_equal(P.restore_params(tmp_path / "copy2", target=sds_tree(tree)), tree)
+
+    with pytest.raises(ArtifactError, match="pass a step"):
+        P.copy_checkpoint(root, tmp_path / "copy3")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.npy").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match="Not an Orbax PyTree checkpoint"):
+        P.copy_checkpoint(tmp_path / "plain", tmp_path / "copy4")
+
+
+def test_copy_checkpoint_of_saved_params_links_files(tmp_path):
+    tree = {"w": np.arange(1000, dtype=np.float32)}
+    P.save_params(tree, tmp_path / "src")
+    P.copy_checkpoint(tmp_path / "src", tmp_path / "dst")
+    src_files = sorted(
+        p.relative_to(tmp_path / "src") for p in (tmp_path / "src").rglob("*") if p.is_file()
+    )
+    for rel in src_files:
+        assert os.path.samefile(tmp_path / "src" / rel, tmp_path / "dst" / rel)  # hardlinked
+    assert_tree_equal(P.restore_params(tmp_path / "dst", target=sds_tree(tree)), tree)
+
+
+def test_restore_into_named_sharding_on_4_devices(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import jax, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
+        from jaxexp_mlflow.codec import params as P
+        assert jax.device_count() == 4
+        tree = {{"w": np.arange(32 * 6, dtype=np.float32).reshape(32, 6),
+                 "b": np.arange(6, dtype=np.float32)}}
+        P.save_params(tree, {str(tmp_path / "ck")!r})
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        target = {{"w": jax.ShapeDtypeStruct((32, 6), np.float32,
+                                            sharding=NamedSharding(mesh, PS("x", None))),
+                   "b": jax.ShapeDtypeStruct((6,), np.float32,
+                                            sharding=NamedSharding(mesh, PS()))}}
+        out = P.restore_params({str(tmp_path / "ck")!r}, target=target)
+        assert out["w"].sharding == target["w"].sharding, out["w"].sharding
+        assert len(out["w"].addressable_shards) == 4
+        assert out["w"].addressable_shards[1].data.shape == (8, 6)
+        np.testing.assert_array_equal(np.asarray(out["w"]), tree["w"])
+        assert out["b"].sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(out["b"]), tree["b"])
+        print("OK", P._LAST_RESTORE_STATS)
+        """
+    )
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "OK" in r.stdout and "'orbax': 2" in r.stdout
