@@ -26,7 +26,7 @@ from dataclasses import dataclass
 __all__ = ["MlirBytecodeError", "MlirModuleInfo", "scan_module", "read_header"]
 
 MAGIC = b"ML\xefR"
-MAX_REGION_DEPTH = 256
+MAX_REGION_DEPTH = 100  # 3 Python frames per level: stays far below the recursion limit
 _MAX_VERSION = 6  # the newest MLIR bytecode version whose layout this reader implements
 
 # Section ids (mlir/Bytecode/Encoding.h)
@@ -163,8 +163,10 @@ def scan_module(data: bytes) -> MlirModuleInfo:
         return MlirModuleInfo(version, producer, None, str(e))
     except IndexError:
         return MlirModuleInfo(version, producer, None, "module is truncated (read past its end)")
-    except RecursionError:  # pragma: no cover - bounded by MAX_REGION_DEPTH first
-        return MlirModuleInfo(version, producer, None, "module nesting too deep")
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
+        # Defensive: the module is an opaque payload for jax.export too; whatever is wrong in
+        # it must not make the blob unreadable. Reported, never raised.
+        return MlirModuleInfo(version, producer, None, f"unreadable module ({e!r})")
     return MlirModuleInfo(version, producer, targets, None)
 
 
@@ -181,7 +183,10 @@ class _Scanner:
             if sid in sections:
                 raise MlirBytecodeError(f"duplicate section {sid}")
             sections[sid] = sec
-        for sid in (_S_STRING, _S_DIALECT, _S_ATTRTYPE, _S_ATTRTYPE_OFFSET, _S_IR):
+        required = [_S_STRING, _S_DIALECT, _S_ATTRTYPE, _S_ATTRTYPE_OFFSET, _S_IR]
+        if version >= _V_NATIVE_PROPERTIES:
+            required.append(_S_PROPERTIES)
+        for sid in required:
             if sid not in sections:
                 raise MlirBytecodeError(f"missing required section {sid}")
         self.data = data

@@ -223,10 +223,13 @@ class Table:
 def _string_at(buf: bytes, t: int, path: str) -> str:
     n = len(buf)
     length = _U32(buf, t)[0]
-    if length > n - t - 4:
+    if length >= n - t - 4:  # the bytes plus the NUL terminator, as FlatBuffers' verifier wants
         raise BlobFormatError(
-            f"{path}: string of {length} bytes does not fit in the {n - t - 4} bytes left"
+            f"{path}: string of {length} bytes (and its NUL) does not fit in the "
+            f"{n - t - 4} bytes left"
         )
+    if buf[t + 4 + length] != 0:
+        raise BlobFormatError(f"{path}: string of {length} bytes is not NUL-terminated")
     raw = buf[t + 4 : t + 4 + length]
     try:
         return raw.decode("utf-8")
