@@ -225,6 +225,10 @@ def test_copy_checkpoint_from_checkpoint_manager(tmp_path):
         mgr.save(7, args=ocp.args.Composite(params=ocp.args.StandardSave(tree)))
         mgr.wait_until_finished()
 
+    assert P.checkpoint_tree(root / "7")["w"] == jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    P.check_checkpoint(root / "7", sds_tree(tree))  # metadata only, no error
+    with pytest.raises(ParamsMismatchError, match=r"params\['b'\]: expected int8\[5\]"):
+        P.check_checkpoint(root / "7", dict(sds_tree(tree), b=jax.ShapeDtypeStruct((5,), "int8")))
     desc = P.copy_checkpoint(root / "7", tmp_path / "copy1")  # step dir: item found
     assert desc["num_arrays"] == 2 and desc["use_ocdbt"] is True
     out = P.restore_params(tmp_path / "copy1", target=sds_tree(tree))

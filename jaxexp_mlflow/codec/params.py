@@ -24,6 +24,7 @@ from jaxexp_mlflow.errors import ArtifactError, ParamsMismatchError
 __all__ = [
     "COMPRESSIONS",
     "DEFAULT_COMPRESSION",
+    "check_checkpoint",
     "checkpoint_tree",
     "copy_checkpoint",
     "describe_checkpoint",
@@ -268,14 +269,17 @@ def checkpoint_tree(directory: str | os.PathLike) -> Any:
     """The checkpoint's tree of ``jax.ShapeDtypeStruct`` (metadata only, no array data read).
 
     Containers come back as Orbax stores them: dicts and lists (tuples are stored as lists);
-    empty containers and None leaves are kept.
+    empty containers and None leaves are kept. To compare with an expected tree whose containers
+    differ (tuples, FrozenDict, nnx.State...), use :func:`check_checkpoint`. ``directory`` may
+    also be a CheckpointManager step directory holding one item.
     """
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
     from orbax.checkpoint import metadata as ocp_meta
 
-    path = _require_item_dir(directory)
+    path = Path(directory)
+    path = _require_item_dir(path if not path.is_dir() else _find_item_dir(path))
     _read_internal_metadata(path)  # ArtifactError when it is not JSON
     checkpointer = ocp.Checkpointer(_handler())
     try:
@@ -502,6 +506,27 @@ def _param_dir_name(tokens: tuple[str, ...]) -> str:
     return ".".join(tokens)
 
 
+def check_checkpoint(directory: str | os.PathLike, target: Any) -> None:
+    """Raise :class:`ParamsMismatchError` unless the checkpoint's arrays fit ``target``.
+
+    Compares leaf paths (dict keys, sequence indices and attribute names alike, so a tuple in
+    ``target`` matches the list Orbax stored), shapes and dtypes; reads metadata only. Every
+    differing leaf is listed, e.g. ``params['w']: expected float32[784,10], found
+    float32[784,12]``.
+    """
+    path = Path(directory)
+    problems = _compare(checkpoint_tree(path), target)
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ParamsMismatchError(
+            f"The params checkpoint at {path} does not match the expected params "
+            f"({len(problems)} difference(s)):\n  {shown}{more}\n"
+            "Log the model again with params that match the exported function's first "
+            "argument, or pass params of the right structure, shapes and dtypes."
+        )
+
+
 def restore_params(directory: str | os.PathLike, *, target: Any) -> Any:
     """Read the checkpoint into jax arrays laid out as ``target``.
 
@@ -519,16 +544,7 @@ def restore_params(directory: str | os.PathLike, *, target: Any) -> Any:
     import orbax.checkpoint as ocp
 
     path = _require_item_dir(directory)
-    problems = _compare(checkpoint_tree(path), target)
-    if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise ParamsMismatchError(
-            f"The params checkpoint at {path} does not match the expected params "
-            f"({len(problems)} difference(s)):\n  {shown}{more}\n"
-            "Log the model again with params that match the exported function's first "
-            "argument, or pass params of the right structure, shapes and dtypes."
-        )
+    check_checkpoint(path, target)
     default_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     meta = _read_internal_metadata(path)
     ocdbt = bool(meta.get("use_ocdbt", (path / "manifest.ocdbt").exists()))
