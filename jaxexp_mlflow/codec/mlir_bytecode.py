@@ -386,7 +386,7 @@ class _Scanner:
         if name_idx >= len(self.op_names):
             raise MlirBytecodeError(f"op name index {name_idx} out of range")
         mask = b[p]
-        p = _skip_varints(b, p + 1, 1)  # location attribute
+        p += 1 + _VLEN[b[p + 1]]  # skip the location attribute
         attr_dict = props = None
         if mask & _HAS_ATTRS:
             attr_dict, p = _varint(b, p)
@@ -522,16 +522,15 @@ def _varint(b: bytes, p: int) -> tuple[int, int]:
     return _slow_varint(b, p)
 
 
+# Encoded size of a varint from its first byte: 1 + the number of trailing zero bits (9 for 0).
+_VLEN = bytes([9] + [(c & -c).bit_length() for c in range(1, 256)])
+
+
 def _skip_varints(b: bytes, p: int, n: int) -> int:
     """Position after ``n`` varints starting at ``p`` (their values are not needed)."""
+    vlen = _VLEN
     for _ in range(n):
-        c = b[p]
-        if c & 1:
-            p += 1
-        elif c == 0:
-            p += 9
-        else:
-            p += (c & -c).bit_length()
+        p += vlen[b[p]]
     return p
 
 
