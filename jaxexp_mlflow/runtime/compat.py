@@ -1,19 +1,697 @@
-"""Compatibility verdict of an archived model against the running environment."""
+"""Compatibility verdict of an archived model against the running environment.
+
+One function, :func:`assess`, and one data structure, :class:`Verdict`, used by ``load_model``,
+the pyfunc loader and the ``jaxexp check`` command. The verdict is reached *before* anything is
+compiled or called, from the MLmodel ``jaxexp`` section (and, when given, the blob's own
+description from the jax-free reader) and a snapshot of the running environment
+(:class:`Environment`). Checks, each giving a :class:`Reason` with a ``code``:
+
+``platform``            the running platform is not among the exported ``platforms``
+``devices``             fewer devices visible than the export's ``nr_devices``
+``calling_convention``  the blob's calling convention is outside what the running jax reads
+``schema``              the blob was written with a newer serialization schema than jax reads
+``expired``             the running jax refuses blobs older than its window (jax >= 0.11.1)
+``window_backward``     exporter's jaxlib built more than 6 months before the running one
+``window_forward``      exporter's jaxlib built more than 3 weeks after the running one
+``jaxlib_unknown``      a jaxlib version the shipped release table does not know
+``custom_calls``        custom-call targets of the module the running jaxlib does not register
+
+JAX's promise (https://docs.jax.dev/en/latest/export/export.html#compatibility-guarantees) is
+stated between the *build dates* of the exporting and the consuming jaxlib; the dates come from
+``jaxexp_mlflow/data/jaxlib_releases.json`` (regenerate with
+``scripts/update_jaxlib_releases.py``). Bare blobs (logged as bytes) carry no jaxlib version:
+their build date is bracketed from what the blob itself says (serialization schema, calling
+convention, the serialization version field).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
+import functools
+import json
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
+
+OK, WARN, INCOMPATIBLE = "ok", "warn", "incompatible"
+_RANK = {OK: 0, WARN: 1, INCOMPATIBLE: 2}
+
+#: JAX's compatibility window, between the build dates of the exporting and consuming jaxlib.
+BACKWARD_WINDOW = dt.timedelta(days=183)  # 6 months
+FORWARD_WINDOW = dt.timedelta(days=21)  # 3 weeks
+
+#: Dates of the jax.export serialization schema versions (jax/_src/export/serialization.py).
+#: A blob showing fields of schema N was written by a jaxlib built on or after that date.
+SCHEMA_DATES = {
+    1: dt.date(2023, 11, 1),
+    2: dt.date(2023, 12, 16),
+    3: dt.date(2024, 10, 16),
+    4: dt.date(2025, 4, 7),
+    5: dt.date(2025, 11, 23),
+    6: dt.date(2026, 1, 15),
+    8: dt.date(2026, 3, 12),
+    9: dt.date(2026, 3, 17),
+    10: dt.date(2026, 4, 4),
+    11: dt.date(2026, 5, 15),
+}
+#: Blob signals only older writers produce (by default): value -> first jax that writes newer.
+CALLING_CONVENTION_WRITTEN_UNTIL = {9: "0.7.0"}  # jax 0.7.0 made calling convention 10 default
+SERIALIZATION_FIELD_WRITTEN_UNTIL = {2: "0.8.0"}  # the flatbuffer field reads 3 from jax 0.8.0
+#: jax >= 0.11.1 refuses blobs older than its backward window, and schemas before 6 at all.
+ENFORCING_JAX = (0, 11, 1)
+OLDEST_SCHEMA_READ_BY_ENFORCING_JAX = 6
+EXPIRED_FLAG = "jax_export_deserialize_expired_versions"
+
+#: Custom-call targets handled by JAX/XLA themselves (never in a runtime registry).
+BUILTIN_TARGETS = frozenset(
+    {
+        "shape_assertion",
+        "Sharding",
+        "SPMDFullToShardShape",
+        "SPMDShardToFullShape",
+        "annotate_device_placement",
+        "AllocateBuffer",
+        "ApproxTopK",
+        "Eigh",
+        "Qr",
+        "LuDecomposition",
+        "ProductOfElementaryHouseholderReflectors",
+        "MoveToHost",
+        "MoveToDevice",
+        "LayoutConstraint",
+        "PartialReduce",
+        "TopK",
+        "X64Combine",
+        "X64SplitLow",
+        "X64SplitHigh",
+        "dce_sink",
+        "local_sharding",
+    }
+)
+_BUILTIN_PREFIXES = ("stablehlo.", "mhlo.", "xla.", "sdy.", "chlo.")
+#: Which platform a custom-call target belongs to, by name (the kernels jaxlib ships).
+_PLATFORM_PREFIXES = (
+    ("cpu", ("lapack_", "blas_", "ducc_", "cpu_", "xla_python_cpu", "xla_ffi_python_cpu")),
+    ("cuda", ("cu_", "cusolver", "cusparse", "cublas", "cudnn", "cuda_", "mosaic_gpu")),
+    ("rocm", ("hip_", "hipsolver", "hipsparse", "hipblas", "rocm_")),
+    ("tpu", ("tpu_custom_call",)),
+    ("gpu", ("triton_kernel_call", "xla_python_gpu", "xla_ffi_python_gpu", "gpu_")),
+)
+
+
+# -- reasons and verdicts ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One finding: what is wrong (``message``), what to do about it (``action``)."""
+
+    code: str
+    severity: str  # "warn" or "incompatible"
+    message: str
+    action: str
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message} {self.action}"
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-able form."""
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """ok / warn / incompatible, with one reason (and what to do) per finding."""
+    """ok / warn / incompatible, with one reason (and what to do) per finding.
 
-    status: str = "ok"
-    reasons: tuple[str, ...] = field(default_factory=tuple)
+    ``environment`` is the snapshot the verdict was made against and ``exporter`` what is known
+    or estimated of the exporting jaxlib (version, build date or date bounds).
+    """
+
+    status: str = OK
+    reasons: tuple[Reason, ...] = field(default_factory=tuple)
+    environment: dict[str, Any] = field(default_factory=dict)
+    exporter: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True unless the verdict is ``incompatible``."""
+        return self.status != INCOMPATIBLE
+
+    def codes(self) -> list[str]:
+        """The reason codes, in order."""
+        return [r.code for r in self.reasons]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (what ``jaxexp check --json`` prints)."""
+        return {
+            "status": self.status,
+            "reasons": [r.to_dict() for r in self.reasons],
+            "environment": dict(self.environment),
+            "exporter": dict(self.exporter),
+        }
+
+    def __str__(self) -> str:
+        lines = [f"compatibility: {self.status}"]
+        lines += [f"- {r}" for r in self.reasons]
+        return "\n".join(lines)
 
 
-def assess(meta: dict[str, Any]) -> Verdict:
-    """Judge whether the model described by ``meta`` (MLmodel ``jaxexp`` section) runs here."""
-    return Verdict()
+# -- the release table ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def release_table() -> dict[str, Any]:
+    """The shipped jaxlib release table (package data), parsed once."""
+    text = resources.files("jaxexp_mlflow").joinpath("data/jaxlib_releases.json").read_text()
+    return json.loads(text)
+
+
+def _vkey(version: str) -> tuple[int, ...]:
+    nums = re.match(r"^\s*v?(\d+(?:\.\d+)*)", version or "")
+    return tuple(int(x) for x in nums.group(1).split(".")) if nums else ()
+
+
+def release_date(version: str | None) -> dt.date | None:
+    """Build date of a jaxlib version: from the table, or from a ``.devYYYYMMDD`` suffix."""
+    if not version:
+        return None
+    entry = release_table()["releases"].get(version)
+    if entry is None:
+        base = re.sub(r"\+.*$", "", version)
+        entry = release_table()["releases"].get(base)
+    if entry is not None:
+        return dt.date.fromisoformat(entry["date"])
+    m = re.search(r"dev(\d{8})", version)
+    if m:
+        try:
+            return dt.datetime.strptime(m.group(1), "%Y%m%d").date()
+        except ValueError:
+            return None
+    return None
+
+
+def _releases() -> list[tuple[str, dt.date]]:
+    rows = release_table()["releases"].items()
+    return [(v, dt.date.fromisoformat(e["date"])) for v, e in rows if not e.get("yanked")]
+
+
+def newest_release_before(limit: dt.date) -> str | None:
+    """The newest (non-yanked) jaxlib released on or before ``limit``."""
+    best = [(d, _vkey(v), v) for v, d in _releases() if d <= limit]
+    return max(best)[2] if best else None
+
+
+def oldest_release_after(limit: dt.date) -> str | None:
+    """The oldest (non-yanked) jaxlib released on or after ``limit``."""
+    best = [(d, _vkey(v), v) for v, d in _releases() if d >= limit]
+    return min(best)[2] if best else None
+
+
+def _months(delta: dt.timedelta) -> str:
+    days = abs(delta.days)
+    return f"{days} days" if days < 62 else f"{days / 30.44:.0f} months"
+
+
+# -- the running environment ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the verdict needs to know about where the model would run.
+
+    Every field may be ``None`` (unknown), in which case the checks that need it are skipped.
+    """
+
+    jax_version: str | None = None
+    jaxlib_version: str | None = None
+    platform: str | None = None
+    available_platforms: tuple[str, ...] = ()
+    device_count: int | None = None
+    calling_convention_range: tuple[int, int] | None = None
+    max_schema: int | None = None
+    enforces_window: bool | None = None
+    custom_call_targets: frozenset[str] | None = None
+
+    @classmethod
+    def current(cls) -> Environment:
+        """Snapshot of the running jax: versions, backend, devices, registered custom calls.
+
+        Initializes the default backend (needed anyway to run the model); compiles nothing.
+        """
+        import jax
+        from jax import export as jax_export
+
+        from jaxexp_mlflow.codec.metadata import package_version
+
+        platform = jax.default_backend()
+        devices = jax.devices()
+        available = [platform]
+        if platform != "cpu":
+            try:
+                if jax.devices("cpu"):
+                    available.append("cpu")
+            except RuntimeError:
+                pass
+        return cls(
+            jax_version=jax.__version__,
+            jaxlib_version=package_version("jaxlib"),
+            platform=platform,
+            available_platforms=tuple(available),
+            device_count=len(devices),
+            calling_convention_range=(
+                int(jax_export.minimum_supported_calling_convention_version),
+                int(jax_export.maximum_supported_calling_convention_version),
+            ),
+            max_schema=_running_schema(),
+            enforces_window=hasattr(jax.config, EXPIRED_FLAG),
+            custom_call_targets=registered_custom_call_targets(platform),
+        )
+
+    def replace(self, **changes: Any) -> Environment:
+        """A copy with ``changes`` applied (used to judge against another environment)."""
+        if "custom_call_targets" in changes and changes["custom_call_targets"] is not None:
+            changes["custom_call_targets"] = frozenset(changes["custom_call_targets"])
+        for key in ("available_platforms",):
+            if key in changes and changes[key] is not None:
+                changes[key] = tuple(changes[key])
+        if "calling_convention_range" in changes and changes["calling_convention_range"]:
+            changes["calling_convention_range"] = tuple(changes["calling_convention_range"])
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (custom-call targets as a count: the list is long)."""
+        d = dataclasses.asdict(self)
+        d["available_platforms"] = list(self.available_platforms)
+        if self.calling_convention_range is not None:
+            d["calling_convention_range"] = list(self.calling_convention_range)
+        targets = self.custom_call_targets
+        d["custom_call_targets"] = None if targets is None else len(targets)
+        d["jaxlib_build_date"] = _iso(release_date(self.jaxlib_version))
+        return d
+
+
+def _running_schema() -> int | None:
+    try:
+        from jax._src.export import serialization
+    except ImportError:
+        return None
+    version = getattr(serialization, "_SERIALIZATION_VERSION", None)
+    return int(version) if isinstance(version, int) else None
+
+
+def registered_custom_call_targets(platform: str) -> frozenset[str] | None:
+    """Custom-call targets the running jaxlib registers for ``platform`` (no compilation).
+
+    Reads jaxlib's own registry (``xla_client.custom_call_targets``) after backend start-up,
+    which is when jaxlib registers its kernels (LAPACK on CPU, cuSOLVER on GPU, ...). Returns
+    ``None`` if this jaxlib offers no way to list them.
+    """
+    try:
+        from jax._src.lib import xla_client
+    except ImportError:
+        return None
+    lister = getattr(xla_client, "custom_call_targets", None)
+    if lister is None:
+        return None
+    names: set[str] = set()
+    xla_names = {"cpu": ("cpu", "Host"), "cuda": ("CUDA", "cuda"), "rocm": ("ROCM", "rocm")}
+    for name in xla_names.get(platform, (platform,)):
+        try:
+            names.update(lister(name))
+        except Exception:  # unknown platform name for this registry
+            continue
+    return frozenset(names)
+
+
+def target_platform(target: str) -> str | None:
+    """The platform a custom-call target belongs to, from its name; None if it is generic."""
+    for platform, prefixes in _PLATFORM_PREFIXES:
+        if target.startswith(prefixes):
+            return platform
+    return None
+
+
+def _is_builtin(target: str) -> bool:
+    return target in BUILTIN_TARGETS or target.startswith(_BUILTIN_PREFIXES)
+
+
+# -- the exporter's build date -------------------------------------------------------------------
+
+
+def exporter_dates(
+    meta: Mapping[str, Any], description: Any = None
+) -> tuple[str | None, dt.date | None, dt.date | None, list[str]]:
+    """(version, earliest, latest, evidence) of the exporting jaxlib's build date.
+
+    With a recorded ``jaxlib_version`` known to the table, earliest == latest. For bare blobs
+    the date is bracketed from the blob's own signals; either bound may be ``None``.
+    """
+    version = meta.get("jaxlib_version")
+    if version:
+        d = release_date(version)
+        return version, d, d, [f"jaxlib {version}"]
+    evidence: list[str] = []
+    lows: list[dt.date] = []
+    highs: list[dt.date] = []
+    schema = getattr(description, "schema_generation", None) or meta.get("schema_generation")
+    if schema:
+        known = [g for g in SCHEMA_DATES if g <= int(schema)]
+        if known:
+            lows.append(SCHEMA_DATES[max(known)])
+            evidence.append(f"serialization schema {schema}")
+    ser = meta.get("serialization_version") or getattr(description, "serialization_version", None)
+    if ser is not None:
+        until = SERIALIZATION_FIELD_WRITTEN_UNTIL.get(int(ser))
+        if until and (d := release_date(until)):
+            highs.append(d)
+            evidence.append(f"serialization version field {ser}")
+        elif int(ser) >= 3 and (d := release_date("0.8.0")):
+            lows.append(d)
+            evidence.append(f"serialization version field {ser}")
+    cc = meta.get("calling_convention_version")
+    if cc is None:
+        cc = getattr(description, "calling_convention_version", None)
+    if cc is not None:
+        until = CALLING_CONVENTION_WRITTEN_UNTIL.get(int(cc))
+        if until and (d := release_date(until)):
+            highs.append(d)
+            evidence.append(f"calling convention {cc}")
+    earliest = max(lows) if lows else None
+    latest = min(highs) if highs else None
+    if earliest and latest and latest < earliest:  # contradictory signals: trust the schema
+        latest = None
+    return None, earliest, latest, evidence
+
+
+def _iso(d: dt.date | None) -> str | None:
+    return d.isoformat() if d else None
+
+
+# -- the verdict ---------------------------------------------------------------------------------
+
+
+def _coerce_env(env: Environment | Mapping[str, Any] | None) -> Environment:
+    if env is None:
+        return Environment.current()
+    if isinstance(env, Environment):
+        return env
+    return Environment.current().replace(**dict(env))
+
+
+def _targets(meta: Mapping[str, Any], description: Any) -> Sequence[str] | None:
+    targets = meta.get("custom_call_targets")
+    if targets is None and description is not None:
+        targets = description.custom_call_targets
+    return None if targets is None else list(targets)
+
+
+def assess(
+    meta: Mapping[str, Any],
+    *,
+    description: Any = None,
+    env: Environment | Mapping[str, Any] | None = None,
+    allow_other_platform: bool = False,
+) -> Verdict:
+    """Judge whether the model described by ``meta`` (MLmodel ``jaxexp`` section) runs here.
+
+    ``description`` is the blob's ``BlobDescription`` (codec reader) when at hand: it fills in
+    what ``meta`` lacks (schema generation, custom-call targets of bare blobs). ``env`` is the
+    environment to judge against: ``None`` for the running one, an :class:`Environment`, or a
+    mapping of fields to override in the running one (e.g. ``{"jaxlib_version": "0.12.0"}``).
+    ``allow_other_platform`` turns a platform mismatch into a warning (the load option of the
+    same name disables JAX's platform check).
+    """
+    env = _coerce_env(env)
+    reasons: list[Reason] = []
+
+    def add(code: str, severity: str, message: str, action: str) -> None:
+        reasons.append(Reason(code, severity, message, action))
+
+    platforms = list(meta.get("platforms") or getattr(description, "platforms", ()) or [])
+    nr_devices = int(meta.get("nr_devices") or getattr(description, "nr_devices", 1) or 1)
+    exporter_jax = meta.get("jax_version")
+
+    # platform
+    runnable = [p for p in platforms if p in (env.available_platforms or (env.platform,))]
+    if platforms and env.platform and not runnable:
+        msg = (
+            f"The model was exported for platforms {platforms}, but this machine runs JAX on "
+            f"{env.platform!r}."
+        )
+        if allow_other_platform:
+            add(
+                "platform",
+                WARN,
+                msg + " Running anyway (allow_other_platform=True disables JAX's platform check);"
+                " results may differ or fail.",
+                "Re-export for this platform to make it supported (save_model(..., "
+                f"platforms=({', '.join(repr(p) for p in [*platforms, env.platform])}))).",
+            )
+        else:
+            add(
+                "platform",
+                INCOMPATIBLE,
+                msg,
+                f"Run it on a {'/'.join(platforms)} machine, re-export it including "
+                f"{env.platform!r} (save_model(..., platforms=[..., {env.platform!r}])), or pass "
+                "allow_other_platform=True to try anyway.",
+            )
+    run_platform = runnable[0] if runnable else env.platform
+
+    # devices
+    if env.device_count is not None and nr_devices > env.device_count:
+        if run_platform == "cpu":
+            how = (
+                f"set XLA_FLAGS=--xla_force_host_platform_device_count={nr_devices} before the "
+                "process starts JAX"
+            )
+        else:
+            how = f"run it on a machine or slice with {nr_devices} {run_platform} devices"
+        add(
+            "devices",
+            INCOMPATIBLE,
+            f"The model was exported for {nr_devices} devices, but only {env.device_count} "
+            f"{run_platform} device(s) are visible.",
+            f"Expose {nr_devices} devices: {how}.",
+        )
+
+    # calling convention
+    cc = meta.get("calling_convention_version")
+    if cc is None and description is not None:
+        cc = description.calling_convention_version
+    if cc is not None and env.calling_convention_range is not None:
+        lo, hi = env.calling_convention_range
+        cc = int(cc)
+        if cc < lo:
+            add(
+                "calling_convention",
+                INCOMPATIBLE,
+                f"The blob uses calling convention {cc}; jax {env.jax_version} reads "
+                f"{lo}..{hi} only (it dropped support for {cc}).",
+                "Load it with an older jax that still reads it"
+                + (f" (the exporter's jax {exporter_jax})" if exporter_jax else "")
+                + " and refresh it there (jaxexp_mlflow.refresh / `jaxexp refresh`).",
+            )
+        elif cc > hi:
+            add(
+                "calling_convention",
+                INCOMPATIBLE,
+                f"The blob uses calling convention {cc}, newer than jax {env.jax_version} reads "
+                f"({lo}..{hi}).",
+                "Upgrade jax and jaxlib"
+                + (f" to {exporter_jax} or newer" if exporter_jax else " to a newer release")
+                + ".",
+            )
+
+    # serialization schema (a newer writer than this reader)
+    schema = getattr(description, "schema_generation", None)
+    if schema and env.max_schema and schema > env.max_schema:
+        add(
+            "schema",
+            INCOMPATIBLE,
+            f"The blob was written with serialization schema {schema}; jax {env.jax_version} "
+            f"knows schemas up to {env.max_schema} and would misread it.",
+            "Upgrade jax and jaxlib"
+            + (f" to {exporter_jax} or newer" if exporter_jax else " to the newest release")
+            + ".",
+        )
+
+    # build-date window
+    exporter = _window(meta, description, env, add)
+
+    # custom calls
+    _custom_calls(_targets(meta, description), run_platform, env, meta, exporter, add)
+
+    status = max((r.severity for r in reasons), key=_RANK.__getitem__, default=OK)
+    return Verdict(status, tuple(reasons), env.to_dict(), exporter)
+
+
+def _window(meta: Mapping[str, Any], description: Any, env: Environment, add: Any) -> dict:
+    version, earliest, latest, evidence = exporter_dates(meta, description)
+    exporter = {
+        "jax_version": meta.get("jax_version"),
+        "jaxlib_version": version,
+        "build_date_earliest": _iso(earliest),
+        "build_date_latest": _iso(latest),
+        "evidence": evidence,
+    }
+    table_note = (
+        "Update the table: upgrade jaxexp-mlflow, or run scripts/update_jaxlib_releases.py "
+        "from its source tree."
+    )
+    if version and earliest is None:
+        add(
+            "jaxlib_unknown",
+            WARN,
+            f"The exporter's jaxlib {version} is not in the release table (of "
+            f"{release_table().get('generated')}), so the 6-month/3-week window cannot be checked.",
+            table_note,
+        )
+    here = release_date(env.jaxlib_version)
+    if env.jaxlib_version and here is None:
+        add(
+            "jaxlib_unknown",
+            WARN,
+            f"This jaxlib {env.jaxlib_version} is not in the release table (of "
+            f"{release_table().get('generated')}), so the 6-month/3-week window cannot be checked.",
+            table_note,
+        )
+    enforcing = env.enforces_window
+    if enforcing is None and env.jax_version:
+        enforcing = _vkey(env.jax_version) >= ENFORCING_JAX
+    who = f"jaxlib {version}" if version else "the exporting jaxlib"
+    when_latest = f"built {latest}" if version else f"built on or before {latest}"
+    schema = getattr(description, "schema_generation", None)
+    if enforcing and schema and schema < OLDEST_SCHEMA_READ_BY_ENFORCING_JAX:
+        add(
+            "expired",
+            INCOMPATIBLE,
+            f"jax {env.jax_version} no longer deserializes blobs of serialization schema "
+            f"{schema} (written before {SCHEMA_DATES[OLDEST_SCHEMA_READ_BY_ENFORCING_JAX]}).",
+            f"Install jax/jaxlib {_suggest_back(latest or earliest)} in another environment, "
+            "load the model there and refresh it (jaxexp_mlflow.refresh).",
+        )
+    if here is None:
+        return exporter
+    if latest is not None and here - latest > BACKWARD_WINDOW:
+        age = _months(here - latest)
+        base = (
+            f"{who} ({when_latest}) is {age} older than this jaxlib {env.jaxlib_version} "
+            f"(built {here}): outside JAX's 6-month backward compatibility window"
+            + (f" (estimated from {', '.join(evidence)})" if not version else "")
+            + "."
+        )
+        if enforcing:
+            add(
+                "window_backward",
+                INCOMPATIBLE,
+                base + f" jax {env.jax_version} refuses to deserialize it.",
+                f"Install jax/jaxlib {_suggest_back(latest)}, load the model there and refresh "
+                f"it (jaxexp_mlflow.refresh); or set "
+                f"jax.config.update({EXPIRED_FLAG!r}, True) and pass allow_incompatible=True "
+                "to try anyway.",
+            )
+        else:
+            add(
+                "window_backward",
+                WARN,
+                base + " It may still run, but JAX no longer promises it, and jax >= 0.11.1 "
+                "refuses such blobs.",
+                "Refresh it now while this jax still reads it (jaxexp_mlflow.refresh(model_uri) "
+                "or `jaxexp refresh`), which also checks it reproduces its reference outputs.",
+            )
+    if earliest is not None and earliest - here > FORWARD_WINDOW:
+        age = _months(earliest - here)
+        when = f"built {earliest}" if version else f"built on or after {earliest}"
+        target = oldest_release_after(earliest - FORWARD_WINDOW)
+        add(
+            "window_forward",
+            WARN,
+            f"{who} ({when}) is {age} newer than this jaxlib {env.jaxlib_version} (built {here}): "
+            "outside JAX's 3-week forward compatibility window; it may use features this "
+            "jaxlib lacks.",
+            f"Upgrade jax and jaxlib (pip install -U 'jaxlib>={target or version}' "
+            "with the matching jax).",
+        )
+    return exporter
+
+
+def _suggest_back(exported_on: dt.date | None) -> str:
+    """Which jax/jaxlib to install to read a blob built on ``exported_on`` (outside the window)."""
+    last_lenient = newest_release_before(
+        (release_date(".".join(map(str, ENFORCING_JAX))) or dt.date.max) - dt.timedelta(days=1)
+    )
+    lenient = f"=={last_lenient} (the newest release that does not enforce the window)"
+    if exported_on is None:
+        return lenient if last_lenient else "of the exporter's era"
+    v = newest_release_before(exported_on + BACKWARD_WINDOW)
+    if v is None or v == last_lenient:
+        return lenient if last_lenient else "of the exporter's era"
+    inside = f"=={v} (the newest release JAX guarantees to read it)"
+    return f"{inside} or {lenient}" if last_lenient else inside
+
+
+def _custom_calls(
+    targets: Sequence[str] | None,
+    platform: str | None,
+    env: Environment,
+    meta: Mapping[str, Any],
+    exporter: dict,
+    add: Any,
+) -> None:
+    if not targets or env.custom_call_targets is None or platform is None:
+        return
+    registered = env.custom_call_targets
+    missing = []
+    for t in targets:
+        if _is_builtin(t) or t in registered:
+            continue
+        owner = target_platform(t)
+        if (
+            owner is not None
+            and owner != platform
+            and not (
+                owner == "gpu"
+                and platform
+                in {
+                    "cuda",
+                    "rocm",
+                }
+            )
+        ):
+            continue  # the lowering for another platform: not compiled here
+        missing.append(t)
+    if not missing:
+        return
+    exporter_lib = meta.get("jaxlib_version") or exporter.get("jaxlib_version")
+    kernels = [t for t in missing if target_platform(t)]
+    if kernels:
+        where = (
+            f"the exporter's jaxlib {exporter_lib}"
+            if exporter_lib
+            else "a jaxlib of the exporter's era"
+            + (
+                f" (built on or before {exporter['build_date_latest']})"
+                if exporter.get("build_date_latest")
+                else ""
+            )
+        )
+        action = (
+            f"Run it with {where}, which has these kernels; to move to this jaxlib, export the "
+            "function again from its Python source (a refresh keeps the old kernel calls)."
+        )
+    else:
+        action = (
+            "Register them before loading (jax.ffi.register_ffi_target, e.g. by importing the "
+            "library that provides them), or pass allow_incompatible=True to try anyway."
+        )
+    add(
+        "custom_calls",
+        INCOMPATIBLE,
+        f"The module calls custom-call targets {missing} that jaxlib {env.jaxlib_version} does "
+        f"not register on {platform}; calling it would fail with NOT_FOUND.",
+        action,
+    )
