@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.export  # jax < 0.8 does not import the submodule by itself
 
 from jaxexp_mlflow.errors import UnsupportedModelError
 

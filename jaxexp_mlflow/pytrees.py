@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import jax
+import jax.export  # jax < 0.8 does not import the submodule by itself
 
 from jaxexp_mlflow.errors import UnsupportedModelError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.export  # jax < 0.8 does not import the submodule by itself
 import jax.numpy as jnp
 import numpy as np
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.export  # jax < 0.8 does not import the submodule by itself
 import jax.numpy as jnp
 import mlflow
 import numpy as np
@@ -66,7 +67,12 @@ def _assert_close(got, want, dtype_name: str) -> None:
 
 # -- corpus blobs logged as bytes ---------------------------------------------------------------
 
-SINGLE_DEVICE_CASES = [c for c in corpus_cases("0.10.2") if c.name != "sharded4"]
+def _corpus_version() -> str:
+    """The corpus written by the running jax (0.10.2 here; the oldest supported jax in CI)."""
+    return jax.__version__ if corpus_cases(jax.__version__) else "0.10.2"
+
+
+SINGLE_DEVICE_CASES = [c for c in corpus_cases(_corpus_version()) if c.name != "sharded4"]
 
 
 @pytest.mark.parametrize("case", SINGLE_DEVICE_CASES, ids=case_id)
@@ -226,7 +232,9 @@ def test_jitted_function_is_exported_batch_polymorphic(tracking_uri):
     model = mlflow.jaxexp.load_model(info.model_uri)
     assert model.metadata["in_avals"][-1] == "float32[b,8]"
     for n in (1, 9):
-        np.testing.assert_allclose(model(batch(n)), mlp_apply(params, batch(n)), rtol=1e-6)
+        np.testing.assert_allclose(
+            model(batch(n)), mlp_apply(params, batch(n)), rtol=1e-5, atol=1e-6
+        )
     with mlflow.start_run():
         info = mlflow.jaxexp.log_model(
             jax.jit(mlp_apply), name="m", params=params, input_example=x, batch_polymorphic=False
@@ -235,8 +243,11 @@ def test_jitted_function_is_exported_batch_polymorphic(tracking_uri):
 
 
 def test_flax_frozendict_and_nnx_state_params(tracking_uri):
+    flax = pytest.importorskip("flax")
     from flax import nnx
     from flax.core import FrozenDict
+
+    assert flax
 
     x = batch(3)
     fd = FrozenDict(mlp_params())

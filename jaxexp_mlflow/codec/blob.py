@@ -59,6 +59,7 @@ def deserialize_checked(
     describe(data, source=source)
 
     import jax
+    import jax.export
 
     from jaxexp_mlflow.pytrees import register_for_load
 

@@ -108,7 +108,7 @@ def write_model_files(
         params_path = artifact.PARAMS_DIR
         target = Path(path, params_path)
         if isinstance(params, str | os.PathLike):
-            artifact.check_params(exp, params_codec.checkpoint_tree(params))
+            params_codec.check_checkpoint(params, artifact.params_target(exp))
             params_conf = params_codec.copy_checkpoint(params, target)
             n_params = artifact.params_treedef(exp).num_leaves
         else:
@@ -138,7 +138,7 @@ def write_model_files(
     if input_example is not None:
         bound = params
         if isinstance(params, str | os.PathLike):  # an on-disk checkpoint: read it to run once
-            bound = params_codec.restore_params(params, target=artifact.params_target(exp))
+            bound = params_codec.restore_params(target, target=artifact.params_target(exp))
         outputs = JaxExpModel(exp, bound, conf)(*as_args(input_example))
         conf["reference"] = artifact.write_reference(path, as_args(input_example), outputs)
     return conf
