@@ -212,7 +212,7 @@ def _fill(tree, draw_leaf):
     return tree
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
     args=st.lists(_trees, max_size=3),
