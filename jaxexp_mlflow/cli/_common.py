@@ -1,0 +1,179 @@
+"""What every ``jaxexp`` command shares: options, error handling, progress, output helpers.
+
+Nothing heavy is imported here (no jax, no mlflow, no numpy): ``jaxexp inspect`` must stay cheap
+and must never load jax. Exit codes: 0 success, 1 when the answer is "no" (incompatible,
+mismatch), 2 for usage or input errors (click's own usage errors also exit 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import click
+
+EXIT_OK = 0
+EXIT_NO = 1
+EXIT_INPUT = 2
+
+
+class Failure(Exception):
+    """A command's answer is "no" (mismatch, incompatible): exit 1 with this one-line message."""
+
+    exit_code = EXIT_NO
+
+
+class InputProblem(Exception):
+    """The user's input cannot be used (bad file, unknown URI): exit 2 with this message."""
+
+    exit_code = EXIT_INPUT
+
+
+#: Errors raised on purpose, with messages written for the user: no type name, no hint.
+_EXPECTED = {"JaxExpError", "Failure", "InputProblem", "MlflowException"}
+
+
+def _class_names(err: BaseException) -> set[str]:
+    return {c.__name__ for c in type(err).__mro__}
+
+
+def exit_code_for(err: BaseException) -> int:
+    """1 for "no" answers (incompatible, mismatch), 2 for everything else that went wrong.
+
+    Classes are matched by name so that this module does not import ``jaxexp_mlflow.errors``
+    (which imports mlflow).
+    """
+    if isinstance(err, Failure | InputProblem):
+        return err.exit_code
+    if "IncompatibleError" in _class_names(err):
+        return EXIT_NO
+    return EXIT_INPUT
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line (MLflow errors carry ``.message``)."""
+    message = getattr(err, "message", None) or str(err) or type(err).__name__
+    text = " ".join(str(message).split())
+    if not (_EXPECTED & _class_names(err)):
+        text = f"{type(err).__name__}: {text}"
+    return text
+
+
+class Command(click.Command):
+    """A click command that turns exceptions into a one-line error and the right exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            click.echo("jaxexp: interrupted", err=True)
+            ctx.exit(130)
+        except Exception as err:  # noqa: BLE001 - the CLI's job is to report it
+            code = exit_code_for(err)
+            if ctx.params.get("debug"):
+                traceback.print_exc()
+            message = one_line(err)
+            if ctx.params.get("as_json"):
+                emit_json(
+                    {
+                        "ok": False,
+                        "error": {"type": type(err).__name__, "message": message},
+                        "exit_code": code,
+                    }
+                )
+            expected = _EXPECTED & _class_names(err)
+            hint = "" if expected or ctx.params.get("debug") else " (--debug shows the traceback)"
+            click.echo(f"jaxexp {ctx.info_name}: error: {message}{hint}", err=True)
+            ctx.exit(code)
+
+
+def common_options(fn: Callable) -> Callable:
+    """``--json`` and ``--debug``, on every command."""
+    fn = click.option("--debug", is_flag=True, help="Show tracebacks and library log messages.")(fn)
+    fn = click.option(
+        "--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout."
+    )(fn)
+    return fn
+
+
+def setup_logging(debug: bool) -> None:
+    """Quiet library chatter (absl/Orbax INFO and WARNING lines) unless ``--debug``."""
+    if debug:
+        logging.basicConfig(level=logging.INFO)
+        return
+    for name in ("absl", "orbax", "jax._src.xla_bridge"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if not sys.stderr.isatty():  # MLflow's tqdm download bars only on a terminal
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+# -- progress ---------------------------------------------------------------------------------
+
+
+def progress_enabled() -> bool:
+    """Progress lines go to stderr, and only when stderr is a terminal."""
+    if os.environ.get("JAXEXP_PROGRESS") == "1":  # forced on, e.g. to record the docs
+        return True
+    return sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def step(label: str) -> Iterator[None]:
+    """Show ``label ... done (1.2 s)`` on a terminal around a long step; silent otherwise."""
+    if not progress_enabled():
+        yield
+        return
+    click.echo(f"{label} ...", err=True, nl=False)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        click.echo(" failed", err=True)
+        raise
+    click.echo(f" done ({time.perf_counter() - start:.1f} s)", err=True)
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def emit_json(payload: Any) -> None:
+    """Print ``payload`` as indented JSON on stdout."""
+    click.echo(json.dumps(payload, indent=2, default=str))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: int = 2) -> str:
+    """A plain-text table with aligned columns (no box drawing: greppable, diffable)."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    pad = " " * indent
+    lines = [pad + "  ".join(c.ljust(w) for c, w in zip(cells[0], widths, strict=True)).rstrip()]
+    lines.append(pad + "  ".join("-" * w for w in widths))
+    for r in cells[1:]:
+        lines.append(pad + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def human_bytes(n: int | None) -> str:
+    """``1.2 MB`` style sizes (decimal units, as ``ls -h --si``)."""
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+def fmt_err(x: float) -> str:
+    """Error magnitudes in a compact, comparable form."""
+    return "0" if x == 0 else f"{x:.2e}"

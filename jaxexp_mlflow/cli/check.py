@@ -1,0 +1,120 @@
+"""``jaxexp check``: can this model run here? The compatibility verdict with reasons."""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+from typing import Any
+
+import click
+
+from jaxexp_mlflow.cli._common import (
+    Command,
+    InputProblem,
+    common_options,
+    emit_json,
+    setup_logging,
+    step,
+)
+from jaxexp_mlflow.cli.uri import Target, resolve
+
+
+def blob_meta(desc: Any) -> dict[str, Any]:
+    """A flavor-section-like dict for a bare blob (the exporter's jax version is unknown)."""
+    return {
+        "jax_version": None,
+        "jaxlib_version": None,
+        "fun_name": desc.fun_name,
+        "platforms": list(desc.platforms),
+        "nr_devices": desc.nr_devices,
+        "vjp_order": desc.vjp_order,
+        "calling_convention_version": desc.calling_convention_version,
+        "serialization_version": desc.serialization_version,
+        "in_avals": list(desc.in_avals),
+        "out_avals": list(desc.out_avals),
+        "in_shardings": list(desc.in_shardings),
+        "out_shardings": list(desc.out_shardings),
+        "custom_call_targets": (
+            None if desc.custom_call_targets is None else list(desc.custom_call_targets)
+        ),
+        "exported_sha256": desc.sha256,
+    }
+
+
+def assess_target(target: Target) -> tuple[Any, dict[str, Any]]:
+    """Run ``runtime.compat.assess`` on the target; return (verdict, its JSON-able form)."""
+    from jaxexp_mlflow.cli.inspect import describe
+    from jaxexp_mlflow.codec.reader import read_blob_file
+    from jaxexp_mlflow.runtime import compat
+
+    report = describe(target)  # validates the blob
+    if report["checksum"]["ok"] is False:
+        raise InputProblem(
+            f"{target.blob_path} does not match the sha256 recorded in MLmodel; the file was "
+            "altered or truncated: download the model again or restore it from a backup"
+        )
+    desc = read_blob_file(target.blob_path)
+    meta = target.flavor or blob_meta(desc)
+    with step("Assessing compatibility"):
+        if "description" in pyinspect.signature(compat.assess).parameters:
+            verdict = compat.assess(meta, description=desc)
+        else:  # the first (stub) version of compat.assess took only meta
+            verdict = compat.assess(meta)
+    as_dict = verdict_dict(verdict)
+    return verdict, as_dict
+
+
+def verdict_dict(verdict: Any) -> dict[str, Any]:
+    """``Verdict.to_dict()``, or the same shape built from status and reasons."""
+    if hasattr(verdict, "to_dict"):
+        d = dict(verdict.to_dict())
+    else:
+        d = {"status": verdict.status, "reasons": [reason_dict(r) for r in verdict.reasons]}
+    d.setdefault("status", verdict.status)
+    return d
+
+
+def reason_dict(reason: Any) -> dict[str, Any]:
+    """One reason as ``{"code": ..., "message": ...}``."""
+    if hasattr(reason, "to_dict"):
+        return dict(reason.to_dict())
+    return {"code": getattr(reason, "code", None), "message": str(reason)}
+
+
+@click.command(
+    cls=Command,
+    epilog="""\b
+Examples:
+  jaxexp check runs:/0f3c.../model
+  jaxexp check models:/classifier@best --json
+  jaxexp check exported.bin
+""",
+)
+@click.argument("uri")
+@common_options
+def check(uri: str, as_json: bool, debug: bool) -> None:
+    """The compatibility verdict of a model for this machine and environment.
+
+    Compares what the model needs (platforms, device count, calling convention, custom calls,
+    serialization schema) with the running JAX, jaxlib and devices. Prints "ok", "warn" or
+    "incompatible" with one reason and what to do per finding. Exits 0 for ok and warn, 1 for
+    incompatible. Only MLmodel and the blob are downloaded.
+    """
+    setup_logging(debug)
+    target = resolve(uri, parts=())
+    verdict, payload = assess_target(target)
+    from jaxexp_mlflow.cli.loading import environment, environment_line
+
+    env = environment()
+    if as_json:
+        emit_json({"uri": uri, **payload, "environment": env})
+    else:
+        click.echo(f"Model        {uri}")
+        click.echo(f"Environment  {environment_line(env)}")
+        click.echo(f"Verdict      {verdict.status}")
+        for reason in verdict.reasons:
+            code = getattr(reason, "code", None)
+            click.echo(f"  - {'[' + code + '] ' if code else ''}{reason}")
+        if not verdict.reasons:
+            click.echo("  (no findings: the model should load and run here)")
+    if verdict.status == "incompatible":
+        click.get_current_context().exit(1)

@@ -1,0 +1,304 @@
+"""``jaxexp inspect``: everything the blob and MLmodel say about a model, without importing jax."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from jaxexp_mlflow.cli._common import (
+    Command,
+    InputProblem,
+    common_options,
+    emit_json,
+    human_bytes,
+    setup_logging,
+    table,
+)
+from jaxexp_mlflow.cli.uri import Target, resolve
+
+
+def leaf_paths(node: Any, prefix: str = "") -> list[str]:
+    """Key paths of the leaves of a reader ``TreeNode`` (``[0]['w1']``), in flattening order."""
+    kind = node.kind
+    if kind == "leaf":
+        return [prefix]
+    if kind == "none":
+        return []
+    out: list[str] = []
+    for i, child in enumerate(node.children):
+        if kind == "dict":
+            key = (node.keys or ())[i] if i < len(node.keys or ()) else i
+            out += leaf_paths(child, f"{prefix}[{key!r}]")
+        elif kind == "custom":
+            out += leaf_paths(child, f"{prefix}.<{node.custom_name}>[{i}]")
+        else:
+            out += leaf_paths(child, f"{prefix}[{i}]")
+    return out
+
+
+def input_rows(desc: Any, n_param_leaves: int) -> list[dict[str, Any]]:
+    """One row per flat input leaf: role (param/input/kwarg), key path, aval, sharding."""
+    root = desc.in_tree
+    if root.kind == "tuple" and len(root.children) == 2:
+        args, kwargs = root.children
+        paths = leaf_paths(args, "args") + leaf_paths(kwargs, "kwargs")
+    else:  # pragma: no cover - every writer stores (args, kwargs)
+        paths = leaf_paths(root, "in")
+    rows = []
+    for i, aval in enumerate(desc.in_avals):
+        path = paths[i] if i < len(paths) else f"in[{i}]"
+        role = (
+            "param" if i < n_param_leaves else ("kwarg" if path.startswith("kwargs") else "input")
+        )
+        if n_param_leaves and role == "param" and path.startswith("args[0]"):
+            path = "params" + path[len("args[0]") :]
+        shard = desc.in_shardings[i] if i < len(desc.in_shardings) else None
+        rows.append({"index": i, "role": role, "path": path, "aval": aval, "sharding": shard})
+    return rows
+
+
+def output_rows(desc: Any) -> list[dict[str, Any]]:
+    """One row per flat output leaf: key path, aval, sharding."""
+    paths = leaf_paths(desc.out_tree, "out")
+    rows = []
+    for i, aval in enumerate(desc.out_avals):
+        shard = desc.out_shardings[i] if i < len(desc.out_shardings) else None
+        path = paths[i] if i < len(paths) else f"out[{i}]"
+        rows.append({"index": i, "path": path, "aval": aval, "sharding": shard})
+    return rows
+
+
+def signature_rows(mlmodel: dict[str, Any]) -> dict[str, list[dict[str, Any]]] | None:
+    """The MLmodel signature as rows (name, type, shape) per side, or None when absent."""
+    sig = mlmodel.get("signature")
+    if not sig:
+        return None
+    out: dict[str, list[dict[str, Any]]] = {}
+    for side in ("inputs", "outputs", "params"):
+        raw = sig.get(side)
+        if not raw:
+            continue
+        specs = json.loads(raw) if isinstance(raw, str) else raw
+        rows = []
+        for spec in specs:
+            tensor = spec.get("tensor-spec") or {}
+            rows.append(
+                {
+                    "name": spec.get("name"),
+                    "type": tensor.get("dtype") or spec.get("type"),
+                    "shape": tensor.get("shape", spec.get("shape")),
+                    "default": spec.get("default"),
+                }
+            )
+        out[side] = rows
+    return out
+
+
+def describe(target: Target) -> dict[str, Any]:
+    """The JSON-able report of ``jaxexp inspect`` (also used by ``check``)."""
+    from jaxexp_mlflow.codec.reader import BlobFormatError, read_blob_file
+
+    blob_path = target.blob_path
+    try:
+        desc = read_blob_file(blob_path)
+    except FileNotFoundError as err:
+        raise InputProblem(f"the model's blob {blob_path} is missing") from err
+    except (BlobFormatError, OSError) as err:
+        raise InputProblem(
+            f"{blob_path} is not a valid jax.export serialization ({err}); expected the bytes of "
+            "Exported.serialize()"
+        ) from err
+    flavor = target.flavor
+    recorded = flavor.get("exported_sha256")
+    n_params = int(flavor.get("n_param_leaves") or 0)
+    params_format = flavor.get("params_format") or {}
+    mlmodel_info = {
+        k: target.mlmodel.get(k)
+        for k in ("run_id", "model_id", "utc_time_created", "mlflow_version", "model_size_bytes")
+        if target.mlmodel.get(k) is not None
+    }
+    return {
+        "uri": target.uri,
+        "kind": target.kind,
+        "path": str(target.path),
+        "remote": target.remote,
+        "mlmodel": mlmodel_info,
+        "flavor": flavor,
+        "blob": desc.to_dict(),
+        "checksum": {
+            "recorded": recorded,
+            "found": desc.sha256,
+            "ok": None if not recorded else recorded == desc.sha256,
+        },
+        "params": (
+            None
+            if not flavor.get("params")
+            else {"path": flavor.get("params"), "n_leaves": n_params, **params_format}
+        ),
+        "inputs": input_rows(desc, n_params),
+        "outputs": output_rows(desc),
+        "signature": signature_rows(target.mlmodel),
+        "reference": flavor.get("reference"),
+    }
+
+
+def _kv(rows: list[tuple[str, Any]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def render(report: dict[str, Any]) -> str:
+    """The human-readable summary."""
+    blob, flavor = report["blob"], report["flavor"]
+    jax_v = flavor.get("jax_version")
+    if jax_v:
+        exporter = f"jax {jax_v}, jaxlib {flavor.get('jaxlib_version')}"
+    elif report["kind"] == "model":
+        exporter = "unknown (logged as bytes; a blob does not record the jax version)"
+    else:
+        exporter = "unknown (a blob does not record the jax version)"
+    order = blob["vjp_order"]
+    vjp = f"{order} (" + (
+        f"can be differentiated up to {order} time(s) after loading)"
+        if order
+        else "not differentiable after loading)"
+    )
+    cc = blob.get("custom_call_targets")
+    custom = (
+        "unknown: " + str(blob.get("module_error")) if cc is None else (", ".join(cc) or "none")
+    )
+    sizes = (
+        f"blob {human_bytes(blob['size'])} (StableHLO module {human_bytes(blob['module_size'])})"
+    )
+    if report["params"]:
+        p = report["params"]
+        sizes += (
+            f", params {human_bytes(p.get('nbytes'))} in {p.get('num_arrays', p['n_leaves'])} "
+            f"arrays ({p.get('format', 'orbax')}, compression {p.get('compression', '?')})"
+        )
+    if report["mlmodel"].get("model_size_bytes"):
+        sizes += f", model {human_bytes(report['mlmodel']['model_size_bytes'])}"
+    check = report["checksum"]
+    sha = blob["sha256"][:16] + "..."
+    if check["ok"] is True:
+        sha += " (matches MLmodel)"
+    elif check["ok"] is False:
+        sha += f" MISMATCH: MLmodel records {check['recorded'][:16]}... (file altered)"
+    rows: list[tuple[str, Any]] = [
+        ("Source", report["uri"] + ("" if report["kind"] == "model" else "  (bare blob)")),
+    ]
+    m = report["mlmodel"]
+    if m.get("run_id"):
+        rows.append(("Run", m["run_id"]))
+    if m.get("model_id"):
+        rows.append(("Logged model", f"{m['model_id']}  (models:/{m['model_id']})"))
+    if m.get("utc_time_created"):
+        rows.append(
+            ("Created", f"{m['utc_time_created']} UTC, mlflow {m.get('mlflow_version', '?')}")
+        )
+    rows += [
+        ("Function", blob["fun_name"]),
+        ("Exported by", exporter),
+        ("StableHLO", f"{blob.get('stablehlo_producer') or '?'}"),
+        (
+            "Format",
+            f"serialization v{blob['serialization_version']} (schema gen "
+            f"{blob['schema_generation']}), calling convention "
+            f"v{blob['calling_convention_version']}",
+        ),
+        ("Platforms", ", ".join(blob["platforms"])),
+        ("Devices", blob["nr_devices"]),
+        ("VJP order", vjp),
+        ("Custom calls", custom),
+        ("Sizes", sizes),
+        ("sha256", sha),
+    ]
+    effects = list(blob.get("ordered_effects") or []) + list(blob.get("unordered_effects") or [])
+    if effects:
+        rows.append(("Effects", ", ".join(effects)))
+    if blob.get("disabled_safety_checks"):
+        rows.append(("Disabled checks", ", ".join(blob["disabled_safety_checks"])))
+    ref = report["reference"]
+    if report["kind"] == "model":
+        rows.append(
+            (
+                "Reference",
+                f"{len(ref['input_dtypes'])} input(s), {len(ref['output_dtypes'])} output(s) "
+                "stored: `jaxexp verify` can reproduce them"
+                if ref
+                else "none (logged without input_example: nothing for `jaxexp verify`)",
+            )
+        )
+    parts = [_kv(rows), ""]
+    sharded = any(r["sharding"] for r in report["inputs"] + report["outputs"])
+    headers = ["#", "role", "path", "aval"] + (["sharding"] if sharded else [])
+    parts.append("Inputs (from the blob)")
+    parts.append(
+        table(
+            headers,
+            [
+                [r["index"], r["role"], r["path"], r["aval"]] + ([r["sharding"]] if sharded else [])
+                for r in report["inputs"]
+            ],
+        )
+    )
+    parts.append("")
+    parts.append("Outputs (from the blob)")
+    parts.append(
+        table(
+            ["#", "path", "aval"] + (["sharding"] if sharded else []),
+            [
+                [r["index"], r["path"], r["aval"]] + ([r["sharding"]] if sharded else [])
+                for r in report["outputs"]
+            ],
+        )
+    )
+    sig = report["signature"]
+    if sig:
+        for side in ("inputs", "outputs", "params"):
+            if side in sig:
+                parts.append("")
+                parts.append(f"Signature {side} (MLmodel)")
+                parts.append(
+                    table(
+                        ["name", "type", "shape"],
+                        [[r["name"] or "-", r["type"], r["shape"]] for r in sig[side]],
+                    )
+                )
+    elif report["kind"] == "model":
+        parts.append("")
+        parts.append("Signature: none in MLmodel (the avals above are the contract)")
+    return "\n".join(parts)
+
+
+@click.command(
+    cls=Command,
+    epilog="""\b
+Examples:
+  jaxexp inspect runs:/0f3c.../model
+  jaxexp inspect models:/classifier@best --json
+  jaxexp inspect path/to/exported.bin
+""",
+)
+@click.argument("uri")
+@common_options
+def inspect(uri: str, as_json: bool, debug: bool) -> None:
+    """Describe a jaxexp model or a bare jax.export blob, without loading JAX.
+
+    URI is a model URI (runs:/, models:/name/version, models:/name@alias, models:/<model_id>),
+    a local model directory or a serialized blob file. Only MLmodel and the blob are downloaded.
+    """
+    setup_logging(debug)
+    target = resolve(uri, parts=())
+    report = describe(target)
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(render(report))
+    if report["checksum"]["ok"] is False:
+        raise InputProblem(
+            f"{target.blob_path} does not match the sha256 recorded in MLmodel; the file was "
+            "altered or truncated: download the model again or restore it from a backup"
+        )

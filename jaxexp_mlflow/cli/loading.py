@@ -1,0 +1,53 @@
+"""Load a resolved target into a callable ``JaxExpModel`` (imports jax: not for ``inspect``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxexp_mlflow.cli._common import step
+from jaxexp_mlflow.cli.uri import Target
+
+
+def load(target: Target, *, allow_incompatible: bool = False) -> Any:
+    """The model (params bound) or, for a bare blob, the export alone (no params)."""
+    if target.kind == "blob":
+        from jaxexp_mlflow.codec.blob import deserialize_checked
+        from jaxexp_mlflow.runtime.model import JaxExpModel
+
+        with step("Deserializing the blob"):
+            data = target.blob_path.read_bytes()
+            exported = deserialize_checked(data, source=str(target.blob_path))
+        return JaxExpModel(exported, None, {})
+    from mlflow.utils.model_utils import _add_code_from_conf_to_system_path
+
+    from jaxexp_mlflow.runtime.loader import load_directory
+
+    _add_code_from_conf_to_system_path(str(target.path), target.flavor)
+    label = "Loading the model (checks, deserialize"
+    label += ", restore params)" if target.flavor.get("params") else ")"
+    with step(label):
+        return load_directory(target.path, target.flavor, allow_incompatible=allow_incompatible)
+
+
+def environment() -> dict[str, Any]:
+    """The JAX environment running the model here."""
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    return {
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "backend": jax.default_backend(),
+        "device_kind": devices[0].device_kind if devices else None,
+        "device_count": len(devices),
+    }
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    """``jax 0.10.2 / jaxlib 0.10.2 on cpu (1 device: cpu)``."""
+    n = env["device_count"]
+    return (
+        f"jax {env['jax_version']} / jaxlib {env['jaxlib_version']} on {env['backend']} "
+        f"({n} device{'s' if n != 1 else ''}: {env['device_kind']})"
+    )

@@ -1,0 +1,129 @@
+"""``jaxexp log``: log an existing blob (and Orbax checkpoint) as a jaxexp model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from jaxexp_mlflow.cli._common import (
+    Command,
+    InputProblem,
+    common_options,
+    emit_json,
+    setup_logging,
+    step,
+)
+
+
+def model_info_dict(info: Any) -> dict[str, Any]:
+    """The parts of an MLflow ``ModelInfo`` a user needs to find the model again."""
+    return {
+        "model_uri": info.model_uri,
+        "model_id": getattr(info, "model_id", None),
+        "run_id": info.run_id,
+        "artifact_path": info.artifact_path,
+        "runs_uri": f"runs:/{info.run_id}/{info.artifact_path}" if info.run_id else None,
+        "registered_model_version": getattr(info, "registered_model_version", None),
+    }
+
+
+def print_model_info(d: dict[str, Any], registered: str | None) -> None:
+    """Where the model went, as lines a user can paste into the next command."""
+    click.echo(f"Run          {d['run_id']}")
+    if d["runs_uri"]:
+        click.echo(f"Model URI    {d['runs_uri']}")
+    if d["model_id"]:
+        click.echo(f"Logged model {d['model_id']}  (models:/{d['model_id']})")
+    if registered and d["registered_model_version"] is not None:
+        click.echo(f"Registered   models:/{registered}/{d['registered_model_version']}")
+
+
+@click.command(
+    cls=Command,
+    epilog="""\b
+Examples:
+  jaxexp log exported.bin --input-example inputs.npz --experiment archive
+  jaxexp log exported.bin --params ckpt/1200/default --run-id 0f3c... --register classifier
+""",
+)
+@click.argument("blob", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option(
+    "--params",
+    "params_dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    help="Orbax checkpoint of the params (the export's first argument), or a "
+    "CheckpointManager step with one item.",
+)
+@click.option(
+    "--input-example",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    help="Inputs after the params (.npz/.npy/.json): stored with their outputs as the reference "
+    "result `jaxexp verify` reproduces.",
+)
+@click.option("--experiment", help="Experiment name (created if missing).")
+@click.option("--run-id", help="Log into this existing run instead of a new one.")
+@click.option("--name", default="model", show_default=True, help="Model name in the run.")
+@click.option("--register", "register", help="Also register it under this model name.")
+@common_options
+def log(
+    blob: Path,
+    params_dir: Path | None,
+    input_example: Path | None,
+    experiment: str | None,
+    run_id: str | None,
+    name: str,
+    register: str | None,
+    as_json: bool,
+    debug: bool,
+) -> None:
+    """Log a serialized jax.export blob (and an Orbax checkpoint) as a jaxexp model.
+
+    For artifacts produced outside Python training code. The blob is stored unchanged; the
+    checkpoint is copied (hardlinked when possible) without loading it. Prints the run, the
+    model URIs and the registered version.
+    """
+    setup_logging(debug)
+    if experiment and run_id:
+        raise click.UsageError("give --experiment or --run-id, not both")
+    data = blob.read_bytes()
+    example = None
+    if input_example is not None:
+        from jaxexp_mlflow.cli.arrays_io import build_args, read_inputs
+        from jaxexp_mlflow.codec.blob import deserialize_checked
+
+        mode, arrays = read_inputs(input_example)
+        with step("Reading the blob"):
+            exported = deserialize_checked(data, source=str(blob))
+        n_params = 0
+        if params_dir is not None:
+            args_tree, _ = exported.in_tree.children()
+            n_params = args_tree.children()[0].num_leaves if args_tree.num_children else 0
+        args, kwargs = build_args(exported, n_params, mode, arrays)
+        if kwargs:
+            raise InputProblem(
+                "the blob's function takes keyword arguments; log_model's input example holds "
+                "positional inputs only: log it from Python with a wrapper"
+            )
+        example = tuple(args)  # a tuple is the list of positional inputs
+    import mlflow
+
+    import jaxexp_mlflow.flavors.jaxexp as flavor
+
+    if experiment:
+        mlflow.set_experiment(experiment)
+    with step("Logging the model"), mlflow.start_run(run_id=run_id) as run:
+        info = flavor.log_model(
+            data,
+            name=name,
+            params=None if params_dir is None else str(params_dir),
+            input_example=example,
+            registered_model_name=register,
+        )
+    d = model_info_dict(info)
+    d["run_id"] = d["run_id"] or run.info.run_id
+    if as_json:
+        emit_json({"ok": True, **d})
+    else:
+        print_model_info(d, register)

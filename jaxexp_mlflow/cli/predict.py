@@ -1,0 +1,132 @@
+"""``jaxexp predict``: run a model on inputs from a file; outputs to a file or a summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from jaxexp_mlflow.cli._common import (
+    Command,
+    common_options,
+    emit_json,
+    setup_logging,
+    step,
+    table,
+)
+from jaxexp_mlflow.cli.uri import resolve
+
+
+def _stats(arr) -> tuple[str, str, str]:  # noqa: ANN001
+    import numpy as np
+
+    a = np.asarray(arr)
+    if a.size == 0:
+        return "-", "-", "-"
+    if a.dtype.kind not in "biuf":
+        a = a.astype(np.float32)
+    return f"{a.min():.4g}", f"{a.max():.4g}", f"{a.astype(np.float64).mean():.4g}"
+
+
+@click.command(
+    cls=Command,
+    epilog="""\b
+Examples:
+  jaxexp predict runs:/0f3c.../model --input batch.npz --output preds.npz
+  jaxexp predict models:/classifier@best --input x.npy
+  jaxexp predict models:/classifier/3 --input x.json --json
+\b
+Input files hold the inputs after the params: .npz with keys in_0, in_1, ... (flat leaves of
+the exported in_tree) or one array per positional input; .npy for a single input; .json as a
+list (single input) or an object of arrays ({"inputs": ...} is accepted too).
+""",
+)
+@click.argument("uri")
+@click.option(
+    "--input",
+    "input_file",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Inputs: .npz, .npy or .json.",
+)
+@click.option(
+    "--output",
+    "output_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Write the outputs (flat leaves out_0, ...) to .npz, .npy or .json.",
+)
+@click.option(
+    "--allow-incompatible", is_flag=True, help="Try even when the verdict is incompatible."
+)
+@common_options
+def predict(
+    uri: str,
+    input_file: Path,
+    output_file: Path | None,
+    allow_incompatible: bool,
+    as_json: bool,
+    debug: bool,
+) -> None:
+    """Run a model (or a bare blob without params) on inputs read from a file.
+
+    Without --output, prints a summary of each output (shape, dtype, min, max, mean); with
+    --json, the values too.
+    """
+    setup_logging(debug)
+    from jaxexp_mlflow.cli.arrays_io import (
+        build_args,
+        read_inputs,
+        to_json_value,
+        write_outputs,
+    )
+    from jaxexp_mlflow.cli.inspect import leaf_paths
+
+    mode, arrays = read_inputs(input_file)
+    if output_file is not None:
+        from jaxexp_mlflow.cli.arrays_io import _check_suffix
+
+        _check_suffix(output_file, "output file")  # fail before the expensive part
+    target = resolve(uri)
+    from jaxexp_mlflow.cli.loading import load
+
+    model = load(target, allow_incompatible=allow_incompatible)
+    args, kwargs = build_args(model.exported, model._n_param_leaves, mode, arrays)
+    import jax
+    import numpy as np
+
+    with step("Running (compile + run)"):
+        out = model(*args, **kwargs)
+        leaves = [np.asarray(x) for x in jax.tree.leaves(out)]
+    from jaxexp_mlflow.codec.reader import read_blob_file
+
+    paths = leaf_paths(read_blob_file(target.blob_path).out_tree, "out")
+    if len(paths) != len(leaves):
+        paths = [f"out[{i}]" for i in range(len(leaves))]
+    if output_file is not None:
+        write_outputs(output_file, leaves)
+    if as_json:
+        emit_json(
+            {
+                "ok": True,
+                "uri": uri,
+                "output_file": None if output_file is None else str(output_file),
+                "outputs": [
+                    {
+                        "index": i,
+                        "path": p,
+                        "shape": list(a.shape),
+                        "dtype": str(a.dtype),
+                        **({} if output_file is not None else {"values": to_json_value(a)}),
+                    }
+                    for i, (p, a) in enumerate(zip(paths, leaves, strict=True))
+                ],
+            }
+        )
+        return
+    rows = [
+        [p, "x".join(map(str, a.shape)) or "scalar", a.dtype, *_stats(a)]
+        for p, a in zip(paths, leaves, strict=True)
+    ]
+    click.echo(table(["output", "shape", "dtype", "min", "max", "mean"], rows))
+    if output_file is not None:
+        click.echo(f"\nWrote {len(leaves)} output(s) to {output_file}")

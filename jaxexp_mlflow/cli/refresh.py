@@ -1,0 +1,73 @@
+"""``jaxexp refresh``: re-export a model with the running JAX and log it as a new model."""
+
+from __future__ import annotations
+
+import click
+
+from jaxexp_mlflow.cli._common import (
+    Command,
+    InputProblem,
+    common_options,
+    emit_json,
+    setup_logging,
+    step,
+)
+from jaxexp_mlflow.cli.log import model_info_dict, print_model_info
+
+
+@click.command(
+    cls=Command,
+    epilog="""\b
+Examples:
+  jaxexp refresh runs:/0f3c.../model
+  jaxexp refresh models:/classifier@best --register classifier
+""",
+)
+@click.argument("uri")
+@click.option("--register", help="Register the refreshed model under this name.")
+@click.option("--name", default="model", show_default=True, help="Model name in the run.")
+@click.option("--run-id", help="Log into this run (default: see docs/cli.md).")
+@click.option("--rtol", type=float, default=None, help="Tolerance of the before/after check.")
+@click.option("--atol", type=float, default=None, help="Tolerance of the before/after check.")
+@common_options
+def refresh(
+    uri: str,
+    register: str | None,
+    name: str,
+    run_id: str | None,
+    rtol: float | None,
+    atol: float | None,
+    as_json: bool,
+    debug: bool,
+) -> None:
+    """Re-export a model with the running JAX and log the result as a new model.
+
+    The new export is checked against the old one on the stored reference input (within
+    --rtol/--atol) before it is logged; the original model is left untouched. Prints the new
+    model's URIs and, with --register, its registered version.
+    """
+    setup_logging(debug)
+    try:
+        from jaxexp_mlflow.refresh import refresh as do_refresh
+    except ModuleNotFoundError as err:
+        if err.name != "jaxexp_mlflow.refresh":
+            raise
+        raise InputProblem(
+            "refresh is not available in this version of jaxexp-mlflow (no jaxexp_mlflow.refresh"
+            " module); upgrade jaxexp-mlflow"
+        ) from err
+    with step(f"Refreshing {uri}"):
+        info = do_refresh(
+            uri,
+            name=name,
+            registered_model_name=register,
+            run_id=run_id,
+            rtol=rtol,
+            atol=atol,
+        )
+    d = model_info_dict(info)
+    if as_json:
+        emit_json({"ok": True, "source_uri": uri, **d})
+    else:
+        click.echo(f"Refreshed    {uri}")
+        print_model_info(d, register)

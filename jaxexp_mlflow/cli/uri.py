@@ -1,0 +1,185 @@
+"""Turn what the user typed (model URI, local model directory, bare blob) into local files.
+
+Local paths are used in place (never copied). Anything with a scheme (``runs:/``, ``models:/``,
+``s3://``...) is downloaded with MLflow into a temporary directory that lives as long as the
+command. ``parts=("MLmodel", "exported.bin")`` fetches only those files of a remote model, so
+``jaxexp inspect`` of a model with gigabytes of params downloads a few kilobytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import click
+
+from jaxexp_mlflow.cli._common import InputProblem, step
+
+MLMODEL = "MLmodel"
+DEFAULT_BLOB = "exported.bin"
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+@dataclass
+class Target:
+    """A resolved model or blob: ``kind`` is ``"model"`` (``path`` = model dir) or ``"blob"``."""
+
+    uri: str
+    kind: str
+    path: Path
+    remote: str | None = None  # the artifact URI it was downloaded from
+    mlmodel: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def flavor(self) -> dict[str, Any]:
+        """The MLmodel ``jaxexp`` section (empty for a bare blob)."""
+        return (self.mlmodel.get("flavors") or {}).get("jaxexp") or {}
+
+    @property
+    def blob_path(self) -> Path:
+        """The serialized ``jax.export`` blob of this target."""
+        if self.kind == "blob":
+            return self.path
+        return self.path / self.flavor.get("exported_file", DEFAULT_BLOB)
+
+
+def read_mlmodel(path: Path) -> dict[str, Any]:
+    """The MLmodel file as a dict (plain YAML, no MLflow import)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise InputProblem(f"cannot read {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise InputProblem(f"{path} is not an MLmodel file (expected a YAML mapping)")
+    return data
+
+
+def _require_jaxexp(target: Target) -> Target:
+    if target.kind == "model" and not target.flavor:
+        flavors = sorted((target.mlmodel.get("flavors") or {}).keys())
+        raise InputProblem(
+            f"{target.uri} is an MLflow model without the jaxexp flavor (flavors: {flavors}); "
+            "expected a model logged with mlflow.jaxexp.log_model or `jaxexp log`"
+        )
+    return target
+
+
+def _local(uri: str, path: Path) -> Target:
+    if path.is_file():
+        if path.name == MLMODEL:
+            return _local(uri, path.parent)
+        return Target(uri, "blob", path)
+    if (path / MLMODEL).is_file():
+        return _require_jaxexp(Target(uri, "model", path, mlmodel=read_mlmodel(path / MLMODEL)))
+    if (path / DEFAULT_BLOB).is_file():  # a directory holding just a blob (e.g. the corpus)
+        return Target(uri, "blob", path / DEFAULT_BLOB)
+    raise InputProblem(
+        f"{uri} is a directory without an MLmodel file or {DEFAULT_BLOB}; expected a jaxexp "
+        "model directory or a serialized jax.export blob"
+    )
+
+
+def _underlying(uri: str) -> str:
+    """``models:/...`` resolved to the artifact location it names (other URIs unchanged)."""
+    if not uri.startswith("models:"):
+        return uri
+    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
+
+    return ModelsArtifactRepository.get_underlying_uri(uri)
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name
+
+
+def _download(artifact_uri: str, dst: str) -> Path:
+    import mlflow
+
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=dst))
+
+
+def _fetch(base: str, name: str, into: Path) -> Path:
+    """Download ``<base>/<name>`` to ``into/name`` (MLflow keeps run-relative paths: flatten)."""
+    into.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=into.parent) as tmp:
+        got = _download(_join(base, name), tmp)
+        dest = into / name
+        shutil.move(str(got), dest)
+    return dest
+
+
+def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        base = _underlying(uri)
+        if parts is None:
+            with step(f"Downloading {uri}"):
+                local = _download(base, dst)
+            target = _local(uri, local)
+        else:
+            names = {os.path.basename(f.path): f for f in mlflow.artifacts.list_artifacts(base)}
+            if MLMODEL in names:
+                local = Path(dst, "model")
+                with step(f"Downloading {MLMODEL} of {uri}"):
+                    _fetch(base, MLMODEL, local)
+                target = _require_jaxexp(
+                    Target(uri, "model", local, mlmodel=read_mlmodel(local / MLMODEL))
+                )
+                wanted = {target.flavor.get("exported_file", DEFAULT_BLOB), *parts} - {MLMODEL}
+                with step(f"Downloading {', '.join(sorted(wanted))}"):
+                    for name in sorted(wanted & set(names)):
+                        _fetch(base, name, local)
+            elif DEFAULT_BLOB in names:
+                with step(f"Downloading {DEFAULT_BLOB} of {uri}"):
+                    target = Target(uri, "blob", _download(_join(base, DEFAULT_BLOB), dst))
+            elif names:
+                raise InputProblem(
+                    f"{uri} holds {sorted(names)[:8]} but no {MLMODEL} or {DEFAULT_BLOB}; "
+                    "expected a jaxexp model or a serialized jax.export blob"
+                )
+            else:  # a single file (or nothing: MLflow then says what is missing)
+                with step(f"Downloading {uri}"):
+                    local = _download(base, dst)
+                target = _local(uri, local)
+    except MlflowException as err:
+        raise InputProblem(f"cannot fetch {uri}: {' '.join(err.message.split())}") from err
+    target.remote = base
+    return target
+
+
+def resolve(uri: str, *, parts: tuple[str, ...] | None = None) -> Target:
+    """Find or download the model (or blob) named by ``uri``.
+
+    ``parts`` limits a remote download to those top-level files plus MLmodel and the blob;
+    ``None`` downloads the whole model. Downloads go to a temporary directory removed when the
+    current click command ends.
+    """
+    if uri.startswith("file:"):
+        path = Path(unquote(urlparse(uri).path))
+        if not path.exists():
+            raise InputProblem(f"{uri}: no such file or directory")
+        return _local(uri, path)
+    path = Path(uri).expanduser()
+    if path.exists():
+        return _local(uri, path)
+    if not _SCHEME.match(uri):
+        raise InputProblem(
+            f"{uri}: no such file or directory, and not a model URI (expected runs:/<run_id>/"
+            "<name>, models:/<name>/<version>, models:/<name>@<alias>, models:/<model_id>, a "
+            "model directory or a blob file)"
+        )
+    ctx = click.get_current_context(silent=True)
+    tmp = tempfile.TemporaryDirectory(prefix="jaxexp-")
+    if ctx is not None:
+        ctx.with_resource(tmp)
+    return _remote(uri, parts, tmp.name)

@@ -1,0 +1,138 @@
+"""``jaxexp verify``: reproduce an archived result on this machine and compare, per output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from jaxexp_mlflow.cli._common import (
+    Command,
+    Failure,
+    InputProblem,
+    common_options,
+    emit_json,
+    fmt_err,
+    setup_logging,
+    step,
+    table,
+)
+from jaxexp_mlflow.cli.loading import environment, environment_line, load
+from jaxexp_mlflow.cli.uri import resolve
+
+
+def _output_paths(target: Any, n: int) -> list[str]:
+    from jaxexp_mlflow.cli.inspect import leaf_paths
+    from jaxexp_mlflow.codec.reader import read_blob_file
+
+    try:
+        paths = leaf_paths(read_blob_file(target.blob_path).out_tree, "out")
+    except Exception:  # noqa: BLE001 - labels only
+        paths = []
+    return paths if len(paths) == n else [f"out[{i}]" for i in range(n)]
+
+
+@click.command(
+    cls=Command,
+    epilog="""\b
+Examples:
+  jaxexp verify runs:/0f3c.../model
+  jaxexp verify models:/classifier@best --rtol 1e-4 --atol 1e-6 --json
+""",
+)
+@click.argument("uri")
+@click.option("--rtol", type=float, default=None, help="Relative tolerance (default per dtype).")
+@click.option("--atol", type=float, default=None, help="Absolute tolerance (default per dtype).")
+@click.option(
+    "--allow-incompatible", is_flag=True, help="Try even when the verdict is incompatible."
+)
+@common_options
+def verify(
+    uri: str,
+    rtol: float | None,
+    atol: float | None,
+    allow_incompatible: bool,
+    as_json: bool,
+    debug: bool,
+) -> None:
+    """Reproduce an archived result: run the stored reference input, compare with its outputs.
+
+    Loads the model on this machine, runs the input example stored at logging time and compares
+    each output with the output recorded then (shape, dtype, max abs and rel error). Exits 1 on a
+    mismatch or when the model cannot run here. Default tolerances depend on the dtype (16-bit
+    2e-2, 32-bit rtol 1e-5/atol 1e-6, 64-bit 1e-12/1e-14, integers and bools exact).
+    """
+    setup_logging(debug)
+    target = resolve(uri)
+    if target.kind == "blob":
+        raise InputProblem(
+            f"{uri} is a bare blob: it carries no reference input/outputs to reproduce. Log it "
+            "with an input example (`jaxexp log BLOB --input-example FILE`) and verify that"
+        )
+    from jaxexp_mlflow.reproduce import verify_directory
+
+    model = load(target, allow_incompatible=allow_incompatible)
+    env = environment()
+    try:
+        with step("Running the reference input (compile + run)"):
+            checks = verify_directory(model, target.path, rtol=rtol, atol=atol)
+    except Exception as err:
+        if {c.__name__ for c in type(err).__mro__} & {"JaxExpError"}:
+            raise
+        raise Failure(
+            f"the model failed to run here ({type(err).__name__}: {err}); see `jaxexp check "
+            f"{uri}` and consider `jaxexp refresh`"
+        ) from err
+    paths = _output_paths(target, len(checks))
+    passed = all(c.passed for c in checks)
+    flavor = target.flavor
+    if as_json:
+        emit_json(
+            {
+                "ok": passed,
+                "uri": uri,
+                "saved_with": {
+                    "jax_version": flavor.get("jax_version"),
+                    "jaxlib_version": flavor.get("jaxlib_version"),
+                    "platforms": flavor.get("platforms"),
+                },
+                "environment": env,
+                "outputs": [{**c.to_dict(), "path": p} for c, p in zip(checks, paths, strict=True)],
+            }
+        )
+    else:
+        saved = flavor.get("jax_version")
+        click.echo(f"Model     {uri}")
+        click.echo(
+            f"Saved by  jax {saved}" if saved else "Saved by  (unknown jax: logged as bytes)"
+        )
+        click.echo(f"Running   {environment_line(env)}")
+        click.echo("")
+        rows = [
+            [
+                p,
+                "x".join(map(str, c.shape)) or "scalar",
+                c.dtype,
+                fmt_err(c.max_abs_err),
+                fmt_err(c.max_rel_err),
+                f"{c.rtol:g}/{c.atol:g}",
+                "pass" if c.passed else "FAIL",
+            ]
+            for c, p in zip(checks, paths, strict=True)
+        ]
+        click.echo(
+            table(
+                ["output", "shape", "dtype", "max abs err", "max rel err", "rtol/atol", "result"],
+                rows,
+            )
+        )
+        click.echo("")
+        n_fail = sum(not c.passed for c in checks)
+        click.echo(
+            f"Reproduced: all {len(checks)} output(s) match."
+            if passed
+            else f"MISMATCH: {n_fail} of {len(checks)} output(s) differ beyond tolerance."
+        )
+    if not passed:
+        ctx = click.get_current_context()
+        ctx.exit(1)
