@@ -1,21 +1,95 @@
-"""Where a model runs: platform choice, device mesh and the shardings of params and inputs."""
+"""Where a model runs: platform choice, device mesh and the shardings of params and inputs.
+
+``plan(exported, ...)`` decides, before anything is compiled:
+
+* the platform: the running backend if the export has a lowering for it, else another platform
+  available here that it has (CPU on an accelerator host); with ``allow_other_platform=True``
+  the running backend anyway, with JAX's platform check disabled
+  (``DisabledSafetyCheck.platform()``);
+* the devices: for ``nr_devices > 1`` a mesh of that many devices shaped like the export's own
+  (its ``NamedSharding`` meshes, or one axis for blobs with HLO shardings), and one sharding per
+  flat input (``Exported.in_shardings_jax``) so that params are restored straight into them and
+  inputs placed likewise; fewer devices than needed is an ``IncompatibleError`` giving both
+  counts;
+* for 1-device exports with ``data_parallel=True``: the batch (leading dimension) of every input
+  sharded over all local devices and params replicated; JAX partitions a module without sharding
+  annotations over such inputs.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from jaxexp_mlflow.errors import IncompatibleError
 
+_logger = logging.getLogger(__name__)
+
+#: Mesh axis name used for blobs whose shardings carry no mesh (HLO shardings) and for data
+#: parallelism.
+AXIS = "jaxexp"
+BATCH_AXIS = "batch"
+
 
 @dataclass(frozen=True)
 class Placement:
-    """How to run an ``Exported`` here: platform, mesh and one sharding per flat input."""
+    """How to run an ``Exported`` here: platform, mesh and one sharding per flat input.
+
+    ``in_shardings`` has one entry per exported in_aval (params first), ``None`` where JAX may
+    choose. With ``data_parallel`` the inputs after the params are placed per call: batch-sharded
+    over ``mesh`` when their leading dimension divides evenly, else replicated.
+    """
 
     platform: str
     mesh: Any  # jax.sharding.Mesh | None
     in_shardings: tuple[Any, ...]  # jax Sharding or None, one per exported in_aval
     exported: Any  # the Exported to call (may carry extra disabled safety checks)
+    data_parallel: bool = False
+    out_shardings: tuple[Any, ...] = ()
+
+    @property
+    def n_devices(self) -> int:
+        """Number of devices the model runs on."""
+        return 1 if self.mesh is None else int(self.mesh.devices.size)
+
+    def batch_sharding(self) -> Any:
+        """Sharding of a batch-major input under data parallelism (None otherwise)."""
+        if not self.data_parallel:
+            return None
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.mesh, PartitionSpec(BATCH_AXIS))
+
+    def replicated(self) -> Any:
+        """Fully replicated sharding over the mesh (None without a mesh)."""
+        if self.mesh is None:
+            return None
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def place_inputs(self, leaves: list[Any], n_params: int) -> list[Any]:
+        """Put flat input leaves (params excluded) where the export expects them."""
+        import jax
+
+        if self.data_parallel:
+            n = self.n_devices
+            batch, repl = self.batch_sharding(), self.replicated()
+            out = []
+            for leaf in leaves:
+                shape = getattr(leaf, "shape", ())
+                sharding = batch if len(shape) >= 1 and shape[0] % n == 0 else repl
+                out.append(jax.device_put(leaf, sharding))
+            return out
+        shardings = self.in_shardings[n_params:]
+        if not any(s is not None for s in shardings):
+            return leaves
+        return [
+            leaf if s is None else jax.device_put(leaf, s)
+            for leaf, s in zip(leaves, shardings, strict=False)
+        ]
 
 
 def _mesh_for(exported: Any, devices: list[Any]) -> Any:
@@ -24,32 +98,122 @@ def _mesh_for(exported: Any, devices: list[Any]) -> Any:
 
     named = getattr(exported, "_in_named_shardings", None) or ()
     for s in (*named, *(getattr(exported, "_out_named_shardings", None) or ())):
-        if s is not None:
-            am = s.mesh
-            return Mesh(np.array(devices).reshape(am.axis_sizes), am.axis_names)
-    return Mesh(np.array(devices), ("jaxexp",))
+        mesh = getattr(s, "mesh", None)
+        if mesh is not None and getattr(mesh, "axis_sizes", None):
+            return Mesh(np.array(devices).reshape(mesh.axis_sizes), mesh.axis_names)
+    return Mesh(np.array(devices), (AXIS,))
 
 
-def plan(exported: Any) -> Placement:
-    """Pick the platform and devices for ``exported`` or explain why it cannot run here."""
+def choose_platform(
+    exported_platforms: tuple[str, ...] | list[str], *, allow_other_platform: bool = False
+) -> tuple[str, bool]:
+    """(platform to run on, whether JAX's platform check must be disabled)."""
     import jax
 
-    platform = jax.default_backend()
-    if platform not in exported.platforms:
-        raise IncompatibleError(
-            f"The model was exported for platforms {list(exported.platforms)}, but this "
-            f"machine runs JAX on {platform!r}. Run it where one of those platforms is available, "
-            "or refresh/re-export it for this one."
+    backend = jax.default_backend()
+    platforms = [str(p) for p in exported_platforms]
+    if backend in platforms:
+        return backend, False
+    if backend != "cpu" and "cpu" in platforms:
+        try:
+            if jax.devices("cpu"):
+                return "cpu", False
+        except RuntimeError:
+            pass
+    if allow_other_platform:
+        _logger.warning(
+            "jaxexp: the model was exported for %s; running it on %r anyway "
+            "(allow_other_platform=True disables JAX's platform check)",
+            platforms,
+            backend,
         )
-    n = exported.nr_devices
-    devices = jax.devices()
+        return backend, True
+    raise IncompatibleError(
+        f"The model was exported for platforms {platforms}, but this machine runs JAX on "
+        f"{backend!r}. Run it where one of those platforms is available, re-export it for "
+        f"{backend!r} too (save_model(..., platforms=[..., {backend!r}])), or pass "
+        "allow_other_platform=True to try anyway."
+    )
+
+
+def _without_platform_check(exported: Any) -> Any:
+    from jax.export import DisabledSafetyCheck
+
+    check = DisabledSafetyCheck.platform()
+    if check in tuple(exported.disabled_safety_checks):
+        return exported
+    return dataclasses.replace(
+        exported, disabled_safety_checks=(*exported.disabled_safety_checks, check)
+    )
+
+
+def plan(
+    exported: Any,
+    *,
+    allow_other_platform: bool = False,
+    data_parallel: bool = False,
+    devices: list[Any] | None = None,
+) -> Placement:
+    """Pick the platform and devices for ``exported`` or explain why it cannot run here.
+
+    ``allow_other_platform`` runs on the current backend even if the export has no lowering for
+    it; ``data_parallel`` shards the batch of a 1-device export over all local devices;
+    ``devices`` overrides the devices to use (default: all of the chosen platform).
+    """
+    import jax
+
+    platform, disable = choose_platform(
+        exported.platforms, allow_other_platform=allow_other_platform
+    )
+    if disable:
+        exported = _without_platform_check(exported)
+    devs = list(devices) if devices is not None else list(jax.devices(platform))
+    n = int(exported.nr_devices)
+    n_in = len(exported.in_avals)
     if n == 1:
-        return Placement(platform, None, (None,) * len(exported.in_avals), exported)
-    if len(devices) < n:
-        raise IncompatibleError(
-            f"The model was exported for {n} devices, but only {len(devices)} {platform} "
-            f"device(s) are visible. Run it on a machine with {n} devices (on CPU: "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n})."
+        if data_parallel and len(devs) > 1:
+            return _data_parallel(exported, platform, devs)
+        if data_parallel:
+            _logger.info("jaxexp: data_parallel=True but only one %s device is visible", platform)
+        if platform != jax.default_backend() or devices is not None:
+            from jax.sharding import SingleDeviceSharding
+
+            one = SingleDeviceSharding(devs[0])
+            return Placement(platform, None, (one,) * n_in, exported)
+        return Placement(platform, None, (None,) * n_in, exported)
+    if data_parallel:
+        _logger.info("jaxexp: data_parallel ignored: the model is already sharded over %d", n)
+    if len(devs) < n:
+        how = (
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts"
+            if platform == "cpu"
+            else f"a machine or slice with {n} {platform} devices"
         )
-    mesh = _mesh_for(exported, devices[:n])
-    return Placement(platform, mesh, tuple(exported.in_shardings_jax(mesh)), exported)
+        raise IncompatibleError(
+            f"The model was exported for {n} devices, but only {len(devs)} {platform} "
+            f"device(s) are visible. Expose {n} devices ({how})."
+        )
+    mesh = _mesh_for(exported, devs[:n])
+    return Placement(
+        platform,
+        mesh,
+        tuple(exported.in_shardings_jax(mesh)),
+        exported,
+        out_shardings=tuple(exported.out_shardings_jax(mesh)),
+    )
+
+
+def _data_parallel(exported: Any, platform: str, devs: list[Any]) -> Placement:
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if any(s is not None for s in exported.in_shardings_hlo):
+        raise IncompatibleError(
+            "data_parallel=True needs a 1-device export without sharding annotations, but this "
+            f"one has input shardings {list(map(str, exported.in_shardings_hlo))}. Load it "
+            "without data_parallel."
+        )
+    mesh = Mesh(np.array(devs), (BATCH_AXIS,))
+    repl = NamedSharding(mesh, PartitionSpec())
+    n_in = len(exported.in_avals)
+    return Placement(platform, mesh, (repl,) * n_in, exported, data_parallel=True)

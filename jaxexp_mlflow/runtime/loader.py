@@ -18,15 +18,17 @@ _logger = logging.getLogger(__name__)
 
 def enforce(verdict: compat.Verdict, *, allow_incompatible: bool) -> None:
     """Refuse an incompatible verdict (unless overridden) and log a warning verdict."""
-    if verdict.status == "incompatible" and not allow_incompatible:
+    if verdict.status == compat.INCOMPATIBLE and not allow_incompatible:
         raise IncompatibleError(
             "This model cannot run here:\n- "
-            + "\n- ".join(verdict.reasons)
-            + "\nPass allow_incompatible=True to try anyway."
+            + "\n- ".join(str(r) for r in verdict.reasons if r.severity == compat.INCOMPATIBLE)
+            + "".join(
+                f"\n- (warning) {r}" for r in verdict.reasons if r.severity != compat.INCOMPATIBLE
+            )
+            + "\nFix the above, or pass allow_incompatible=True to try anyway."
         )
-    if verdict.status != "ok":
-        for reason in verdict.reasons:
-            _logger.warning("jaxexp: %s", reason)
+    for reason in verdict.reasons:
+        _logger.warning("jaxexp: %s", reason)
 
 
 def load_directory(
@@ -36,15 +38,23 @@ def load_directory(
     allow_incompatible: bool = False,
     **options: Any,
 ) -> JaxExpModel:
-    """Verify, deserialize and bind params for the model stored at ``path``.
+    """Verify, judge, deserialize and bind params for the model stored at ``path``.
 
-    ``options`` go to ``devices.plan`` (platform and device choices)."""
-    enforce(compat.assess(meta), allow_incompatible=allow_incompatible)
+    Order matters: the blob's checksum and structure are verified and the compatibility verdict
+    (``compat.assess``) is reached before JAX deserializes or compiles anything. ``options`` go
+    to ``devices.plan`` (``allow_other_platform``, ``data_parallel``, ``devices``).
+    """
     data = artifact.read_blob(path, meta)
+    source = str(Path(path, meta.get("exported_file", artifact.EXPORTED_FILE)))
+    description = blob.describe(data, source=source)
+    verdict = compat.assess(
+        meta,
+        description=description,
+        allow_other_platform=bool(options.get("allow_other_platform", False)),
+    )
+    enforce(verdict, allow_incompatible=allow_incompatible)
     exported = blob.deserialize_checked(
-        data,
-        source=str(Path(path, meta.get("exported_file", artifact.EXPORTED_FILE))),
-        node_types=meta.get("pytree_node_types"),
+        data, source=source, node_types=meta.get("pytree_node_types")
     )
     placement = devices.plan(exported, **options)
     params = None
@@ -59,4 +69,6 @@ def load_directory(
             )
         target = artifact.params_target(placement.exported, placement.in_shardings)
         params = restore_params(ckpt, target=target)
-    return JaxExpModel(placement.exported, params, meta, placement=placement)
+    model = JaxExpModel(placement.exported, params, meta, placement=placement)
+    model.verdict = verdict
+    return model

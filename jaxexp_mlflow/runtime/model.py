@@ -50,6 +50,7 @@ class JaxExpModel:
         self.exported = _guard_vjp(exported, int(order))
         self.params = params
         self.placement = placement
+        self.verdict: Any = None  # the compat.Verdict the loader reached, if loaded from disk
         self.has_params = params is not None
         self._in_shardings = tuple(placement.in_shardings) if placement is not None else ()
         self._n_param_leaves = len(jax.tree.leaves(params)) if self.has_params else 0
@@ -62,14 +63,16 @@ class JaxExpModel:
         return self.exported.call(*inputs, **kwargs)
 
     def _place(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        shardings = self._in_shardings[self._n_param_leaves :]
-        if not any(s is not None for s in shardings):
+        """Put the inputs on the placement's devices/shardings (params are placed at load)."""
+        placement = self.placement
+        if placement is None:
+            return inputs, kwargs
+        if not placement.data_parallel and not any(
+            s is not None for s in self._in_shardings[self._n_param_leaves :]
+        ):
             return inputs, kwargs
         leaves, tree = jax.tree.flatten((inputs, kwargs))
-        placed = [
-            leaf if s is None else jax.device_put(leaf, s)
-            for leaf, s in zip(leaves, shardings, strict=False)
-        ]
+        placed = placement.place_inputs(leaves, self._n_param_leaves)
         return jax.tree.unflatten(tree, placed)
 
     def _explain(self, err: Exception, inputs: tuple, kwargs: dict) -> InputError:
