@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import inspect as pyinspect
+import textwrap
 from typing import Any
 
 import click
@@ -40,7 +40,9 @@ def blob_meta(desc: Any) -> dict[str, Any]:
     }
 
 
-def assess_target(target: Target) -> tuple[Any, dict[str, Any]]:
+def assess_target(
+    target: Target, *, allow_other_platform: bool = False
+) -> tuple[Any, dict[str, Any]]:
     """Run ``runtime.compat.assess`` on the target; return (verdict, its JSON-able form)."""
     from jaxexp_mlflow.cli.inspect import describe
     from jaxexp_mlflow.codec.reader import read_blob_file
@@ -55,10 +57,7 @@ def assess_target(target: Target) -> tuple[Any, dict[str, Any]]:
     desc = read_blob_file(target.blob_path)
     meta = target.flavor or blob_meta(desc)
     with step("Assessing compatibility"):
-        if "description" in pyinspect.signature(compat.assess).parameters:
-            verdict = compat.assess(meta, description=desc)
-        else:  # the first (stub) version of compat.assess took only meta
-            verdict = compat.assess(meta)
+        verdict = compat.assess(meta, description=desc, allow_other_platform=allow_other_platform)
     as_dict = verdict_dict(verdict)
     return verdict, as_dict
 
@@ -90,8 +89,13 @@ Examples:
 """,
 )
 @click.argument("uri")
+@click.option(
+    "--allow-other-platform",
+    is_flag=True,
+    help="Judge as if loading with allow_other_platform=True (platform mismatch only warns).",
+)
 @common_options
-def check(uri: str, as_json: bool, debug: bool) -> None:
+def check(uri: str, allow_other_platform: bool, as_json: bool, debug: bool) -> None:
     """The compatibility verdict of a model for this machine and environment.
 
     Compares what the model needs (platforms, device count, calling convention, custom calls,
@@ -101,19 +105,20 @@ def check(uri: str, as_json: bool, debug: bool) -> None:
     """
     setup_logging(debug)
     target = resolve(uri, parts=())
-    verdict, payload = assess_target(target)
+    verdict, payload = assess_target(target, allow_other_platform=allow_other_platform)
     from jaxexp_mlflow.cli.loading import environment, environment_line
 
     env = environment()
     if as_json:
-        emit_json({"uri": uri, **payload, "environment": env})
+        emit_json({"uri": uri, "environment": env, **payload})
     else:
         click.echo(f"Model        {uri}")
         click.echo(f"Environment  {environment_line(env)}")
         click.echo(f"Verdict      {verdict.status}")
         for reason in verdict.reasons:
-            code = getattr(reason, "code", None)
-            click.echo(f"  - {'[' + code + '] ' if code else ''}{reason}")
+            click.echo(
+                textwrap.fill(str(reason), 100, initial_indent="  - ", subsequent_indent="    ")
+            )
         if not verdict.reasons:
             click.echo("  (no findings: the model should load and run here)")
     if verdict.status == "incompatible":

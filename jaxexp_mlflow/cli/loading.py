@@ -8,8 +8,10 @@ from jaxexp_mlflow.cli._common import step
 from jaxexp_mlflow.cli.uri import Target
 
 
-def load(target: Target, *, allow_incompatible: bool = False) -> Any:
-    """The model (params bound) or, for a bare blob, the export alone (no params)."""
+def load(target: Target, *, allow_incompatible: bool = False, **options: Any) -> Any:
+    """The model (params bound) or, for a bare blob, the export alone (no params).
+
+    ``options`` go to the device placement (``allow_other_platform``...)."""
     if target.kind == "blob":
         from jaxexp_mlflow.codec.blob import deserialize_checked
         from jaxexp_mlflow.runtime.model import JaxExpModel
@@ -26,7 +28,9 @@ def load(target: Target, *, allow_incompatible: bool = False) -> Any:
     label = "Loading the model (checks, deserialize"
     label += ", restore params)" if target.flavor.get("params") else ")"
     with step(label):
-        return load_directory(target.path, target.flavor, allow_incompatible=allow_incompatible)
+        return load_directory(
+            target.path, target.flavor, allow_incompatible=allow_incompatible, **options
+        )
 
 
 def environment() -> dict[str, Any]:

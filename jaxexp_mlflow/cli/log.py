@@ -19,12 +19,14 @@ from jaxexp_mlflow.cli._common import (
 
 def model_info_dict(info: Any) -> dict[str, Any]:
     """The parts of an MLflow ``ModelInfo`` a user needs to find the model again."""
+    name = getattr(info, "name", None) or info.artifact_path
     return {
         "model_uri": info.model_uri,
         "model_id": getattr(info, "model_id", None),
         "run_id": info.run_id,
-        "artifact_path": info.artifact_path,
-        "runs_uri": f"runs:/{info.run_id}/{info.artifact_path}" if info.run_id else None,
+        "name": name,
+        "artifact_location": info.artifact_path,
+        "runs_uri": f"runs:/{info.run_id}/{name}" if info.run_id else None,
         "registered_model_version": getattr(info, "registered_model_version", None),
     }
 

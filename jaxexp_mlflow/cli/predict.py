@@ -58,12 +58,18 @@ list (single input) or an object of arrays ({"inputs": ...} is accepted too).
 @click.option(
     "--allow-incompatible", is_flag=True, help="Try even when the verdict is incompatible."
 )
+@click.option(
+    "--allow-other-platform",
+    is_flag=True,
+    help="Run on this backend even if the model was not exported for it.",
+)
 @common_options
 def predict(
     uri: str,
     input_file: Path,
     output_file: Path | None,
     allow_incompatible: bool,
+    allow_other_platform: bool,
     as_json: bool,
     debug: bool,
 ) -> None:
@@ -89,7 +95,11 @@ def predict(
     target = resolve(uri)
     from jaxexp_mlflow.cli.loading import load
 
-    model = load(target, allow_incompatible=allow_incompatible)
+    model = load(
+        target,
+        allow_incompatible=allow_incompatible,
+        allow_other_platform=allow_other_platform,
+    )
     args, kwargs = build_args(model.exported, model._n_param_leaves, mode, arrays)
     import jax
     import numpy as np

@@ -46,12 +46,18 @@ Examples:
 @click.option(
     "--allow-incompatible", is_flag=True, help="Try even when the verdict is incompatible."
 )
+@click.option(
+    "--allow-other-platform",
+    is_flag=True,
+    help="Run on this backend even if the model was not exported for it.",
+)
 @common_options
 def verify(
     uri: str,
     rtol: float | None,
     atol: float | None,
     allow_incompatible: bool,
+    allow_other_platform: bool,
     as_json: bool,
     debug: bool,
 ) -> None:
@@ -71,7 +77,11 @@ def verify(
         )
     from jaxexp_mlflow.reproduce import verify_directory
 
-    model = load(target, allow_incompatible=allow_incompatible)
+    model = load(
+        target,
+        allow_incompatible=allow_incompatible,
+        allow_other_platform=allow_other_platform,
+    )
     env = environment()
     try:
         with step("Running the reference input (compile + run)"):
