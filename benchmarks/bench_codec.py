@@ -18,6 +18,7 @@ Goals (issue 3): read < 1 ms, fresh process < 0.3 s. ``--quick`` runs in a few s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -81,6 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="few blobs and repetitions (CI)")
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    ap.add_argument("--json", type=Path, default=None, help="write the result rows here")
     args = ap.parse_args()
 
     blobs = sorted(args.corpus.glob("jax-*/*/exported.bin"))
@@ -130,6 +132,27 @@ def main() -> None:
         print(f"{label:<22} {secs:>8.3f} {base / secs:>7.1f}x  {heavy or '-'}")
     pkg = results["reader (package)"][0]
     print(f"goal fresh process < 0.3 s: {'met' if pkg < 0.3 else 'NOT met'} ({pkg:.3f} s)")
+    if args.json:
+        med_jax = statistics.median(reads) * statistics.median(ratios)
+        rows = [
+            {
+                "figure": "read_blob per blob, median (µs)",
+                "value": round(statistics.median(reads), 1),
+                "baseline_name": "jax.export.deserialize, same blobs",
+                "baseline": round(med_jax, 1),
+                "ratio": round(statistics.median(reads) / med_jax, 3),
+                "goal": f"max < 1000 µs (max {max(reads):.0f} µs)",
+            },
+            {
+                "figure": "fresh process: read one blob (s)",
+                "value": round(pkg, 3),
+                "baseline_name": "fresh process: import jax + deserialize",
+                "baseline": round(base, 3),
+                "ratio": round(pkg / base, 3),
+                "goal": "< 0.3 s",
+            },
+        ]
+        args.json.write_text(json.dumps({"benchmark": "codec", "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
