@@ -48,6 +48,18 @@ class JaxExpModel:
         self.metadata = dict(metadata or {})
         order = self.metadata.get("vjp_order", 0) if vjp_order is None else vjp_order
         self.exported = _guard_vjp(exported, int(order))
+        if placement is None and int(getattr(exported, "nr_devices", 1)) > 1:
+            # built directly (e.g. at save time) rather than by the loader: place it here, and
+            # move the params into the shardings the export expects
+            from jaxexp_mlflow.runtime import devices
+
+            placement = devices.plan(self.exported)
+            if params is not None:
+                n = len(jax.tree.leaves(params))
+                shardings = jax.tree.unflatten(
+                    jax.tree.structure(params), list(placement.in_shardings[:n])
+                )
+                params = jax.device_put(params, shardings)
         self.params = params
         self.placement = placement
         self.verdict: Any = None  # the compat.Verdict the loader reached, if loaded from disk

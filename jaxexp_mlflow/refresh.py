@@ -1,0 +1,258 @@
+"""Refresh an archived model: re-export it with the running JAX and log it as a new model.
+
+JAX reads a serialized export for about 6 months after it was written (newer jax refuse older
+blobs outright). ``refresh`` is how an archive outlives that window: it deserializes the blob
+while this JAX still reads it, wraps ``Exported.call`` in a new ``jax.export.export`` (same
+platforms, shardings, symbolic shapes, vjp order and disabled safety checks), checks that the
+refreshed function reproduces the model's stored reference outputs, and logs the result (same
+params checkpoint, signature and reference input) as a new model with tags pointing at its source.
+
+The module inside is the old one, inlined: a refresh renews the serialization, not the kernels.
+A blob that calls custom-call targets this jaxlib no longer registers (LAPACK kernels of
+jax 0.4.x) cannot be refreshed; export it again from its Python source.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from jaxexp_mlflow import artifact, reproduce
+from jaxexp_mlflow.codec import blob
+from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
+from jaxexp_mlflow.runtime import compat, devices
+
+_logger = logging.getLogger(__name__)
+
+TAG_PREFIX = "jaxexp.refresh."
+#: Reasons a refresh fixes rather than suffers from.
+_REFRESHABLE = {"window_backward", "jaxlib_unknown"}
+
+
+class RefreshError(IncompatibleError):
+    """The model cannot be refreshed here, or the refreshed model does not reproduce it."""
+
+
+def reexport(exported: Any, placement: Any = None) -> Any:
+    """A new ``Exported`` made by the running JAX that calls ``exported``.
+
+    Keeps platforms, symbolic shapes, input/output shardings (as ``NamedSharding`` on the
+    placement's mesh, which is what jax >= 0.10 serializes) and disabled safety checks.
+    ``placement`` (from ``devices.plan``) is required for multi-device exports.
+    """
+    import jax
+
+    n = int(exported.nr_devices)
+    if n > 1 and (placement is None or placement.mesh is None):
+        placement = devices.plan(exported)
+    in_shardings = placement.in_shardings if n > 1 else (None,) * len(exported.in_avals)
+    specs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        for a, s in zip(exported.in_avals, in_shardings, strict=True)
+    ]
+    args, kwargs = jax.tree.unflatten(exported.in_tree, specs)
+    call = placement.exported if placement is not None else exported
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        return call.call(*a, **k)
+
+    wrapper.__name__ = wrapper.__qualname__ = str(exported.fun_name)
+    if n > 1:
+        out = jax.tree.unflatten(exported.out_tree, list(placement.out_shardings))
+        jitted = jax.jit(wrapper, out_shardings=out)
+    else:
+        jitted = jax.jit(wrapper)
+    checks = list(exported.disabled_safety_checks)
+    return jax.export.export(jitted, platforms=tuple(exported.platforms), disabled_checks=checks)(
+        *args, **kwargs
+    )
+
+
+def _judge(meta: dict, description: Any, model_uri: str, options: dict) -> compat.Verdict:
+    verdict = compat.assess(
+        meta,
+        description=description,
+        allow_other_platform=bool(options.get("allow_other_platform", False)),
+    )
+    blocking = [
+        r
+        for r in verdict.reasons
+        if r.severity == compat.INCOMPATIBLE and r.code not in _REFRESHABLE
+    ]
+    if blocking:
+        why = "\n- ".join(str(r) for r in blocking)
+        extra = ""
+        if any(r.code == "custom_calls" for r in blocking):
+            extra = (
+                "\nA refresh re-serializes the same module, so it would keep calling these "
+                "kernels: it cannot fix this. Export the function again from its Python source "
+                "with this jax (its new lowering uses the kernels this jaxlib has), or keep "
+                "running the model with a jaxlib that has them."
+            )
+        raise RefreshError(f"Cannot refresh {model_uri} here:\n- {why}{extra}")
+    for r in verdict.reasons:
+        _logger.info("jaxexp refresh: %s", r)
+    return verdict
+
+
+def _check(
+    new_exp: Any,
+    local: Path,
+    meta: dict,
+    placement: Any,
+    *,
+    rtol: float | None,
+    atol: float | None,
+) -> list[reproduce.OutputCheck]:
+    from jaxexp_mlflow.runtime.model import JaxExpModel
+
+    params = None
+    if meta.get("params"):
+        from jaxexp_mlflow.codec.params import restore_params
+
+        target = artifact.params_target(new_exp, placement.in_shardings)
+        params = restore_params(Path(local, meta["params"]), target=target)
+    model = JaxExpModel(new_exp, params, meta, placement=placement)
+    return reproduce.verify_directory(model, local, rtol=rtol, atol=atol)
+
+
+def refresh(
+    model_uri: str,
+    *,
+    name: str = "model",
+    registered_model_name: str | None = None,
+    run_id: str | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    **options: Any,
+) -> Any:
+    """Re-export the jaxexp model at ``model_uri`` with the running JAX; log it as a new model.
+
+    The refreshed model must reproduce the source's stored reference outputs (per-dtype
+    tolerances, or ``rtol``/``atol``) before anything is logged; otherwise ``RefreshError``.
+    It is logged under ``name`` in run ``run_id`` (default: the active run, else a new run), with
+    the source's params checkpoint, signature and reference input, tagged ``jaxexp.refresh.*``
+    (source URI, source jax/jaxlib versions, max error), and registered as a new version of
+    ``registered_model_name`` if given. ``options`` go to device placement
+    (``allow_other_platform``, ``devices``). Returns the new model's ``ModelInfo``.
+    """
+    import jax
+    import mlflow
+    from mlflow.models import Model
+    from mlflow.models.model import MLMODEL_FILE_NAME
+    from mlflow.tracking.artifact_utils import _download_artifact_from_uri
+    from mlflow.utils.model_utils import _get_flavor_configuration
+
+    from jaxexp_mlflow.codec.metadata import package_version
+    from jaxexp_mlflow.flavors import jaxexp as flavor
+
+    local = Path(_download_artifact_from_uri(artifact_uri=model_uri))
+    meta = _get_flavor_configuration(model_path=str(local), flavor_name=flavor.FLAVOR_NAME)
+    source_model = Model.load(os.path.join(local, MLMODEL_FILE_NAME))
+    data = artifact.read_blob(local, meta)
+    source = str(Path(local, meta.get("exported_file", artifact.EXPORTED_FILE)))
+    description = blob.describe(data, source=source)
+    verdict = _judge(meta, description, model_uri, options)
+    if not meta.get("reference"):
+        raise RefreshError(
+            f"{model_uri} carries no reference input/outputs (it was logged without "
+            "input_example), so a refresh could not prove the new export computes the same "
+            "thing. Log it again with input_example=..., then refresh that."
+        )
+
+    exported = blob.deserialize_checked(
+        data, source=source, node_types=meta.get("pytree_node_types")
+    )
+    plan_opts = {k: options[k] for k in ("allow_other_platform", "devices") if k in options}
+    placement = devices.plan(exported, **plan_opts)
+    try:
+        new_exp = reexport(exported, placement)
+    except Exception as err:
+        raise RefreshError(
+            f"jax {jax.__version__} could not re-export {meta.get('fun_name')!r} from "
+            f"{model_uri}: {err}. Try a jax closer to the exporter's "
+            f"({meta.get('jax_version') or 'unknown: a bare blob'})."
+        ) from err
+    new_placement = devices.plan(new_exp, **plan_opts)
+    try:
+        checks = _check(new_exp, local, meta, new_placement, rtol=rtol, atol=atol)
+    except ArtifactError:
+        raise
+    except Exception as err:
+        raise RefreshError(
+            f"The refreshed export of {model_uri} failed to run its reference input: {err}"
+        ) from err
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        lines = "\n".join(
+            f"- out_{c.index} {c.dtype}{list(c.shape)}: max abs err {c.max_abs_err:.3g}, "
+            f"max rel err {c.max_rel_err:.3g} (rtol {c.rtol}, atol {c.atol})"
+            for c in failed
+        )
+        raise RefreshError(
+            f"The refreshed export of {model_uri} does not reproduce the stored reference:\n"
+            f"{lines}\nNothing was logged. If the differences are acceptable numerical drift, "
+            "pass looser rtol=/atol=."
+        )
+
+    inputs, _ = artifact.read_reference(local, meta)
+    n_params = int(meta.get("n_param_leaves") or 0)
+    args, kwargs = jax.tree.unflatten(exported.in_tree, [None] * n_params + list(inputs))
+    if kwargs:
+        raise RefreshError(
+            f"{model_uri} takes keyword arguments {sorted(kwargs)}, which a logged input "
+            "example cannot carry; refresh supports positional inputs only."
+        )
+    example = tuple(args[1:] if meta.get("params") else args)
+    tags = {
+        TAG_PREFIX + "source_uri": model_uri,
+        TAG_PREFIX + "source_jax_version": str(meta.get("jax_version") or "unknown (bare blob)"),
+        TAG_PREFIX + "source_jaxlib_version": str(meta.get("jaxlib_version") or "unknown"),
+        TAG_PREFIX + "source_sha256": str(meta.get("exported_sha256")),
+        TAG_PREFIX + "jax_version": jax.__version__,
+        TAG_PREFIX + "jaxlib_version": str(package_version("jaxlib")),
+        TAG_PREFIX + "verdict": verdict.status,
+        TAG_PREFIX + "max_abs_err": f"{max((c.max_abs_err for c in checks), default=0.0):.3g}",
+    }
+    if getattr(source_model, "model_id", None):
+        tags[TAG_PREFIX + "source_model_id"] = source_model.model_id
+    metadata = dict(source_model.metadata or {})
+    metadata["jaxexp_refreshed_from"] = model_uri
+
+    def log() -> Any:
+        return flavor.log_model(
+            new_exp,
+            name=name,
+            params=str(Path(local, meta["params"])) if meta.get("params") else None,
+            vjp_order=int(meta.get("vjp_order") or 0),
+            signature=source_model.signature,
+            input_example=example,
+            metadata=metadata,
+            tags=tags,
+            registered_model_name=registered_model_name,
+        )
+
+    if run_id is not None:
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == run_id:
+            info = log()
+        else:
+            with mlflow.start_run(run_id=run_id, nested=active is not None):
+                info = log()
+    elif mlflow.active_run() is not None:
+        info = log()
+    else:
+        with mlflow.start_run(run_name=f"refresh {meta.get('fun_name') or name}"):
+            info = log()
+    if registered_model_name and getattr(info, "registered_model_version", None):
+        client = mlflow.MlflowClient()
+        for key in ("source_uri", "source_jax_version"):
+            client.set_model_version_tag(
+                registered_model_name,
+                str(info.registered_model_version),
+                TAG_PREFIX + key,
+                tags[TAG_PREFIX + key],
+            )
+    return info
