@@ -105,7 +105,7 @@ def build_args(exported: Any, n_param_leaves: int, mode: str, arrays: list[Any])
     expected = exported.in_avals[n_param_leaves:]
     args_tree, kwargs_tree = exported.in_tree.children()
     if mode == "positional":
-        n_args = args_tree.num_children - (1 if n_param_leaves else 0)
+        n_args = len(args_tree.children()) - (1 if n_param_leaves else 0)
         if kwargs_tree.num_leaves == 0 and len(arrays) == n_args:
             leaves_per_arg = (
                 [c.num_leaves for c in args_tree.children()[-n_args:]] if n_args else []

@@ -101,7 +101,8 @@ def log(
         n_params = 0
         if params_dir is not None:
             args_tree, _ = exported.in_tree.children()
-            n_params = args_tree.children()[0].num_leaves if args_tree.num_children else 0
+            children = args_tree.children()
+            n_params = children[0].num_leaves if children else 0
         args, kwargs = build_args(exported, n_params, mode, arrays)
         if kwargs:
             raise InputProblem(
