@@ -19,8 +19,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jaxexp_mlflow import artifact, reproduce
-from jaxexp_mlflow.codec import blob
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
 from jaxexp_mlflow.runtime import compat, devices
 
@@ -105,7 +103,8 @@ def _check(
     *,
     rtol: float | None,
     atol: float | None,
-) -> list[reproduce.OutputCheck]:
+) -> list[Any]:
+    from jaxexp_mlflow import artifact, reproduce
     from jaxexp_mlflow.runtime.model import JaxExpModel
 
     params = None
@@ -145,6 +144,8 @@ def refresh(
     from mlflow.tracking.artifact_utils import _download_artifact_from_uri
     from mlflow.utils.model_utils import _get_flavor_configuration
 
+    from jaxexp_mlflow import artifact
+    from jaxexp_mlflow.codec import blob
     from jaxexp_mlflow.codec.metadata import package_version
     from jaxexp_mlflow.flavors import jaxexp as flavor
 

@@ -23,8 +23,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from jaxexp_mlflow.errors import IncompatibleError
-
 _logger = logging.getLogger(__name__)
 
 #: Mesh axis name used for blobs whose shardings carry no mesh (HLO shardings) and for data
@@ -128,6 +126,8 @@ def choose_platform(
             backend,
         )
         return backend, True
+    from jaxexp_mlflow.errors import IncompatibleError
+
     raise IncompatibleError(
         f"The model was exported for platforms {platforms}, but this machine runs JAX on "
         f"{backend!r}. Run it where one of those platforms is available, re-export it for "
@@ -189,6 +189,8 @@ def plan(
             if platform == "cpu"
             else f"a machine or slice with {n} {platform} devices"
         )
+        from jaxexp_mlflow.errors import IncompatibleError
+
         raise IncompatibleError(
             f"The model was exported for {n} devices, but only {len(devs)} {platform} "
             f"device(s) are visible. Expose {n} devices ({how})."
@@ -208,6 +210,8 @@ def _data_parallel(exported: Any, platform: str, devs: list[Any]) -> Placement:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     if any(s is not None for s in exported.in_shardings_hlo):
+        from jaxexp_mlflow.errors import IncompatibleError
+
         raise IncompatibleError(
             "data_parallel=True needs a 1-device export without sharding annotations, but this "
             f"one has input shardings {list(map(str, exported.in_shardings_hlo))}. Load it "
