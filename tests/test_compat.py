@@ -1,0 +1,218 @@
+"""The compatibility verdict (issue 5, point 3): reasons, what to do, load refuses/warns."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import mlflow
+import pytest
+
+import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
+from jaxexp_mlflow.codec.reader import read_blob_file
+from jaxexp_mlflow.errors import IncompatibleError
+from jaxexp_mlflow.runtime import compat
+from tests.conftest import CORPUS, case_id, corpus_cases, load_case
+
+REPO = Path(__file__).resolve().parents[1]
+needs_corpus = pytest.mark.skipif(not corpus_cases(), reason="corpus not available")
+
+
+@pytest.fixture(scope="module")
+def env() -> compat.Environment:
+    return compat.Environment.current()
+
+
+def _judge(case: Path, env, *, bare: bool = False, **kw) -> compat.Verdict:
+    meta = json.loads((case / "meta.json").read_text())
+    meta["serialization_version"] = meta["serialization_version_flatbuffer"]
+    if bare:  # what MLmodel holds for a blob logged as bytes
+        meta["jax_version"] = meta["jaxlib_version"] = None
+    return compat.assess(meta, description=read_blob_file(case / "exported.bin"), env=env, **kw)
+
+
+@needs_corpus
+@pytest.mark.parametrize("bare", [False, True], ids=["versioned", "bare"])
+@pytest.mark.parametrize("case", corpus_cases(), ids=case_id)
+def test_corpus_verdicts(case, bare, env):
+    version = case.parent.name.removeprefix("jax-")
+    v = _judge(case, env, bare=bare)
+    expected = set()
+    if case.name == "sharded4":
+        expected.add("devices")
+    if version in ("0.4.35", "0.6.2"):  # built > 6 months before jaxlib 0.10.2 (2026-06-17)
+        expected.add("window_backward")
+    if (version, case.name) == ("0.4.35", "linalg"):
+        expected.add("custom_calls")
+    assert set(v.codes()) == expected, str(v)
+    blocking = {"devices", "custom_calls"}
+    want = "incompatible" if expected & blocking else ("warn" if expected else "ok")
+    assert v.status == want
+    json.dumps(v.to_dict())  # JSON-able, for `jaxexp check --json`
+    for r in v.reasons:
+        assert r.code and r.message and r.action and "\n" not in str(r)
+
+
+@needs_corpus
+def test_reasons_say_what_to_do(env):
+    linalg = _judge(CORPUS / "jax-0.4.35" / "linalg", env)
+    (cc,) = [r for r in linalg.reasons if r.code == "custom_calls"]
+    assert "blas_strsm" in cc.message and "NOT_FOUND" in cc.message
+    assert "jaxlib 0.4.35" in cc.action and "export the function again" in cc.action
+    (win,) = [r for r in linalg.reasons if r.code == "window_backward"]
+    assert "2024-10-22" in win.message and "2026-06-17" in win.message
+    assert win.severity == "warn" and "refresh" in win.action
+
+    sharded = _judge(CORPUS / "jax-0.10.2" / "sharded4", env)
+    (dev,) = sharded.reasons
+    assert "4 devices" in dev.message and "only 1 cpu device" in dev.message
+    assert "--xla_force_host_platform_device_count=4" in dev.action
+
+
+@needs_corpus
+def test_bare_blob_build_date_is_bracketed_from_its_signals(env):
+    old = _judge(CORPUS / "jax-0.6.2" / "mlp", env, bare=True)
+    # calling convention 9 is written until jax 0.7.0 (2025-07-22)
+    assert old.exporter["jaxlib_version"] is None
+    assert old.exporter["build_date_latest"] == "2025-07-22"
+    assert "calling convention 9" in old.exporter["evidence"]
+    assert old.codes() == ["window_backward"] and "on or before 2025-07-22" in str(old)
+    new = _judge(CORPUS / "jax-0.10.2" / "mlp", env, bare=True)
+    assert new.exporter["build_date_earliest"] >= "2026-04-04" and new.status == "ok"
+
+
+@needs_corpus
+def test_running_jax_that_enforces_the_window(env):
+    case = CORPUS / "jax-0.4.35" / "mlp"
+    later = env.replace(jax_version="0.11.1", jaxlib_version="0.11.1", enforces_window=True)
+    v = _judge(case, later)
+    assert v.status == "incompatible"
+    assert set(v.codes()) == {"expired", "window_backward"}
+    text = str(v)
+    # which jaxlib to install: the newest within 6 months of 0.4.35, or the last lenient one
+    assert "==0.6.0" in text and "==0.11.0" in text and "jax_export_deserialize_expired" in text
+
+
+@needs_corpus
+def test_forward_window_and_unknown_versions(env):
+    case = CORPUS / "jax-0.10.2" / "mlp"
+    older = env.replace(jaxlib_version="0.8.0")  # built 2025-10-15, 8 months before 0.10.2
+    v = _judge(case, older)
+    assert v.codes() == ["window_forward"] and v.status == "warn"
+    assert "jaxlib>=0.10." in v.reasons[0].action
+    meta = json.loads((case / "meta.json").read_text())
+    meta["jaxlib_version"] = "0.99.0"
+    v = compat.assess(meta, env=env)
+    assert v.codes() == ["jaxlib_unknown"] and v.status == "warn"
+    assert "update_jaxlib_releases.py" in v.reasons[0].action
+    v = compat.assess(meta, env=env.replace(jaxlib_version="0.99.0"))
+    assert v.codes() == ["jaxlib_unknown", "jaxlib_unknown"]
+    assert compat.release_date("0.5.1.dev20250101") == dt.date(2025, 1, 1)
+
+
+def test_calling_convention_schema_platform_devices(env):
+    meta = {
+        "platforms": ["cpu"],
+        "nr_devices": 1,
+        "calling_convention_version": 9,
+        "jaxlib_version": "0.10.2",
+    }
+    assert compat.assess(meta, env=env).status == "ok"
+    v = compat.assess(meta, env=env.replace(calling_convention_range=(10, 11)))
+    assert v.codes() == ["calling_convention"] and "reads 10..11" in v.reasons[0].message
+    v = compat.assess({**meta, "calling_convention_version": 12}, env=env)
+    assert v.codes() == ["calling_convention"] and "Upgrade jax" in v.reasons[0].action
+
+    class Desc:  # a blob written with a schema newer than the running jax knows
+        schema_generation = 99
+        custom_call_targets = ()
+
+    v = compat.assess(meta, description=Desc(), env=env)
+    assert v.codes() == ["schema"] and v.status == "incompatible"
+
+    tpu = {**meta, "platforms": ["tpu"]}
+    v = compat.assess(tpu, env=env)
+    assert v.codes() == ["platform"] and v.status == "incompatible"
+    assert "['tpu']" in v.reasons[0].message and "'cpu'" in v.reasons[0].message
+    assert "allow_other_platform=True" in v.reasons[0].action
+    assert compat.assess(tpu, env=env, allow_other_platform=True).status == "warn"
+
+    v = compat.assess({**meta, "nr_devices": 8}, env=env)
+    assert v.codes() == ["devices"] and "8 devices" in v.reasons[0].message
+
+
+def test_registered_targets_are_listed_without_compiling(env):
+    targets = env.custom_call_targets
+    assert targets is not None and "lapack_sgetrf_ffi" in targets
+    assert "blas_strsm" not in targets  # gone from jaxlib 0.10.2
+    meta = {"platforms": ["cpu"], "nr_devices": 1, "jaxlib_version": "0.10.2"}
+    ok = ["lapack_sgetrf_ffi", "shape_assertion", "cusolver_getrf_ffi", "tpu_custom_call"]
+    assert compat.assess({**meta, "custom_call_targets": ok}, env=env).status == "ok"
+    v = compat.assess({**meta, "custom_call_targets": ["my_kernel"]}, env=env)
+    assert v.codes() == ["custom_calls"] and "register_ffi_target" in v.reasons[0].action
+
+
+@needs_corpus
+def test_load_refuses_linalg_before_calling_and_override(tmp_path, caplog):
+    case = CORPUS / "jax-0.4.35" / "linalg"
+    _, inputs, _ = load_case(case)
+    path = tmp_path / "linalg"
+    mlflow.jaxexp.save_model((case / "exported.bin").read_bytes(), path)
+    with pytest.raises(IncompatibleError, match=r"(?s)blas_strsm.*allow_incompatible=True"):
+        mlflow.jaxexp.load_model(str(path))
+    # the override loads it; the call then fails exactly as the verdict predicted
+    model = mlflow.jaxexp.load_model(str(path), allow_incompatible=True)
+    assert model.verdict.status == "incompatible"
+    with pytest.raises(Exception, match="blas_strsm"):
+        jax.block_until_ready(model(*inputs))
+
+    # a "warn" verdict loads and logs each reason
+    mlp = CORPUS / "jax-0.4.35" / "mlp"
+    mlflow.jaxexp.save_model((mlp / "exported.bin").read_bytes(), tmp_path / "mlp")
+    with caplog.at_level(logging.WARNING, logger="jaxexp_mlflow.runtime.loader"):
+        model = mlflow.jaxexp.load_model(str(tmp_path / "mlp"))
+    assert model.verdict.status == "warn"
+    assert any("[window_backward]" in r.getMessage() for r in caplog.records)
+
+
+def test_release_table_script_and_shipped_table():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import update_jaxlib_releases as script
+    finally:
+        sys.path.pop(0)
+    doc = {
+        "info": {"version": "9.1"},
+        "releases": {
+            "9.0": [
+                {"upload_time_iso_8601": "2030-01-02T23:59:00.000Z", "yanked": False},
+                {"upload_time_iso_8601": "2030-01-01T10:00:00.000Z", "yanked": False},
+            ],
+            "9.1": [{"upload_time_iso_8601": "2030-02-01T00:00:00Z", "yanked": True}],
+            "0.0.1": [],
+        },
+    }
+    table = script.build_table(doc)
+    assert table["releases"] == {
+        "9.0": {"date": "2030-01-01"},
+        "9.1": {"date": "2030-02-01", "yanked": True},
+    }
+    shipped = compat.release_table()
+    assert shipped["releases"]["0.4.35"]["date"] == "2024-10-22"
+    assert compat.release_date("0.10.2") == dt.date(2026, 6, 17)
+    assert compat.newest_release_before(dt.date(2025, 4, 22)) == "0.6.0"
+
+
+def test_compat_and_devices_import_without_jax_or_mlflow():
+    code = (
+        "import sys\n"
+        "import jaxexp_mlflow.runtime.compat, jaxexp_mlflow.runtime.devices\n"
+        "print(sorted(m for m in ('jax', 'jaxlib', 'mlflow', 'orbax') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
