@@ -42,15 +42,37 @@ from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
 
 FLAVOR_NAME = "jaxexp"
 
+#: Keys accepted in ``mlflow.pyfunc.load_model(..., model_config=...)`` (and ``mlflow models
+#: serve --model-config``); see docs/serving.md. MLflow only passes keys the MLmodel declares.
+PYFUNC_CONFIG_KEYS = (
+    "buckets",
+    "max_batch",
+    "precompile",
+    "compilation_cache",
+    "allow_nan",
+    "max_request_bytes",
+    "allow_incompatible",
+    "allow_other_platform",
+    "data_parallel",
+)
+
 install_mlflow_module()
 
 
 def get_default_pip_requirements() -> list[str]:
-    """Packages a fresh environment needs to load a jaxexp model (pinned to the versions here)."""
+    """Packages a fresh environment needs to load a jaxexp model (pinned to the versions here).
+
+    jaxexp-mlflow itself is not on a public index: ``save_model`` copies the package into the
+    model's ``code/`` directory (``include_package=True``), from where MLflow imports the loader.
+    """
     return [
         _get_pinned_requirement(name)
-        for name in ("jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy")
+        for name in ("jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy", "mlflow")
     ]
+
+
+def _package_dir() -> str:
+    return str(Path(__file__).resolve().parents[1])
 
 
 def get_default_conda_env() -> dict[str, Any]:
@@ -74,6 +96,10 @@ def save_model(
     code_paths: list[str] | None = None,
     batch_polymorphic: bool = True,
     platforms: list[str] | tuple[str, ...] | None = None,
+    input_names: list[str] | None = None,
+    output_names: list[str] | None = None,
+    serving_config: dict[str, Any] | None = None,
+    include_package: bool = True,
     **kwargs: Any,
 ) -> None:
     """Save a JAX model to ``path`` as an MLflow model with the ``jaxexp`` and pyfunc flavors.
@@ -84,20 +110,34 @@ def save_model(
     ``platforms`` given, lowered for each). ``params`` (a pytree of arrays, or the path of an
     existing Orbax checkpoint) are stored as an Orbax checkpoint and bound at load time.
     ``input_example`` is the positional inputs after the params (a tuple for several); it and
-    the outputs computed from it are stored as the model's reference result.
+    the outputs computed from it are stored as the model's reference result, and saved as
+    MLflow's input example (``serving_input_example.json``) when JSON can carry it.
+
+    The MLflow signature is inferred from the export (see ``flavors.signature`` for the names;
+    ``input_names``/``output_names`` rename the leaves); a ``signature`` given here must agree
+    with the export, ``signature=False`` stores none. ``serving_config`` is stored in the flavor
+    section as the pyfunc defaults (``buckets``, ``max_batch``, ``precompile``, ``allow_nan``,
+    ``max_request_bytes``; see docs/serving.md). ``include_package`` copies this package into
+    the model's ``code/`` directory so that a fresh environment can load it without installing
+    jaxexp-mlflow.
     """
     from jaxexp_mlflow.flavors import saving
 
     if "_jax_params" in kwargs:  # from log_model: Model.log keeps ``params`` for MLflow's own
         params = kwargs.pop("_jax_params")
+    from jaxexp_mlflow.flavors import signature as sig
+
+    kwargs.pop("validate_serving_input", None)  # Model.log's own option, passed along to us
     _validate_env_arguments(conda_env, pip_requirements, extra_pip_requirements)
     path = os.fspath(path)
     _validate_and_prepare_target_save_path(path)
+    if include_package:
+        code_paths = [_package_dir(), *(code_paths or [])]
     code_dir_subpath = _validate_and_copy_code_paths(code_paths, path)
     if mlflow_model is None:
         mlflow_model = Model()
 
-    flavor_conf = saving.write_model_files(
+    flavor_conf, exp = saving.write_model_files(
         exported,
         path,
         params=params,
@@ -107,14 +147,31 @@ def save_model(
         platforms=platforms,
         **kwargs,
     )
-    if signature is not None:
-        mlflow_model.signature = signature
+    in_specs, out_specs = sig.leaf_specs(
+        exp, has_params=params is not None, input_names=input_names, output_names_=output_names
+    )
+    inferred = sig.model_signature(in_specs, out_specs)
+    if signature is None:
+        mlflow_model.signature = inferred
+    elif signature is not False:
+        mlflow_model.signature = sig.check_user_signature(signature, inferred)
+        in_specs, out_specs = sig.rename(in_specs, out_specs, mlflow_model.signature)
+    flavor_conf["io"] = sig.specs_to_conf(in_specs, out_specs)
+    if serving_config:
+        flavor_conf["serving"] = dict(serving_config)
+    if input_example is not None:
+        example = sig.serving_example(in_specs, input_example)
+        if example is not None:
+            from mlflow.models.utils import _save_example
+
+            _save_example(mlflow_model, example, path)
     if metadata is not None:
         mlflow_model.metadata = metadata
 
     pyfunc.add_to_model(
         mlflow_model,
         loader_module=__name__,
+        model_config=dict.fromkeys(PYFUNC_CONFIG_KEYS),  # keys model_config may set at load
         conda_env=_CONDA_ENV_FILE_NAME,
         python_env=_PYTHON_ENV_FILE_NAME,
         code=code_dir_subpath,
@@ -211,8 +268,10 @@ def load_model(
     ``allow_incompatible=True`` tries anyway after an "incompatible" verdict; ``options`` go to
     the device placement (see ``runtime.devices.plan``).
     """
+    from jaxexp_mlflow.runtime import cache
     from jaxexp_mlflow.runtime.loader import load_directory
 
+    cache.configure()
     local_path = _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path)
     flavor_conf = _get_flavor_configuration(model_path=local_path, flavor_name=FLAVOR_NAME)
     _add_code_from_conf_to_system_path(local_path, flavor_conf)
@@ -220,12 +279,37 @@ def load_model(
 
 
 def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
-    """Load the pyfunc implementation; called by ``mlflow.pyfunc.load_model``."""
-    from jaxexp_mlflow.flavors.pyfunc import JaxExpPyfunc
+    """Load the pyfunc implementation; called by ``mlflow.pyfunc.load_model``.
+
+    Turns on the persistent compilation cache first (``runtime.cache``), compiles the batch
+    buckets (``runtime.buckets``), and inside MLflow's scoring server installs the request
+    guard (``flavors.pyfunc.install_serving_guard``).
+    """
+    from jaxexp_mlflow.flavors import pyfunc as pyfunc_impl
+    from jaxexp_mlflow.flavors import signature as sig
+    from jaxexp_mlflow.runtime import cache
     from jaxexp_mlflow.runtime.loader import load_directory
 
+    config = {k: v for k, v in (model_config or {}).items() if v is not None}
     model_dir = Path(path)
     if model_dir.is_file():
         model_dir = model_dir.parent
-    flavor_conf = _get_flavor_configuration(model_path=str(model_dir), flavor_name=FLAVOR_NAME)
-    return JaxExpPyfunc(load_directory(model_dir, flavor_conf), model_config or {})
+    meta = Model.load(str(model_dir / MLMODEL_FILE_NAME))
+    flavor_conf = meta.flavors[FLAVOR_NAME]
+    saved = dict(flavor_conf.get("serving") or {})
+    cache.configure(config.get("compilation_cache", saved.get("compilation_cache")))
+    load_options = {k: config[k] for k in ("allow_other_platform", "data_parallel") if k in config}
+    model = load_directory(
+        model_dir,
+        flavor_conf,
+        allow_incompatible=bool(config.get("allow_incompatible", False)),
+        **load_options,
+    )
+    specs = sig.specs_from_conf(flavor_conf)
+    inputs, outputs = specs if specs is not None else (None, None)
+    impl = pyfunc_impl.JaxExpPyfunc(
+        model, config, inputs=inputs, outputs=outputs, saved_config=saved
+    )
+    pyfunc_impl.register(meta.model_uuid, impl)
+    pyfunc_impl.install_serving_guard()
+    return impl

@@ -88,8 +88,11 @@ def write_model_files(
     batch_polymorphic: bool = True,
     platforms: Any = None,
     compression: Any = "default",
-) -> dict[str, Any]:
-    """Write blob, params and reference into ``path``; return the MLmodel ``jaxexp`` section."""
+) -> tuple[dict[str, Any], Any]:
+    """Write blob, params and reference into ``path``.
+
+    Returns the MLmodel ``jaxexp`` section and the ``Exported`` (to infer the signature from).
+    """
     from jaxexp_mlflow.codec import params as params_codec
     from jaxexp_mlflow.runtime.model import JaxExpModel
 
@@ -141,4 +144,4 @@ def write_model_files(
             bound = params_codec.restore_params(target, target=artifact.params_target(exp))
         outputs = JaxExpModel(exp, bound, conf)(*as_args(input_example))
         conf["reference"] = artifact.write_reference(path, as_args(input_example), outputs)
-    return conf
+    return conf, exp

@@ -1,0 +1,327 @@
+"""The MLflow signature of a jaxexp model, inferred from its export.
+
+One ``TensorSpec`` per input leaf (the params, the export's first positional argument when the
+model has params, are excluded) and per output leaf, with the exported dtype and ``-1`` for every
+symbolic dimension.
+
+Names (stable, derived from the pytree key paths of the export's ``in_tree`` / ``out_tree``):
+
+* inputs: positional input ``i`` (counted after the params) is ``"i"``, a keyword input is its
+  keyword; nested containers append ``.key`` / ``.index`` (``"0.mask"``, ``"inputs.mask"``).
+  When the function takes exactly one positional input and no keywords, the leading ``"0"`` is
+  dropped, and a single array input is named ``"x"``.
+* outputs: the key path of the output pytree joined the same way (``"logits"``, ``"0"``,
+  ``"1.mask"``); a single array output is named ``"output"``.
+
+``input_names=`` / ``output_names=`` on save replace these (one name per leaf, in leaf order).
+
+Dtypes that MLflow and JSON cannot carry (``bfloat16``, the ``float8_*`` types, ``int4`` ...,
+the ml_dtypes family) are declared as ``float32`` (``int32`` for the integer ones) in the MLflow
+signature: that is the wire type clients send, and ``predict`` casts it to the exported dtype.
+The exact dtype stays in the flavor's ``in_avals`` / ``out_avals``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxexp_mlflow.errors import InputError, UnsupportedModelError
+
+SINGLE_INPUT_NAME = "x"
+SINGLE_OUTPUT_NAME = "output"
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """One input or output leaf: name, exported and wire dtypes, shape (None = symbolic)."""
+
+    name: str
+    dtype: np.dtype  # the exported dtype (may be an ml_dtypes type)
+    wire_dtype: np.dtype  # the dtype MLflow's signature declares
+    shape: tuple[int | None, ...]
+    symbols: tuple[str | None, ...]  # the symbolic dimension expression per axis, else None
+
+    def describe(self) -> str:
+        """``x: float32[-1,8]`` (with ``bfloat16 (send float32)`` for wire-cast dtypes)."""
+        dims = ",".join("-1" if d is None else str(d) for d in self.shape)
+        kind = str(self.dtype)
+        if self.wire_dtype != self.dtype:
+            kind = f"{self.dtype} (sent as {self.wire_dtype})"
+        return f"{self.name}: {kind}[{dims}]"
+
+
+def wire_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype MLflow's signature and JSON clients use for ``dtype``."""
+    dt = np.dtype(dtype)
+    if dt.kind in "biufc" and dt.type.__module__ == "numpy":
+        return dt
+    if dt.kind == "b":
+        return np.dtype(bool)
+    # ml_dtypes types: floats (bfloat16, float8_*) report kind 'V' or 'f'; ints (int4) 'V' or 'i'
+    name = dt.name
+    if name.startswith(("int", "uint")):
+        return np.dtype(np.int32)
+    return np.dtype(np.float32)
+
+
+def _key_str(key: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _join(path: tuple) -> str:
+    return ".".join(_key_str(k) for k in path)
+
+
+def _symbols(aval: Any) -> tuple[tuple[int | None, ...], tuple[str | None, ...]]:
+    shape: list[int | None] = []
+    syms: list[str | None] = []
+    for d in aval.shape:
+        if isinstance(d, int | np.integer):
+            shape.append(int(d))
+            syms.append(None)
+        else:
+            shape.append(None)
+            syms.append(str(d))
+    return tuple(shape), tuple(syms)
+
+
+def _placeholders(treedef: Any) -> Any:
+    import jax
+
+    return jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+
+
+def input_structure(exported: Any, has_params: bool) -> tuple[Any, list[str], int]:
+    """(treedef of ``(inputs_tuple, kwargs)``, default leaf names, number of param leaves)."""
+    import jax
+
+    args, kwargs = _placeholders(exported.in_tree)
+    n_param_leaves = 0
+    if has_params:
+        if not args:
+            raise UnsupportedModelError(
+                f"The exported function {exported.fun_name!r} takes no positional arguments, "
+                "so it has no params argument. Save it with params=None."
+            )
+        n_param_leaves = len(jax.tree.leaves(args[0]))
+        args = args[1:]
+    structure = (tuple(args), kwargs)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(structure)
+    names: list[str] = []
+    single = len(args) == 1 and not kwargs
+    for path, _ in flat:
+        # path[0] selects args (0) or kwargs (1); path[1] the position or keyword
+        rest = path[1:]
+        if single and len(rest) >= 1:
+            rest = rest[1:]
+        names.append(_join(rest) if rest else SINGLE_INPUT_NAME)
+    return treedef, names, n_param_leaves
+
+
+def output_names(exported: Any) -> list[str]:
+    """Default output leaf names from the ``out_tree`` key paths."""
+    import jax
+
+    out = _placeholders(exported.out_tree)
+    flat, _ = jax.tree_util.tree_flatten_with_path(out)
+    names = [_join(path) for path, _ in flat]
+    if len(names) == 1 and names[0] == "":
+        return [SINGLE_OUTPUT_NAME]
+    return [n or SINGLE_OUTPUT_NAME for n in names]
+
+
+def _override(default: list[str], given: Any, what: str) -> list[str]:
+    if given is None:
+        return default
+    given = [given] if isinstance(given, str) else [str(n) for n in given]
+    if len(given) != len(default):
+        raise UnsupportedModelError(
+            f"{what}_names= has {len(given)} name(s), but the export has {len(default)} {what} "
+            f"leaf/leaves (default names {default}). Pass exactly one name per leaf, in order."
+        )
+    if len(set(given)) != len(given):
+        raise UnsupportedModelError(f"{what}_names= contains duplicates: {given}.")
+    return given
+
+
+def leaf_specs(
+    exported: Any,
+    *,
+    has_params: bool,
+    input_names: Any = None,
+    output_names_: Any = None,
+) -> tuple[list[LeafSpec], list[LeafSpec]]:
+    """Input and output ``LeafSpec`` lists of an export (params leaves excluded)."""
+    _, in_default, n_params = input_structure(exported, has_params)
+    in_names = _override(in_default, input_names, "input")
+    out_names = _override(output_names(exported), output_names_, "output")
+
+    def make(names: list[str], avals: Any) -> list[LeafSpec]:
+        specs = []
+        for name, aval in zip(names, avals, strict=True):
+            shape, syms = _symbols(aval)
+            dt = np.dtype(aval.dtype)
+            specs.append(LeafSpec(name, dt, wire_dtype(dt), shape, syms))
+        return specs
+
+    return make(in_names, exported.in_avals[n_params:]), make(out_names, exported.out_avals)
+
+
+def specs_from_conf(conf: dict[str, Any]) -> tuple[list[LeafSpec], list[LeafSpec]] | None:
+    """Rebuild the leaf specs stored in the MLmodel flavor section (None for older models)."""
+    from jaxexp_mlflow.codec.arrays import resolve_dtype
+
+    sig = conf.get("io")
+    if not sig:
+        return None
+
+    def make(entries: list[dict]) -> list[LeafSpec]:
+        out = []
+        for e in entries:
+            dt = np.dtype(resolve_dtype(e["dtype"]))
+            shape = tuple(None if d == -1 else int(d) for d in e["shape"])
+            syms = tuple(e.get("symbols") or [None] * len(shape))
+            out.append(LeafSpec(e["name"], dt, wire_dtype(dt), shape, syms))
+        return out
+
+    return make(sig["inputs"]), make(sig["outputs"])
+
+
+def specs_to_conf(inputs: list[LeafSpec], outputs: list[LeafSpec]) -> dict[str, Any]:
+    """The ``io`` entry of the flavor section: names, exact dtypes, shapes, symbols."""
+
+    def dump(specs: list[LeafSpec]) -> list[dict]:
+        return [
+            {
+                "name": s.name,
+                "dtype": str(s.dtype),
+                "shape": [-1 if d is None else d for d in s.shape],
+                "symbols": list(s.symbols),
+            }
+            for s in specs
+        ]
+
+    return {"inputs": dump(inputs), "outputs": dump(outputs)}
+
+
+def model_signature(inputs: list[LeafSpec], outputs: list[LeafSpec]) -> Any:
+    """The MLflow ``ModelSignature`` (named ``TensorSpec`` per leaf, wire dtypes, -1 symbolic)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    def schema(specs: list[LeafSpec]) -> Schema:
+        return Schema(
+            [
+                TensorSpec(s.wire_dtype, tuple(-1 if d is None else d for d in s.shape), s.name)
+                for s in specs
+            ]
+        )
+
+    return ModelSignature(inputs=schema(inputs), outputs=schema(outputs))
+
+
+def check_user_signature(user: Any, inferred: Any) -> Any:
+    """Refuse a user ``signature`` that disagrees with the export; return the one to store.
+
+    Agreement: same number of tensor inputs and outputs, same (wire) dtypes and the same shapes,
+    with ``-1`` exactly where the export has a symbolic dimension. The user's
+    names replace the inferred ones, so callers can use their own names.
+    """
+    from mlflow.types.schema import TensorSpec
+
+    problems: list[str] = []
+    for part in ("inputs", "outputs"):
+        mine = getattr(inferred, part).inputs
+        theirs_schema = getattr(user, part)
+        if theirs_schema is None:
+            continue
+        theirs = theirs_schema.inputs
+        if len(theirs) != len(mine):
+            problems.append(
+                f"{part}: the export has {len(mine)} tensor(s) "
+                f"({[_spec_str(s) for s in mine]}), the signature has {len(theirs)}"
+            )
+            continue
+        for i, (m, t) in enumerate(zip(mine, theirs, strict=True)):
+            if not isinstance(t, TensorSpec):
+                problems.append(
+                    f"{part}[{i}] ({t.name}): expected a TensorSpec like {_spec_str(m)}, "
+                    f"found a column spec {t}"
+                )
+                continue
+            ok = np.dtype(t.type) == np.dtype(m.type) and tuple(t.shape) == tuple(m.shape)
+            if not ok:
+                problems.append(f"{part}[{i}]: the export has {_spec_str(m)}, found {_spec_str(t)}")
+    if problems:
+        raise UnsupportedModelError(
+            "The given signature disagrees with the exported function:\n- "
+            + "\n- ".join(problems)
+            + "\nLeave signature=None to use the one inferred from the export, or pass "
+            "input_names=/output_names= to rename its tensors."
+        )
+    return user if user.outputs is not None else type(user)(user.inputs, inferred.outputs)
+
+
+def _spec_str(spec: Any) -> str:
+    dims = ",".join(str(d) for d in spec.shape)
+    return f"{spec.name or '?'}: {np.dtype(spec.type)}[{dims}]"
+
+
+def json_example(value: Any) -> bool:
+    """Whether an input example leaf can be carried by JSON unchanged (native numpy number)."""
+    dt = np.asarray(value).dtype
+    return dt.kind in "biuf" and dt.type.__module__ == "numpy"
+
+
+def expected(spec: LeafSpec) -> str:
+    """Short text of what an input must be, for error messages."""
+    return spec.describe()
+
+
+def input_error(spec: LeafSpec, found: str, hint: str = "") -> InputError:
+    """An ``InputError`` naming the input, the expected spec and what was found."""
+    msg = f"Input '{spec.name}': expected {expected(spec)}, found {found}."
+    return InputError(msg + (f" {hint}" if hint else ""))
+
+
+def rename(inputs: list[LeafSpec], outputs: list[LeafSpec], signature: Any) -> tuple[list, list]:
+    """The leaf specs renamed after a (checked) user signature's tensor names, where given."""
+    import dataclasses
+
+    def apply(specs: list[LeafSpec], schema: Any) -> list[LeafSpec]:
+        if schema is None:
+            return specs
+        names = [t.name for t in schema.inputs]
+        if any(n is None for n in names):
+            return specs
+        return [dataclasses.replace(s, name=n) for s, n in zip(specs, names, strict=True)]
+
+    return apply(inputs, signature.inputs), apply(outputs, signature.outputs)
+
+
+def serving_example(inputs: list[LeafSpec], input_example: Any) -> dict[str, np.ndarray] | None:
+    """The input example as ``{input name: wire-dtype array}`` for MLflow, or None.
+
+    ml_dtypes leaves (bfloat16 ...) are written as float32 lists, the form clients send.
+    """
+    import jax
+
+    from jaxexp_mlflow.export import as_args
+
+    args = as_args(input_example)
+    leaves = jax.tree.leaves((args, {}))
+    if len(leaves) != len(inputs):
+        return None
+    out = {}
+    for spec, leaf in zip(inputs, leaves, strict=True):
+        arr = np.asarray(leaf)
+        if arr.dtype.kind not in "biuf" and arr.dtype.type.__module__ == "numpy":
+            return None
+        out[spec.name] = arr.astype(spec.wire_dtype)
+    return out

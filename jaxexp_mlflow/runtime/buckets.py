@@ -1,0 +1,138 @@
+"""Batch buckets: pad a batch up to one of a few sizes so serving never compiles per request.
+
+A model exported with a symbolic batch dimension compiles once per distinct batch size. With
+buckets (default: powers of two up to ``max_batch``), a batch of ``n`` rows is padded to the
+smallest bucket ``>= n`` (by repeating its last row, so padding never introduces NaN/inf), run,
+and the outputs are sliced back to ``n`` rows; a batch larger than the largest bucket runs in
+chunks of that size. All buckets are compiled at load time (``precompile``), so the request
+path only ever runs compiled code.
+
+Bucketing applies only when every input and every output has the same symbolic leading
+dimension (and it appears nowhere else); otherwise batches run at their own size. A function
+that mixes rows of a batch (batch statistics, a softmax over the batch axis) gives different
+results on padded batches: turn buckets off for it (``buckets: off``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+ENV_BUCKETS = "JAXEXP_BUCKETS"
+ENV_MAX_BATCH = "JAXEXP_MAX_BATCH"
+ENV_PRECOMPILE = "JAXEXP_PRECOMPILE"
+DEFAULT_MAX_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class BucketPolicy:
+    """The bucket sizes (empty = off) and whether to compile them all at load time."""
+
+    sizes: tuple[int, ...]
+    precompile: tuple[int, ...]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.sizes)
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1]
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest bucket holding ``n`` rows (``n`` must be <= the largest bucket)."""
+        for size in self.sizes:
+            if size >= n:
+                return size
+        return self.largest
+
+
+def powers_of_two(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to and including ``max_batch`` (which is added if not a power of 2)."""
+    sizes = []
+    s = 1
+    while s < max_batch:
+        sizes.append(s)
+        s *= 2
+    sizes.append(int(max_batch))
+    return tuple(sizes)
+
+
+def _parse_sizes(value: Any, max_batch: int) -> tuple[int, ...]:
+    if value is None or value is True:
+        return powers_of_two(max_batch)
+    if value is False:
+        return ()
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("off", "0", "false", "none", "no", ""):
+            return ()
+        if text in ("pow2", "on", "true", "1", "default"):
+            return powers_of_two(max_batch)
+        value = [v for v in text.replace(" ", "").split(",") if v]
+    if isinstance(value, int):
+        return powers_of_two(value)
+    sizes = sorted({int(v) for v in value})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"bucket sizes must be positive integers, got {value!r}")
+    return tuple(sizes)
+
+
+def resolve(config: dict[str, Any] | None, saved: dict[str, Any] | None = None) -> BucketPolicy:
+    """The bucket policy from ``model_config``, then the environment, then the MLmodel section.
+
+    Keys (model_config or the MLmodel ``jaxexp.serving`` section): ``buckets`` (``"pow2"``
+    (default), ``"off"``, or a list of sizes), ``max_batch`` (largest power-of-two bucket,
+    default 1024), ``precompile`` (``true`` (default): every bucket, ``false``: none, or a list).
+    Environment: ``JAXEXP_BUCKETS``, ``JAXEXP_MAX_BATCH``, ``JAXEXP_PRECOMPILE`` with the same
+    values (comma-separated lists).
+    """
+    config = config or {}
+    saved = saved or {}
+
+    def pick(key: str, env: str) -> Any:
+        if key in config:
+            return config[key]
+        if env in os.environ:
+            return os.environ[env]
+        return saved.get(key)
+
+    max_batch = int(pick("max_batch", ENV_MAX_BATCH) or DEFAULT_MAX_BATCH)
+    sizes = _parse_sizes(pick("buckets", ENV_BUCKETS), max_batch)
+    pre = pick("precompile", ENV_PRECOMPILE)
+    if pre is None or pre is True or (isinstance(pre, str) and pre.lower() in ("1", "true", "on")):
+        precompile = sizes
+    elif pre is False or (isinstance(pre, str) and pre.lower() in ("0", "false", "off", "")):
+        precompile = ()
+    else:
+        precompile = tuple(s for s in _parse_sizes(pre, max_batch) if not sizes or s in sizes)
+    return BucketPolicy(sizes, precompile)
+
+
+def batch_symbol(in_symbols: Sequence[tuple], out_symbols: Sequence[tuple]) -> str | None:
+    """The symbolic leading dimension shared by every input and output leaf, else None."""
+    firsts = {syms[0] if syms else None for syms in (*in_symbols, *out_symbols)}
+    if len(firsts) != 1:
+        return None
+    sym = firsts.pop()
+    if sym is None:
+        return None
+    for syms in (*in_symbols, *out_symbols):
+        if any(s is not None and sym in s for s in syms[1:]):
+            return None
+    return sym
+
+
+def pad_rows(x: np.ndarray, size: int) -> np.ndarray:
+    """``x`` with its last row repeated until it has ``size`` rows."""
+    n = x.shape[0]
+    if n == size:
+        return x
+    out = np.empty((size, *x.shape[1:]), dtype=x.dtype)
+    out[:n] = x
+    out[n:] = x[n - 1]
+    return out

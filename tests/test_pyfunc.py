@@ -1,0 +1,327 @@
+"""pyfunc face of jaxexp models (issue 4): signature, input forms, casting rules, buckets, cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
+from jaxexp_mlflow.errors import InputError, UnsupportedModelError
+from jaxexp_mlflow.flavors.jaxexp import _load_pyfunc
+from tests.models import batch, export_mlp, mlp_apply, mlp_params
+
+# small bucket set: keeps load-time precompilation short in tests
+FAST = {"buckets": [1, 2, 4, 8], "compilation_cache": False}
+
+
+@pytest.fixture(autouse=True)
+def _no_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXEXP_COMPILATION_CACHE", str(tmp_path / "xla-cache"))
+
+
+def two_input_fn(params, inputs):
+    """inputs = {"x": float32[b,8], "ids": int32[b]} -> {"logits": f32[b,4], "score": f32[b]}."""
+    logits = mlp_apply(params, inputs["x"]) + inputs["ids"][:, None].astype(jnp.float32)
+    return {"logits": logits, "score": logits.sum(axis=1)}
+
+
+def two_input_example(n=3):
+    return {"x": batch(n), "ids": np.arange(n, dtype=np.int32)}
+
+
+@pytest.fixture(scope="module")
+def mlp_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "mlp"
+    params = mlp_params()
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
+    return path, params
+
+
+@pytest.fixture(scope="module")
+def two_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "two"
+    params = mlp_params()
+    mlflow.jaxexp.save_model(
+        jax.jit(two_input_fn), path, params=params, input_example=two_input_example()
+    )
+    return path, params
+
+
+def _mlmodel(path: Path) -> dict:
+    return yaml.safe_load((path / "MLmodel").read_text())
+
+
+# -- signature -------------------------------------------------------------------------------------
+
+
+def test_signature_inferred_from_export(mlp_dir, two_dir):
+    info = mlflow.models.get_model_info(str(mlp_dir[0]))
+    sig = info.signature.to_dict()
+    assert json.loads(sig["inputs"]) == [
+        {"name": "x", "type": "tensor", "tensor-spec": {"dtype": "float32", "shape": [-1, 8]}}
+    ]
+    assert json.loads(sig["outputs"]) == [
+        {"name": "output", "type": "tensor", "tensor-spec": {"dtype": "float32", "shape": [-1, 4]}}
+    ]
+    two = mlflow.models.get_model_info(str(two_dir[0])).signature
+    assert two.inputs.input_names() == ["ids", "x"]  # dict keys in pytree (sorted) order
+    assert [s.type for s in two.inputs.inputs] == [np.dtype("int32"), np.dtype("float32")]
+    assert [s.shape for s in two.inputs.inputs] == [(-1,), (-1, 8)]
+    assert two.outputs.input_names() == ["logits", "score"]
+
+
+def test_names_from_key_paths_and_overrides(tmp_path):
+    def fn(params, a, b, *, mask):
+        return (a["image"] * mask[:, None], b)
+
+    ex = ({"image": batch(2)}, np.ones((2,), np.float32))
+    kw_export = jax.export.export(jax.jit(fn))(
+        mlp_params(),
+        *jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), ex),
+        mask=jax.ShapeDtypeStruct((2,), np.float32),
+    )
+    mlflow.jaxexp.save_model(kw_export, tmp_path / "a", params=mlp_params())
+    sig = mlflow.models.get_model_info(str(tmp_path / "a")).signature
+    assert sig.inputs.input_names() == ["0.image", "1", "mask"]
+    assert sig.outputs.input_names() == ["0", "1"]
+    mlflow.jaxexp.save_model(
+        kw_export,
+        tmp_path / "b",
+        params=mlp_params(),
+        input_names=["image", "scale", "mask"],
+        output_names=["masked", "scale_out"],
+    )
+    sig = mlflow.models.get_model_info(str(tmp_path / "b")).signature
+    assert sig.inputs.input_names() == ["image", "scale", "mask"]
+    assert sig.outputs.input_names() == ["masked", "scale_out"]
+    with pytest.raises(UnsupportedModelError, match="input_names= has 1 name"):
+        mlflow.jaxexp.save_model(kw_export, tmp_path / "c", params=mlp_params(), input_names="x")
+
+
+def test_user_signature_checked_against_export(tmp_path):
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    params = mlp_params()
+    bad = ModelSignature(Schema([TensorSpec(np.dtype("float64"), (-1, 8), "features")]))
+    with pytest.raises(UnsupportedModelError, match=r"export has x: float32\[-1,8\].*float64"):
+        mlflow.jaxexp.save_model(export_mlp(params), tmp_path / "a", params=params, signature=bad)
+    good = ModelSignature(Schema([TensorSpec(np.dtype("float32"), (-1, 8), "features")]))
+    mlflow.jaxexp.save_model(export_mlp(params), tmp_path / "b", params=params, signature=good)
+    model = mlflow.pyfunc.load_model(str(tmp_path / "b"), model_config=FAST)
+    assert model.metadata.get_input_schema().input_names() == ["features"]
+    x = batch(3)
+    np.testing.assert_allclose(model.predict({"features": x}), mlp_apply(params, x), rtol=1e-6)
+
+
+def test_bfloat16_declared_as_float32_and_cast(tmp_path):
+    def f(x):
+        return (x * 2).astype(jnp.bfloat16)
+
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
+    mlflow.jaxexp.save_model(jax.jit(f), tmp_path / "bf", input_example=x)
+    spec = mlflow.models.get_model_info(str(tmp_path / "bf")).signature.inputs.inputs[0]
+    assert spec.type == np.dtype("float32") and spec.shape == (-1, 4)
+    conf = _mlmodel(tmp_path / "bf")["flavors"]["jaxexp"]
+    assert conf["io"]["inputs"][0]["dtype"] == "bfloat16"
+    served = json.loads((tmp_path / "bf" / "serving_input_example.json").read_text())
+    assert np.allclose(np.asarray(served["inputs"]["x"]), x.astype(np.float32))
+    model = mlflow.pyfunc.load_model(str(tmp_path / "bf"), model_config=FAST)
+    out = model.predict(x.astype(np.float32))
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, x.astype(np.float32) * 2, rtol=1e-2)
+
+
+# -- predict input forms ---------------------------------------------------------------------------
+
+
+def test_predict_forms_single_input(mlp_dir):
+    path, params = mlp_dir
+    model = mlflow.pyfunc.load_model(str(path), model_config=FAST)
+    x = batch(5)
+    want = np.asarray(mlp_apply(params, x))
+    np.testing.assert_allclose(model.predict(x), want, rtol=1e-6)
+    np.testing.assert_allclose(model.predict({"x": x}), want, rtol=1e-6)
+    np.testing.assert_allclose(model.predict(pd.DataFrame({"x": list(x)})), want, rtol=1e-6)
+    impl = _load_pyfunc(str(path), FAST)
+    # scalar feature columns: MLflow's signature check wants a column "x", our predict takes it
+    cols = pd.DataFrame(x, columns=[f"f{i}" for i in range(8)])
+    np.testing.assert_allclose(impl.predict(cols), want, rtol=1e-6)
+    np.testing.assert_allclose(impl.predict(x.tolist()), want, rtol=1e-6)  # JSON-style lists
+    np.testing.assert_allclose(impl.predict(x.astype(np.float64)), want, rtol=1e-6)
+
+
+def test_predict_forms_two_inputs_and_dict_output(two_dir):
+    path, params = two_dir
+    model = mlflow.pyfunc.load_model(str(path), model_config=FAST)
+    inp = two_input_example(5)
+    want = jax.tree.map(np.asarray, two_input_fn(params, inp))
+    for data in (inp, pd.DataFrame({"x": list(inp["x"]), "ids": inp["ids"]})):
+        out = model.predict(data)
+        assert set(out) == {"logits", "score"}
+        np.testing.assert_allclose(out["logits"], want["logits"], rtol=1e-6)
+        np.testing.assert_allclose(out["score"], want["score"], rtol=1e-5)
+    impl = _load_pyfunc(str(path), FAST)
+    records = [{"x": inp["x"][i].tolist(), "ids": int(inp["ids"][i])} for i in range(5)]
+    np.testing.assert_allclose(impl.predict(records)["logits"], want["logits"], rtol=1e-6)
+
+
+# -- casting and refusals --------------------------------------------------------------------------
+
+
+def test_casting_rules(two_dir):
+    impl = _load_pyfunc(str(two_dir[0]), FAST)
+    x = batch(2).tolist()
+    ok = impl.predict({"x": x, "ids": [1, 2]})
+    assert ok["logits"].shape == (2, 4)
+    cases = [
+        ({"x": x, "ids": [1.5, 2.0]}, r"Input 'ids': expected ids: int32\[-1\].*Floats are not"),
+        ({"x": x, "ids": [1, 2**40]}, r"Input 'ids'.*values in .*\[-2147483648, 2147483647\]"),
+        ({"x": [r[:7] for r in x], "ids": [1, 2]}, r"Input 'x': expected x: float32\[-1,8\]"),
+        ({"x": x[0], "ids": [1]}, r"Input 'x'.*found float32\[8\].*wrap it in a list"),
+        ({"x": x}, r"Missing input\(s\) ids: int32\[-1\]"),
+        ({"x": x, "ids": [1, 2], "y": [0]}, r"Unknown input\(s\) \['y'\]"),
+        ({"x": [], "ids": []}, r"a batch of 0 rows"),
+        ({"x": [[float("nan")] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*NaN values"),
+        ({"x": x, "ids": [1, 2, 3]}, r"share the dimension 'b' but have 3 and 2"),
+        ({"x": [["a"] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*Send numbers"),
+        ({"x": [[1.0] * 8, [1.0]], "ids": [1, 2]}, r"Input 'x'.*ragged"),
+        ({"x": [[1e39] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*out of the range of float32"),
+    ]
+    for data, pattern in cases:
+        with pytest.raises(InputError, match=pattern):
+            impl.predict(data)
+    nan_ok = _load_pyfunc(str(two_dir[0]), {**FAST, "allow_nan": True})
+    out = nan_ok.predict({"x": [[float("nan")] * 8] * 2, "ids": [1, 2]})
+    assert np.isnan(out["logits"]).all()
+
+
+def test_mlflow_schema_check_refuses_before_predict(mlp_dir):
+    # in-process PyFuncModel.predict enforces the MLflow signature first: exact dtype for arrays
+    model = mlflow.pyfunc.load_model(str(mlp_dir[0]), model_config=FAST)
+    with pytest.raises(mlflow.exceptions.MlflowException, match="dtype of input float64"):
+        model.predict(batch(2).astype(np.float64))
+
+
+# -- buckets ---------------------------------------------------------------------------------------
+
+
+def test_buckets_bound_compilations_and_match(mlp_dir):
+    path, params = mlp_dir
+    impl = _load_pyfunc(str(path), {"buckets": [1, 4, 8], "compilation_cache": False})
+    assert impl._flat._cache_size() == 3  # compiled at load time
+    for n in (1, 2, 3, 5, 7, 8, 9, 20):  # 9 and 20 run in chunks of 8
+        x = batch(n, seed=n)
+        np.testing.assert_allclose(impl.predict(x), mlp_apply(params, x), rtol=1e-5, atol=1e-6)
+    assert impl._flat._cache_size() == 3  # no compile on the request path
+
+    off = _load_pyfunc(str(path), {"buckets": "off", "compilation_cache": False})
+    assert off._flat._cache_size() == 0
+    for n in (2, 3):
+        off.predict(batch(n))
+    assert off._flat._cache_size() == 2
+
+
+def test_bucket_settings_from_env_and_mlmodel(mlp_dir, tmp_path, monkeypatch):
+    path, params = mlp_dir
+    monkeypatch.setenv("JAXEXP_BUCKETS", "2,16")
+    monkeypatch.setenv("JAXEXP_PRECOMPILE", "0")
+    impl = _load_pyfunc(str(path), {"compilation_cache": False})
+    assert impl.policy.sizes == (2, 16) and impl._flat._cache_size() == 0
+    monkeypatch.delenv("JAXEXP_BUCKETS")
+    monkeypatch.delenv("JAXEXP_PRECOMPILE")
+    mlflow.jaxexp.save_model(
+        export_mlp(params), tmp_path / "s", params=params, serving_config={"max_batch": 4}
+    )
+    impl = _load_pyfunc(str(tmp_path / "s"), {"compilation_cache": False})
+    assert impl.policy.sizes == (1, 2, 4) and impl._flat._cache_size() == 3
+
+
+# -- compilation cache and environment -------------------------------------------------------------
+
+
+def _load_in_subprocess(model_dir: Path, env: dict) -> None:
+    code = (
+        "import sys, numpy as np, mlflow\n"
+        "m = mlflow.pyfunc.load_model(sys.argv[1], model_config={'buckets': [1, 2]})\n"
+        "print(m.predict(np.zeros((2, 8), np.float32)).shape)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "(2, 4)"
+
+
+def test_persistent_compilation_cache(mlp_dir, tmp_path):
+    cache = tmp_path / "xla"
+    _load_in_subprocess(mlp_dir[0], {"JAXEXP_COMPILATION_CACHE": str(cache)})
+    entries = sorted(p.name for p in cache.iterdir())
+    assert any("flat_call" in name for name in entries), entries
+    # a second process reads them: no new flat_call entries are written
+    _load_in_subprocess(mlp_dir[0], {"JAXEXP_COMPILATION_CACHE": str(cache)})
+    assert sorted(p.name for p in cache.iterdir()) == entries
+    home = tmp_path / "home"
+    _load_in_subprocess(mlp_dir[0], {"JAXEXP_COMPILATION_CACHE": "0", "XDG_CACHE_HOME": str(home)})
+    assert not home.exists()
+    _load_in_subprocess(mlp_dir[0], {"XDG_CACHE_HOME": str(home)} | _unset_cache_env())
+    assert any((home / "jaxexp-mlflow" / "xla").iterdir())
+
+
+def _unset_cache_env() -> dict:
+    return {"JAXEXP_COMPILATION_CACHE": "1"}
+
+
+def test_environment_files_and_carried_package(mlp_dir):
+    path, _ = mlp_dir
+    reqs = (path / "requirements.txt").read_text().splitlines()
+    names = {r.split("==")[0] for r in reqs}
+    assert {"jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy", "mlflow"} <= names
+    conf = _mlmodel(path)["flavors"]["python_function"]
+    assert conf["code"] == "code" and conf["loader_module"] == "jaxexp_mlflow.flavors.jaxexp"
+    assert (path / "code" / "jaxexp_mlflow" / "flavors" / "jaxexp.py").is_file()
+    assert not list((path / "code").rglob("__pycache__"))
+    # the loader imports from code/ alone: a python without jaxexp_mlflow installed
+    code = (
+        "import mlflow, numpy as np\n"
+        "m = mlflow.pyfunc.load_model(sys.argv[1], model_config={'buckets': [2]})\n"
+        "import jaxexp_mlflow\n"
+        "assert jaxexp_mlflow.__file__.startswith(sys.argv[1]), jaxexp_mlflow.__file__\n"
+        "print(m.predict(np.zeros((2, 8), np.float32)).shape)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", _site_without_package() + code, str(path)],
+        env=env,
+        cwd=path.parent,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("(2, 4)")
+
+
+def _site_without_package() -> str:
+    """Prelude: enable site-packages but drop the editable install of jaxexp_mlflow."""
+    return (
+        "import site, sys\n"
+        "site.main()\n"
+        "sys.path = [p for p in sys.path if p and not p.endswith('/work/main')]\n"
+        "sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()\n"
+        "                 and 'jaxexp' not in repr(f).lower()]\n"
+    )
