@@ -1,0 +1,284 @@
+"""A real ``mlflow models serve`` process answering for a jaxexp model (issue 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import mlflow
+import numpy as np
+import psutil
+import pytest
+import requests
+
+import jaxexp_mlflow  # noqa: F401
+from tests.models import mlp_params
+from tests.test_pyfunc import two_input_example, two_input_fn
+
+VENV_BIN = str(Path(sys.executable).parent)
+MAX_BODY = 256 * 1024  # the model's max_request_bytes, to test the 413 cheaply
+RSS_GROWTH_BOUND_MB = 64
+SERVE_CONFIG = {"buckets": [1, 2, 4, 8, 16, 32, 64], "max_request_bytes": MAX_BODY}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_ping(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if requests.get(f"{url}/ping", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server did not answer /ping within {timeout} s")
+
+
+def start_server(model_uri: str, env_manager: str, env: dict, log: Path, timeout: float = 180):
+    """Start ``mlflow models serve`` on a free port; return (process, base url)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            os.path.join(VENV_BIN, "mlflow"),
+            "models",
+            "serve",
+            "-m",
+            model_uri,
+            "--env-manager",
+            env_manager,
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_ping(url, proc, timeout)
+    except Exception:
+        stop_server(proc)
+        raise RuntimeError(f"server failed to start; log:\n{log.read_text()[-3000:]}") from None
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Terminate the server and its workers (its own process group)."""
+    try:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def server_env(tmp: Path) -> dict:
+    env = dict(os.environ)
+    env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
+    env["JAXEXP_COMPILATION_CACHE"] = str(tmp / "xla-cache")
+    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
+    return env
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The two-input model logged to a sqlite store and served from its runs:/ URI."""
+    tmp = tmp_path_factory.mktemp("serve")
+    env = server_env(tmp)
+    params = mlp_params()
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    exp_id = mlflow.create_experiment("serve", artifact_location=(tmp / "artifacts").as_uri())
+    with mlflow.start_run(experiment_id=exp_id) as run:
+        mlflow.jaxexp.log_model(
+            jax.jit(two_input_fn),
+            name="model",
+            params=params,
+            input_example=two_input_example(),
+            serving_config=SERVE_CONFIG,
+        )
+    uri = f"runs:/{run.info.run_id}/model"
+    local = mlflow.pyfunc.load_model(uri)
+    mlflow.set_tracking_uri(None)
+    proc, url = start_server(uri, "local", env, tmp / "server.log")
+    try:
+        yield url, local, params, proc
+    finally:
+        stop_server(proc)
+
+
+def post(url: str, body, *, raw: bool = False, timeout: float = 60) -> requests.Response:
+    data = body if raw else json.dumps(body)
+    return requests.post(
+        f"{url}/invocations",
+        data=data,
+        headers={"Content-Type": "application/json"},
+        timeout=timeout,
+    )
+
+
+def _rows(inp):
+    return [{"x": inp["x"][i].tolist(), "ids": int(inp["ids"][i])} for i in range(len(inp["ids"]))]
+
+
+def test_all_four_formats_match_in_process(served):
+    url, local, _, _ = served
+    inp = two_input_example(6)
+    want = local.predict(inp)
+    bodies = {
+        "inputs": {"inputs": {"x": inp["x"].tolist(), "ids": inp["ids"].tolist()}},
+        "instances": {"instances": _rows(inp)},
+        "dataframe_split": {
+            "dataframe_split": {
+                "columns": ["x", "ids"],
+                "data": [[inp["x"][i].tolist(), int(inp["ids"][i])] for i in range(6)],
+            }
+        },
+        "dataframe_records": {"dataframe_records": _rows(inp)},
+    }
+    for fmt, body in bodies.items():
+        r = post(url, body)
+        assert r.status_code == 200, (fmt, r.text)
+        got = r.json()["predictions"]
+        np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-6, err_msg=fmt)
+        np.testing.assert_allclose(got["score"], want["score"], rtol=1e-6, err_msg=fmt)
+
+
+MARK = 12345.678  # a value that must never come back in an error message
+
+
+def _good(n=2):
+    inp = two_input_example(n)
+    return {"x": inp["x"].tolist(), "ids": inp["ids"].tolist()}
+
+
+BAD_REQUESTS = {
+    "wrong shape": ({"inputs": {"x": [[MARK] * 7] * 2, "ids": [1, 2]}}, "x: float32[-1,8]"),
+    "wrong rank": ({"inputs": {"x": [MARK] * 8, "ids": [1]}}, "x: float32[-1,8]"),
+    "float into int": ({"inputs": {**_good(), "ids": [MARK, 1.0]}}, "ids: int32[-1]"),
+    "out of range": ({"inputs": {**_good(), "ids": [1, 2**40]}}, "ids: int32[-1]"),
+    "string": ({"inputs": {**_good(), "ids": ["a", "b"]}}, "ids: int32[-1]"),
+    "missing input": ({"inputs": {"x": [[MARK] * 8]}}, "ids: int32[-1]"),
+    "batch of 0": ({"inputs": {"x": [], "ids": []}}, "a batch of 0"),
+    "mismatched batch": ({"inputs": {"x": [[MARK] * 8] * 3, "ids": [1]}}, "'b'"),
+    "unknown format": ({"rows": [[MARK]]}, "x: float32[-1,8]"),
+    "split without columns": (
+        {"dataframe_split": {"data": [[[MARK] * 8, 1]]}},
+        "x: float32[-1,8]",
+    ),
+    "records not a list": ({"dataframe_records": {"x": [MARK]}}, "x: float32[-1,8]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_requests_get_short_4xx(served, case):
+    url, _, _, _ = served
+    body, must_name = BAD_REQUESTS[case]
+    r = post(url, body)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:500])
+    message = r.json()["message"]
+    assert must_name in message, message
+    assert len(message) < 700, message
+    assert str(MARK) not in r.text  # the payload is not echoed
+
+
+def test_nan_non_json_and_huge_body(served):
+    url, _, _, proc = served
+    nan_body = json.dumps({"inputs": {"x": [[float("nan")] * 8], "ids": [1]}})
+    r = post(url, nan_body, raw=True)
+    assert r.status_code == 400 and "NaN" in r.json()["message"]
+    assert "x: float32[-1,8]" in r.json()["message"]
+
+    garbage = "{not json " + "z" * 5000
+    r = post(url, garbage, raw=True)
+    assert r.status_code == 400, r.text[:300]
+    assert "not valid JSON" in r.json()["message"] and "zzzz" not in r.text
+    assert len(r.text) < 1000
+
+    r = post(url, b"\xff\xfe\x00garbage", raw=True)
+    assert r.status_code == 400 and "not UTF-8" in r.json()["message"]
+
+    huge = json.dumps({"inputs": {"x": [[MARK] * 8] * 4000, "ids": list(range(4000))}})
+    assert len(huge) > MAX_BODY
+    r = post(url, huge, raw=True)
+    assert r.status_code == 413 and "limit" in r.json()["message"]
+    assert str(MARK) not in r.text
+    # still serving
+    assert proc.poll() is None
+    assert requests.get(f"{url}/ping", timeout=5).status_code == 200
+    assert post(url, {"inputs": _good()}).status_code == 200
+
+
+def _tree_rss(pid: int) -> int:
+    proc = psutil.Process(pid)
+    procs = [proc, *proc.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _load_round(url: str, n_threads: int, per_thread: int, failures: list) -> None:
+    sizes = [1, 3, 8, 17, 33, 64]
+
+    def worker(tid: int) -> None:
+        session = requests.Session()
+        rng = np.random.default_rng(tid)
+        for i in range(per_thread):
+            n = sizes[(tid + i) % len(sizes)]
+            body = {
+                "inputs": {
+                    "x": rng.standard_normal((n, 8)).astype(np.float32).tolist(),
+                    "ids": rng.integers(0, 10, n).tolist(),
+                }
+            }
+            try:
+                r = session.post(
+                    f"{url}/invocations",
+                    data=json.dumps(body),
+                    headers={"Content-Type": "application/json"},
+                    timeout=60,
+                )
+                if r.status_code != 200 or len(r.json()["predictions"]["score"]) != n:
+                    failures.append((r.status_code, r.text[:200]))
+            except Exception as err:  # a failure to count, not to crash the thread
+                failures.append(repr(err))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_concurrent_load_no_failures_bounded_memory(served):
+    url, _, _, proc = served
+    failures: list = []
+    _load_round(url, 8, 25, failures)  # warm-up: 200 requests
+    before = _tree_rss(proc.pid)
+    _load_round(url, 8, 40, failures)  # measured: 320 requests
+    after = _tree_rss(proc.pid)
+    assert failures == []
+    growth_mb = (after - before) / 2**20
+    assert growth_mb < RSS_GROWTH_BOUND_MB, f"server RSS grew by {growth_mb:.1f} MB"
