@@ -200,8 +200,59 @@ def test_missing_and_corrupt_checkpoints(tmp_path, saved):
         p for p in (tmp_path / "trunc" / "w").rglob("*") if p.is_file() and p.name != "zarr.json"
     ]
     os.truncate(chunk, 100)
+    with pytest.raises(
+        ArtifactError, match=r"(?s)incomplete .*w/c\.0: expected \d+ bytes, found 100"
+    ):
+        P.restore_params(tmp_path / "trunc", target=sds_tree(tree))
+    # without the manifest the array file's own index still catches it
+    (tmp_path / "trunc" / P.MANIFEST_FILE).unlink()
     with pytest.raises(ArtifactError, match="Truncated|damaged"):
         P.restore_params(tmp_path / "trunc", target=sds_tree(tree))
+
+
+def test_a_lost_chunk_file_is_an_error_not_zeros(tmp_path):
+    # zarr reads a missing chunk as its fill value (zeros): the manifest turns that into an error
+    tree = {"w": np.arange(1.0, 13.0, dtype=np.float32).reshape(3, 4)}
+    P.save_params(tree, tmp_path / "ck")
+    (tmp_path / "ck" / "w" / "c.0.0").unlink()
+    with pytest.raises(
+        ArtifactError, match=r"(?s)incomplete \(1 of \d+ files\).*w/c\.0\.0.*no file"
+    ):
+        P.restore_params(tmp_path / "ck", target=sds_tree(tree))
+
+
+def test_layout_survives_mlflow_http_listing(tmp_path):
+    # MLflow's HTTP artifact repo takes a directory `0` holding only a file `0` for a file and
+    # skips it: chunks are stored flat (`c.0.0`), so no directory holds a file of its own name.
+    tree = {"w": np.ones((2, 3, 4), np.float32), "v": np.ones(5, np.float32)}
+    P.save_params(tree, tmp_path / "ck")
+    for d in (tmp_path / "ck").rglob("*"):
+        if d.is_dir():
+            assert [f.name for f in d.iterdir()] != [d.name], d
+    assert (tmp_path / "ck" / "w" / "c.0.0.0").is_file()
+
+
+def test_copy_checkpoint_leaves_the_source_untouched(tmp_path):
+    import orbax.checkpoint as ocp
+
+    tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save((tmp_path / "src").absolute(), tree)
+    ckpt.wait_until_finished()
+    before = {
+        str(f.relative_to(tmp_path / "src")): f.read_bytes()
+        for f in (tmp_path / "src").rglob("*")
+        if f.is_file()
+    }
+    P.copy_checkpoint(tmp_path / "src", tmp_path / "dst")
+    after = {
+        str(f.relative_to(tmp_path / "src")): f.read_bytes()
+        for f in (tmp_path / "src").rglob("*")
+        if f.is_file()
+    }
+    assert before == after
+    out = P.restore_params(tmp_path / "dst", target=sds_tree(tree))
+    np.testing.assert_array_equal(out["w"], tree["w"])
 
 
 def test_save_errors(tmp_path):

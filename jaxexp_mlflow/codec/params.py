@@ -246,8 +246,88 @@ def save_params(
         checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
     finally:
         checkpointer.close()
+    _flatten_chunk_keys(path)
+    _write_manifest(path)
     _fsync_tree(path)
     return describe_checkpoint(path)
+
+
+#: File listing every file of the checkpoint with its size, written by this package so that a
+#: file lost on the way (a partial download, an artifact store that skips it) is an error and
+#: not a silently zero-filled array: zarr reads a missing chunk file as its fill value.
+MANIFEST_FILE = "jaxexp_manifest.json"
+
+
+def _flatten_chunk_keys(path: Path) -> None:
+    """Store zarr3 chunks as ``c.0.0`` files instead of nested ``c/0/0`` directories.
+
+    Both are standard zarr3 (``chunk_key_encoding`` separator ``.`` or ``/``), read by Orbax and
+    TensorStore alike. The flat form avoids a directory ``0`` holding a single file ``0``, which
+    MLflow's HTTP artifact repository (``mlflow server`` proxying artifacts) takes for a file and
+    silently skips on download. Files in ``path`` may be hardlinks to a source checkpoint: they
+    are renamed or replaced, never written in place.
+    """
+    for meta_file in path.rglob("zarr.json"):
+        try:
+            meta = json.loads(meta_file.read_bytes())
+        except ValueError:
+            continue
+        encoding = meta.get("chunk_key_encoding", {})
+        sep = encoding.get("configuration", {}).get("separator", "/")
+        if meta.get("node_type") != "array" or encoding.get("name") != "default" or sep != "/":
+            continue
+        array_dir = meta_file.parent
+        chunks = array_dir / "c"
+        if chunks.is_dir():
+            for f in sorted(chunks.rglob("*")):
+                if f.is_file():
+                    f.rename(array_dir / ".".join(f.relative_to(array_dir).parts))
+            shutil.rmtree(chunks)
+        meta["chunk_key_encoding"] = {"name": "default", "configuration": {"separator": "."}}
+        meta_file.unlink()  # may be a hardlink: replace it, never rewrite it in place
+        meta_file.write_text(json.dumps(meta))
+
+
+def _write_manifest(path: Path) -> None:
+    files = {
+        str(f.relative_to(path)): f.stat().st_size
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != MANIFEST_FILE
+    }
+    (path / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=0))
+
+
+def verify_manifest(directory: str | os.PathLike) -> None:
+    """Raise :class:`ArtifactError` if a file listed in the checkpoint's manifest is missing or
+    has another size. Checkpoints without a manifest (not written by this package) pass."""
+    path = Path(directory)
+    try:
+        files = json.loads((path / MANIFEST_FILE).read_bytes())["files"]
+    except FileNotFoundError:
+        return
+    except (ValueError, KeyError, TypeError) as e:
+        raise ArtifactError(
+            f"The params manifest {path / MANIFEST_FILE} is damaged ({e}). Download the model "
+            "again."
+        ) from e
+    bad = []
+    for rel, size in files.items():
+        f = path / rel
+        found = f.stat().st_size if f.is_file() else None
+        if found != size:
+            bad.append(
+                f"{rel}: expected {size} bytes, found {'no file' if found is None else found}"
+            )
+    if bad:
+        shown = "\n  ".join(bad[:10]) + (
+            f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        )
+        raise ArtifactError(
+            f"The params checkpoint {path} is incomplete ({len(bad)} of {len(files)} files):\n  "
+            f"{shown}\nThe download or copy lost files: download the model again. If they keep "
+            "missing, the artifact store drops them: re-log the model with this version of "
+            "jaxexp-mlflow, which stores array chunks as flat files."
+        )
 
 
 def _fsync_tree(path: Path) -> None:
@@ -416,7 +496,8 @@ def _fast_read_leaf(array_dir: Path, sds: Any) -> Any:
         or tuple(meta.get("shape", ())) != shape
         or meta.get("data_type") != dtype.name
         or meta.get("chunk_key_encoding", {}).get("name") != "default"
-        or meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/") != "/"
+        or meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/")
+        not in ("/", ".")
         or meta.get("chunk_grid", {}).get("name") != "regular"
         or meta.get("storage_transformers")
         or sys.byteorder != "little"
@@ -459,9 +540,10 @@ def _fast_read_leaf(array_dir: Path, sds: Any) -> Any:
         row_bytes = dtype.itemsize
     n_inner = outer0 // inner0
     chunk_bytes = inner0 * row_bytes
-    rest = "/0" * (len(shape) - 1)
+    sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
+    rest = f"{sep}0" * (len(shape) - 1)
     for s_idx in range(-(-rows // outer0)):
-        key = f"c/{s_idx}{rest}" if shape else "c"
+        key = f"c{sep}{s_idx}{rest}" if shape else "c"
         shard_path = array_dir / key
         row0 = s_idx * outer0
         try:
@@ -544,6 +626,7 @@ def restore_params(directory: str | os.PathLike, *, target: Any) -> Any:
     import orbax.checkpoint as ocp
 
     path = _require_item_dir(directory)
+    verify_manifest(path)
     check_checkpoint(path, target)
     default_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     meta = _read_internal_metadata(path)
@@ -674,4 +757,6 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(item, out, copy_function=_link_or_copy)
+    _flatten_chunk_keys(out)
+    _write_manifest(out)
     return describe_checkpoint(out)
