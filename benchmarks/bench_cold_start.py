@@ -1,0 +1,229 @@
+"""Cold start: a fresh process, from interpreter start to the first prediction (issue 5, point 5).
+
+Each measurement is a new Python process (so every import, the backend start-up and the
+compilation are paid again), timed by the parent from spawn to the child's report, and split by
+the child into phases: imports, load (model files to a callable), first call (compile + run) and
+a second call (run only). Two ways to get a first prediction from the same exported MLP:
+
+* ``raw``: the baseline, plain JAX: ``jax.export.deserialize`` the blob, read params from npz,
+  ``jax.jit(exported.call)``;
+* ``flavor``: ``mlflow.jaxexp.load_model(path)`` then ``model(x)`` (checksum, verdict, Orbax
+  params, placement included).
+
+each with a *cold* persistent compilation cache (a new empty ``JAX_COMPILATION_CACHE_DIR``) and a
+*warm* one (the same directory filled by an untimed run before). Ratios printed: warm/cold of the
+load-to-first-call time and of the whole process, and flavor/raw for each. The child also checks
+that ``import jaxexp_mlflow`` loads neither jax nor mlflow (nothing heavy at import time).
+
+    python benchmarks/bench_cold_start.py                # 5 rounds
+    python benchmarks/bench_cold_start.py --quick        # 1 round, seconds
+    python benchmarks/bench_cold_start.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, os, sys, time
+t0 = float(os.environ["BENCH_T0"])
+mode, path = sys.argv[1], sys.argv[2]
+out = {}
+t = time.time()
+import jaxexp_mlflow
+out["jaxexp_import_s"] = time.time() - t
+out["jaxexp_import_loads"] = sorted(m for m in ("jax", "mlflow", "orbax") if m in sys.modules)
+import numpy as np
+if mode == "flavor":
+    import mlflow
+import jax
+t_imports = time.time()
+x = np.load(os.path.join(path, "x.npy"))
+if mode == "raw":
+    with open(os.path.join(path, "model", "exported.bin"), "rb") as f:
+        exp = jax.export.deserialize(bytearray(f.read()))
+    with np.load(os.path.join(path, "params.npz")) as f:
+        flat = [f[f"p_{i}"] for i in range(len(f.files))]
+    fn = jax.jit(exp.call)
+    call = lambda x: fn(*jax.tree.unflatten(exp.in_tree, flat + [x])[0])
+else:
+    model = mlflow.jaxexp.load_model(os.path.join(path, "model"))
+    call = model
+t_loaded = time.time()
+y = np.asarray(call(x))
+t_first = time.time()
+y2 = np.asarray(call(x))
+t_second = time.time()
+out.update(
+    imports_s=t_imports - t0,
+    load_s=t_loaded - t_imports,
+    first_call_s=t_first - t_loaded,
+    second_call_s=t_second - t_first,
+    load_to_first_s=t_first - t_imports,
+    checksum=float(np.abs(y).sum()),
+)
+print("BENCH " + json.dumps(out))
+"""
+
+
+def build_model(directory: Path, depth: int, width: int) -> None:
+    """An exported MLP of ``depth`` layers (deep enough that compilation is visible)."""
+    import jax
+    import jax.numpy as jnp
+    import mlflow  # noqa: F401
+    import numpy as np
+
+    import jaxexp_mlflow  # noqa: F401
+
+    keys = jax.random.split(jax.random.key(0), depth)
+    params = [
+        {
+            "w": jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width),
+            "b": jnp.zeros((width,), jnp.float32),
+        }
+        for k in keys
+    ]
+
+    def apply(params, x):
+        for i, layer in enumerate(params):
+            x = x @ layer["w"] + layer["b"]
+            x = jnp.tanh(x) if i % 2 else jax.nn.gelu(x)
+            x = x / (1.0 + jnp.linalg.norm(x, axis=-1, keepdims=True))
+        return jax.nn.log_softmax(x)
+
+    x = np.asarray(jax.random.normal(jax.random.key(1), (32, width)), np.float32)
+    mlflow.jaxexp.save_model(jax.jit(apply), directory / "model", params=params, input_example=x)
+    np.save(directory / "x.npy", x)
+    flat = jax.tree.leaves(params)
+    np.savez(directory / "params.npz", **{f"p_{i}": np.asarray(a) for i, a in enumerate(flat)})
+
+
+def run_child(mode: str, model_dir: Path, cache_dir: Path) -> dict:
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "JAX_PLATFORMS": "cpu",
+    }
+    env.pop("XLA_FLAGS", None)
+    t0 = time.time()
+    env["BENCH_T0"] = repr(t0)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(model_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    wall = time.time() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"child failed ({mode}):\n{proc.stderr[-3000:]}")
+    res = json.loads(lines[-1][6:])
+    res["process_s"] = wall
+    res["cache_files"] = sum(1 for _ in cache_dir.rglob("*") if _.is_file())
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 round, a smaller model")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--depth", type=int, default=None, help="MLP layers (compile cost)")
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 5)
+    depth = args.depth or (8 if args.quick else 24)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = tmp / "m"
+        model_dir.mkdir()
+        build_model(model_dir, depth, args.width)
+        results: dict[str, list[dict]] = {}
+        warm_dirs = {}
+        for mode in ("raw", "flavor"):  # fill one warm cache per mode, untimed
+            warm_dirs[mode] = tmp / f"warm-{mode}"
+            run_child(mode, model_dir, warm_dirs[mode])
+        for r in range(rounds):  # interleave so that drift hits every variant alike
+            for mode in ("raw", "flavor"):
+                cold = run_child(mode, model_dir, tmp / f"cold-{mode}-{r}")
+                warm = run_child(mode, model_dir, warm_dirs[mode])
+                results.setdefault(f"{mode}/cold", []).append(cold)
+                results.setdefault(f"{mode}/warm", []).append(warm)
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(x[field] for x in results[key])
+
+    fields = (
+        "process_s",
+        "imports_s",
+        "load_s",
+        "first_call_s",
+        "second_call_s",
+        "load_to_first_s",
+    )
+    summary = {k: {f: med(k, f) for f in fields} for k in results}
+    check = {x["checksum"] for v in results.values() for x in v}
+    ratios = {
+        "flavor warm/cold load_to_first": summary["flavor/warm"]["load_to_first_s"]
+        / summary["flavor/cold"]["load_to_first_s"],
+        "flavor warm/cold process": summary["flavor/warm"]["process_s"]
+        / summary["flavor/cold"]["process_s"],
+        "raw warm/cold load_to_first": summary["raw/warm"]["load_to_first_s"]
+        / summary["raw/cold"]["load_to_first_s"],
+        "flavor/raw load_to_first cold": summary["flavor/cold"]["load_to_first_s"]
+        / summary["raw/cold"]["load_to_first_s"],
+        "flavor/raw load_to_first warm": summary["flavor/warm"]["load_to_first_s"]
+        / summary["raw/warm"]["load_to_first_s"],
+        "flavor/raw process warm": summary["flavor/warm"]["process_s"]
+        / summary["raw/warm"]["process_s"],
+    }
+    first = results["flavor/cold"][0]
+    print(
+        f"cold start, {rounds} round(s), MLP depth {depth} width {args.width}, "
+        f"python {platform.python_version()}, {os.cpu_count()} cpus (median seconds)"
+    )
+    print(f"{'variant':14s}" + "".join(f"{f:>16s}" for f in fields))
+    for k, row in summary.items():
+        print(f"{k:14s}" + "".join(f"{row[f]:16.3f}" for f in fields))
+    for name, value in ratios.items():
+        print(f"ratio {name:36s} {value:6.3f}")
+    print(
+        f"import jaxexp_mlflow: {first['jaxexp_import_s'] * 1e3:.1f} ms, loads "
+        f"{first['jaxexp_import_loads'] or 'neither jax nor mlflow'}"
+    )
+    if len(check) != 1:
+        print(f"WARNING: the variants disagree on the output checksum: {sorted(check)}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "rounds": rounds,
+                    "depth": depth,
+                    "width": args.width,
+                    "summary": summary,
+                    "ratios": ratios,
+                    "jaxexp_import_s": first["jaxexp_import_s"],
+                    "jaxexp_import_loads": first["jaxexp_import_loads"],
+                    "raw": results,
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
