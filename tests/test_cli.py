@@ -60,6 +60,7 @@ def store(tmp_path_factory):
             "params": params,
         }
         mlflow.set_tracking_uri(None)
+        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)  # left behind by mlflow.set_experiment
 
 
 def run_cli(*args: str, env: dict | None = None):
@@ -69,7 +70,8 @@ def run_cli(*args: str, env: dict | None = None):
 
 def run_script(*args: str, env: dict | None = None, python_flags: tuple = ()):
     """The installed console script in a fresh process (stdout/stderr are pipes, not a TTY)."""
-    full_env = {**os.environ, **(env or {})}
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_EXPERIMENT")}
+    full_env.update(env or {})
     cmd = [str(JAXEXP), *args]
     if python_flags:
         cmd = [sys.executable, *python_flags, *cmd]

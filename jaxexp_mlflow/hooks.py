@@ -1,0 +1,356 @@
+"""A training-loop hook: log metrics every step, and the model every N steps or on improvement.
+
+Call it once per step from a Flax/Optax (or plain JAX) loop::
+
+    hook = TrainingHook(apply, x_example, log_every=500, monitor="val_loss",
+                        registered_model_name="classifier", alias="best")
+    with hook:
+        for step in range(steps):
+            params, opt_state, metrics = train_step(params, opt_state, batch)
+            hook(step, params, metrics)
+
+Why it is cheap to call often:
+
+- the function is exported (traced and lowered with ``jax.export``) **once**, on the first model
+  log; every later log reuses that ``Exported`` (and its VJP when ``vjp_order > 0``);
+- params go through an Orbax ``CheckpointManager`` (yours, or one the hook owns), written once
+  per logged step; ``log_model`` then links (hardlinks when possible) that checkpoint into the
+  model instead of serializing the params a second time;
+- in a multi-process JAX job every process takes part in the checkpoint (Orbax saves are
+  collective) but only process 0 (``jax.process_index() == 0``) talks to MLflow.
+
+Nothing here runs at import time; jax, orbax and mlflow are imported when the hook is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LoggedStep", "TrainingHook"]
+
+_MODES = ("min", "max")
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    """One model the hook logged: at which step, why, the monitored value and its ModelInfo."""
+
+    step: int
+    reasons: tuple[str, ...]  # "every_n", "improved", "manual"
+    value: float | None
+    model_info: Any  # mlflow.models.model.ModelInfo (None on processes other than 0)
+
+
+def _scalar(value: Any) -> float:
+    """A metric as a Python float (jax/numpy scalars and 0-d/1-element arrays included)."""
+    import numpy as np
+
+    return float(np.asarray(value).reshape(()))
+
+
+def _memoize_vjp(exported: Any, order: int) -> Any:
+    """Make ``exported.serialize(vjp_order=order)`` lower each VJP once, not at every log."""
+    inner = getattr(exported, "_get_vjp", None)
+    if order <= 0 or inner is None:
+        return exported
+    cache: dict[str, Any] = {}
+
+    def get_vjp(e: Any) -> Any:
+        if "vjp" not in cache:
+            cache["vjp"] = _memoize_vjp(inner(e), order - 1)
+        return cache["vjp"]
+
+    return dataclasses.replace(exported, _get_vjp=get_vjp)
+
+
+class TrainingHook:
+    """Log metrics every step and the model (export + params) every N steps or on improvement.
+
+    ``apply_fn(params, *inputs)`` is the function to serve; ``input_example`` its inputs after
+    the params (a tuple for several), used to export it and stored with its outputs as the
+    model's reference result (what ``jaxexp verify`` reproduces).
+
+    - ``log_every``: log the model every N steps (``step % N == 0``, step 0 excluded).
+    - ``monitor`` / ``mode`` / ``min_delta``: log the model when this metric improves (``"min"``
+      or ``"max"``) by more than ``min_delta``; the first value seen counts as an improvement.
+    - ``registered_model_name``: register every logged model; ``alias`` (default ``"best"``)
+      then follows the best one (with ``monitor``) or the latest one (without).
+    - ``checkpoint_manager``: your Orbax ``CheckpointManager`` (a single PyTree item, or
+      composite with an item named ``params``); steps it already holds are reused as they are.
+      Without one, the hook keeps its own under ``checkpoint_dir`` (a temporary directory by
+      default) holding ``max_to_keep`` steps.
+    - ``metrics_every``: log metrics every N steps (1: every step); ``async_metrics`` sends them
+      through MLflow's background queue (~1 ms a call instead of ~12 ms on a sqlite store),
+      flushed by :meth:`close`.
+    - ``run_id``: the run to log into (default: the active run, or a new one the hook ends in
+      :meth:`close`).
+    - ``log_model_kwargs``: extra arguments for ``mlflow.jaxexp.log_model`` (signature,
+      pip_requirements, metadata, ...).
+    """
+
+    def __init__(
+        self,
+        apply_fn: Callable[..., Any],
+        input_example: Any,
+        *,
+        name: str = "model",
+        log_every: int | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        min_delta: float = 0.0,
+        registered_model_name: str | None = None,
+        alias: str | None = "best",
+        checkpoint_manager: Any = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        max_to_keep: int | None = 2,
+        metrics_every: int = 1,
+        async_metrics: bool = True,
+        run_id: str | None = None,
+        vjp_order: int = 0,
+        batch_polymorphic: bool = True,
+        platforms: Sequence[str] | None = None,
+        log_model_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode={mode!r}: expected 'min' or 'max'")
+        if log_every is None and monitor is None:
+            raise ValueError(
+                "The hook would never log the model: pass log_every=N (every N steps) and/or "
+                "monitor='<metric>' (when it improves)."
+            )
+        if log_every is not None and log_every < 1:
+            raise ValueError(f"log_every={log_every}: expected a positive number of steps")
+        if metrics_every < 1:
+            raise ValueError(f"metrics_every={metrics_every}: expected a positive integer")
+        import jax
+
+        self.apply_fn = apply_fn
+        self.input_example = input_example
+        self.name = name
+        self.log_every = log_every
+        self.monitor = monitor
+        self.mode = mode
+        self.min_delta = float(min_delta)
+        self.registered_model_name = registered_model_name
+        self.alias = alias
+        self.metrics_every = metrics_every
+        self.async_metrics = async_metrics
+        self.vjp_order = int(vjp_order)
+        self.batch_polymorphic = batch_polymorphic
+        self.platforms = platforms
+        self.log_model_kwargs = dict(log_model_kwargs or {})
+        self.is_main = jax.process_index() == 0
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.logged: list[LoggedStep] = []
+        self.exported: Any = None
+        self._run_id = run_id
+        self._started_run = False
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._own_manager = checkpoint_manager is None
+        self._manager = checkpoint_manager
+        self._checkpoint_dir = checkpoint_dir
+        self._max_to_keep = max_to_keep
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def __call__(self, step: int, params: Any, metrics: Mapping[str, Any] | None = None) -> Any:
+        """Record one training step; return the ``ModelInfo`` when a model was logged."""
+        step = int(step)
+        values = {k: _scalar(v) for k, v in (metrics or {}).items()}
+        reasons = []
+        if self.log_every and step > 0 and step % self.log_every == 0:
+            reasons.append("every_n")
+        value = values.get(self.monitor) if self.monitor else None
+        if value is not None and math.isfinite(value) and self._improves(value):
+            self.best, self.best_step = value, step
+            reasons.append("improved")
+        info = self._log(step, params, tuple(reasons), value) if reasons else None
+        if self.is_main and values and (info is not None or step % self.metrics_every == 0):
+            import mlflow
+
+            # the metrics of a step that logged a model are linked to that model too
+            mlflow.log_metrics(
+                values,
+                step=step,
+                run_id=self.run_id,
+                model_id=None if info is None else info.model_id,
+                synchronous=not self.async_metrics,
+            )
+        return info
+
+    def log_now(self, step: int, params: Any, metrics: Mapping[str, Any] | None = None) -> Any:
+        """Log the model for ``params`` now (e.g. at the end of training), whatever the schedule."""
+        values = {k: _scalar(v) for k, v in (metrics or {}).items()}
+        return self._log(int(step), params, ("manual",), values.get(self.monitor or ""))
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run the hook logs into (started on first use on process 0)."""
+        if self._run_id is None and self.is_main:
+            import mlflow
+
+            run = mlflow.active_run()
+            if run is None:
+                run = mlflow.start_run()
+                self._started_run = True
+            self._run_id = run.info.run_id
+        return self._run_id
+
+    @property
+    def best_model_info(self) -> Any:
+        """ModelInfo of the model logged at the best monitored value (None before that)."""
+        for entry in reversed(self.logged):
+            if "improved" in entry.reasons:
+                return entry.model_info
+        return None
+
+    def close(self) -> None:
+        """Finish pending checkpoint writes, end the run the hook started, drop temp files."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            if self._own_manager:
+                self._manager.close()
+                self._manager = None
+        if self.is_main and self._run_id is not None and self.async_metrics:
+            import mlflow
+
+            mlflow.flush_async_logging()
+        if self._started_run:
+            import mlflow
+
+            active = mlflow.active_run()
+            if active is not None and active.info.run_id == self._run_id:
+                mlflow.end_run()
+            self._started_run = False
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> TrainingHook:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _improves(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def _export(self, params: Any) -> Any:
+        """Export once (first log); later logs reuse the same Exported."""
+        if self.exported is None:
+            import jax
+
+            from jaxexp_mlflow.export import export_function
+
+            fn = self.apply_fn if hasattr(self.apply_fn, "trace") else jax.jit(self.apply_fn)
+            exported = export_function(
+                fn,
+                params,
+                self.input_example,
+                batch_polymorphic=self.batch_polymorphic,
+                platforms=self.platforms,
+            )
+            self.exported = _memoize_vjp(exported, self.vjp_order)
+        return self.exported
+
+    def _checkpoint_manager(self) -> Any:
+        if self._manager is None:
+            import orbax.checkpoint as ocp
+
+            from jaxexp_mlflow.codec import params as params_codec
+
+            directory = self._checkpoint_dir
+            if directory is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="jaxexp-hook-")
+                directory = self._tmp.name
+            self._manager = ocp.CheckpointManager(
+                Path(directory).absolute(),
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=self._max_to_keep, enable_async_checkpointing=False
+                ),
+                item_handlers=params_codec._handler(),
+            )
+        return self._manager
+
+    def _checkpoint(self, step: int, params: Any) -> Path:
+        """Save ``params`` at ``step`` (all processes) unless the manager has it; its item dir."""
+        import orbax.checkpoint as ocp
+
+        manager = self._checkpoint_manager()
+        if step not in manager.all_steps():
+            manager.save(step, args=ocp.args.PyTreeSave(params), force=True)
+        manager.wait_until_finished()
+        root = Path(manager.directory)
+        step_dir = root / str(step)
+        if not step_dir.is_dir():  # a step_prefix / fixed-length name format
+            pattern = re.compile(rf"(^|_)0*{step}$")
+            found = [p for p in root.iterdir() if p.is_dir() and pattern.search(p.name)]
+            if len(found) != 1:
+                raise ValueError(
+                    f"Cannot find the directory of step {step} under {root} (found "
+                    f"{[p.name for p in found]}). Use Orbax's default step names."
+                )
+            step_dir = found[0]
+        items = [p for p in step_dir.iterdir() if (p / "_METADATA").is_file()]
+        named = [p for p in items if p.name == "params"]
+        if len(items) == 1 or named:
+            return (named or items)[0]
+        raise ValueError(
+            f"The checkpoint at {step_dir} holds items {[p.name for p in items]}; expected one "
+            "PyTree item, or one named 'params'. Save the params as their own item."
+        )
+
+    def _log(self, step: int, params: Any, reasons: tuple[str, ...], value: float | None) -> Any:
+        exported = self._export(params)
+        item_dir = self._checkpoint(step, params)  # collective: every process takes part
+        info = None
+        if self.is_main:
+            info = self._log_model(step, exported, item_dir, reasons, value)
+        self.logged.append(LoggedStep(step, reasons, value, info))
+        return info
+
+    def _log_model(
+        self, step: int, exported: Any, item_dir: Path, reasons: tuple[str, ...], value: Any
+    ) -> Any:
+        import mlflow
+
+        from jaxexp_mlflow.flavors import jaxexp as flavor
+
+        tags = {"jaxexp.step": str(step), "jaxexp.reason": ",".join(reasons)}
+        if self.monitor and value is not None:
+            tags[f"jaxexp.{self.monitor}"] = repr(value)
+        kwargs = dict(self.log_model_kwargs)
+        kwargs["tags"] = {**tags, **(kwargs.get("tags") or {})}
+        info = flavor.log_model(
+            exported,
+            name=self.name,
+            params=str(item_dir),
+            input_example=self.input_example,
+            vjp_order=self.vjp_order,
+            registered_model_name=self.registered_model_name,
+            step=step,
+            run_id=self.run_id,
+            **kwargs,
+        )
+        version = info.registered_model_version
+        if self.registered_model_name and self.alias and version is not None:
+            if "improved" in reasons or not self.monitor:
+                mlflow.MlflowClient().set_registered_model_alias(
+                    self.registered_model_name, self.alias, version
+                )
+        return info
