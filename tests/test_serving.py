@@ -282,3 +282,48 @@ def test_concurrent_load_no_failures_bounded_memory(served):
     assert failures == []
     growth_mb = (after - before) / 2**20
     assert growth_mb < RSS_GROWTH_BOUND_MB, f"server RSS grew by {growth_mb:.1f} MB"
+
+
+@pytest.mark.slow
+def test_serve_in_fresh_virtualenv(tmp_path):
+    """``--env-manager virtualenv``: a fresh venv from requirements.txt, the loader from code/.
+
+    Downloads jax, jaxlib, orbax-checkpoint and mlflow from PyPI (several minutes the first time;
+    MLflow caches the environment under ~/.mlflow/envs afterwards).
+    """
+    from tests.models import batch, export_mlp, mlp_apply
+
+    params = mlp_params()
+    path = tmp_path / "model"
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
+    env = server_env(tmp_path)
+    env["PATH"] = os.pathsep.join([VENV_BIN, "/root/.pyenv/bin", env["PATH"]])
+    env.pop("PYTHONPATH", None)
+    proc, url = start_server(str(path), "virtualenv", env, tmp_path / "server.log", timeout=1800)
+    try:
+        x = batch(5, seed=7)
+        r = post(url, {"inputs": x.tolist()})
+        assert r.status_code == 200, r.text[:500]
+        np.testing.assert_allclose(r.json()["predictions"], mlp_apply(params, x), rtol=1e-5)
+        bad = post(url, {"inputs": [[1.0] * 7]})
+        assert bad.status_code == 400 and "x: float32[-1,8]" in bad.json()["message"]
+        # the server ran in a fresh env without jaxexp_mlflow: the loader came from code/
+        import re
+
+        log = (tmp_path / "server.log").read_text()
+        env_dir = re.search(r"(/\S+/envs/mlflow-[0-9a-f]+)", log)
+        assert env_dir, log[-2000:]
+        found = subprocess.run(
+            [
+                f"{env_dir.group(1)}/bin/python",
+                "-c",
+                "import importlib.util; print(importlib.util.find_spec('jaxexp_mlflow'))",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={k: v for k, v in env.items() if k != "PYTHONPATH"},
+        )
+        assert found.stdout.strip() == "None", found
+    finally:
+        stop_server(proc)

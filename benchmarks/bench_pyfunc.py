@@ -1,0 +1,126 @@
+"""pyfunc.predict latency of a jaxexp model as a ratio to the raw jitted call (issue 4).
+
+For each model, in the same process: ``jax.jit(f)(params, x)`` (blocked until ready) is the
+baseline; ``mlflow.pyfunc.load_model(...).predict(x)`` is measured at batch 1 and 1024, and so
+is the jaxexp part alone (``JaxExpPyfunc.predict``, without MLflow's ``PyFuncModel`` wrapper,
+whose signature enforcement and prediction context cost a fixed few tens of microseconds).
+Goal: pyfunc.predict at batch 1 within 1.3x of the jitted call.
+
+    python benchmarks/bench_pyfunc.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODELS = {  # name: layer widths
+    "mlp-8-16-4": (8, 16, 4),
+    "mlp-784-512-512-10": (784, 512, 512, 10),
+}
+
+
+def make_params(widths: tuple[int, ...], seed: int = 0) -> list[dict]:
+    keys = jax.random.split(jax.random.key(seed), len(widths) - 1)
+    return [
+        {
+            "w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
+            "b": jnp.zeros((b,), jnp.float32),
+        }
+        for k, a, b in zip(keys, widths[:-1], widths[1:], strict=True)
+    ]
+
+
+def apply(params: list[dict], x: jax.Array) -> jax.Array:
+    for i, layer in enumerate(params):
+        x = x @ layer["w"] + layer["b"]
+        if i < len(params) - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def timeit(fn, *, seconds: float, min_runs: int = 20) -> float:
+    """Median wall time of ``fn()`` in microseconds over ~``seconds`` (after a warm-up)."""
+    for _ in range(5):
+        fn()
+    times = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < min_runs:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def bench_model(name: str, widths: tuple[int, ...], tmp: Path, seconds: float) -> dict:
+    import mlflow
+
+    import jaxexp_mlflow  # noqa: F401
+    from jaxexp_mlflow.flavors.jaxexp import _load_pyfunc
+
+    params = make_params(widths)
+    x_ex = np.zeros((2, widths[0]), np.float32)
+    path = tmp / name
+    mlflow.jaxexp.save_model(jax.jit(apply), path, params=params, input_example=x_ex)
+    model = mlflow.pyfunc.load_model(str(path))
+    impl = _load_pyfunc(str(path))
+    jitted = jax.jit(apply)
+    dev_params = jax.device_put(params)
+    rows = {}
+    for n in (1, 1024):
+        x = np.random.default_rng(n).standard_normal((n, widths[0])).astype(np.float32)
+        np.testing.assert_allclose(model.predict(x), jitted(dev_params, x), rtol=1e-4, atol=1e-4)
+        base = timeit(lambda x=x: jitted(dev_params, x).block_until_ready(), seconds=seconds)
+        base_np = timeit(lambda x=x: np.asarray(jitted(dev_params, x)), seconds=seconds)
+        pyf = timeit(lambda x=x: model.predict(x), seconds=seconds)
+        ours = timeit(lambda x=x: impl.predict(x), seconds=seconds)
+        rows[n] = {
+            "jit_us": round(base, 1),
+            "jit_to_numpy_us": round(base_np, 1),
+            "pyfunc_predict_us": round(pyf, 1),
+            "jaxexp_predict_us": round(ours, 1),
+            "ratio_pyfunc": round(pyf / base, 3),
+            "ratio_jaxexp": round(ours / base, 3),
+        }
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few seconds in all")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    seconds = 0.3 if args.quick else 2.0
+    os.environ.setdefault("JAXEXP_COMPILATION_CACHE", tempfile.mkdtemp(prefix="jaxexp-bench-"))
+    results = {"jax": jax.__version__, "backend": jax.default_backend(), "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, widths in MODELS.items():
+            results["models"][name] = bench_model(name, widths, Path(tmp), seconds)
+    print(
+        f"{'model':<22}{'batch':>6}{'jit us':>10}{'pyfunc us':>11}{'ratio':>8}"
+        f"{'jaxexp us':>11}{'ratio':>8}"
+    )
+    for name, rows in results["models"].items():
+        for n, r in rows.items():
+            print(
+                f"{name:<22}{n:>6}{r['jit_us']:>10.1f}{r['pyfunc_predict_us']:>11.1f}"
+                f"{r['ratio_pyfunc']:>8.2f}{r['jaxexp_predict_us']:>11.1f}{r['ratio_jaxexp']:>8.2f}"
+            )
+    print("goal: pyfunc.predict at batch 1 within 1.3x of the jitted call")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
