@@ -289,6 +289,16 @@ def test_predict_bare_blob_with_pytrees_matches_the_corpus(tmp_path):
             np.testing.assert_allclose(data[f"out_{i}"], want, rtol=1e-5, atol=1e-6)
 
 
+def test_predict_refuses_an_incompatible_blob_with_exit_1():
+    case = CORPUS / "jax-0.4.35" / "linalg"
+    args = ["predict", str(case / "exported.bin"), "--input", str(case / "inputs.npz")]
+    result = run_cli(*args)
+    assert result.exit_code == 1
+    assert "custom_calls" in result.stderr and "--allow-incompatible" in result.stderr
+    forced = run_cli(*args, "--allow-incompatible")  # tries, and fails when called
+    assert forced.exit_code == 1 and "failed to run here" in forced.stderr
+
+
 def test_predict_wrong_input_is_an_input_error(store, tmp_path):
     np.save(tmp_path / "bad.npy", np.zeros((5, 3), np.float32))
     result = run_cli("predict", str(store["local"]), "--input", str(tmp_path / "bad.npy"))

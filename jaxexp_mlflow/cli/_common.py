@@ -81,7 +81,7 @@ class Command(click.Command):
             code = exit_code_for(err)
             if ctx.params.get("debug"):
                 traceback.print_exc()
-            message = one_line(err)
+            message = one_line(err).replace("allow_incompatible=True", "--allow-incompatible")
             if ctx.params.get("as_json"):
                 emit_json(
                     {

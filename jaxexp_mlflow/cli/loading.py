@@ -13,13 +13,25 @@ def load(target: Target, *, allow_incompatible: bool = False, **options: Any) ->
 
     ``options`` go to the device placement (``allow_other_platform``...)."""
     if target.kind == "blob":
-        from jaxexp_mlflow.codec.blob import deserialize_checked
+        from jaxexp_mlflow.cli.check import blob_meta
+        from jaxexp_mlflow.codec.blob import describe, deserialize_checked
+        from jaxexp_mlflow.runtime import compat, devices
+        from jaxexp_mlflow.runtime.loader import enforce
         from jaxexp_mlflow.runtime.model import JaxExpModel
 
-        with step("Deserializing the blob"):
+        with step("Checking and deserializing the blob"):
+            source = str(target.blob_path)
             data = target.blob_path.read_bytes()
-            exported = deserialize_checked(data, source=str(target.blob_path))
-        return JaxExpModel(exported, None, {})
+            desc = describe(data, source=source)
+            verdict = compat.assess(
+                blob_meta(desc),
+                description=desc,
+                allow_other_platform=bool(options.get("allow_other_platform")),
+            )
+            enforce(verdict, allow_incompatible=allow_incompatible)
+            exported = deserialize_checked(data, source=source)
+            placement = devices.plan(exported, **options)
+        return JaxExpModel(placement.exported, None, {}, placement=placement)
     from mlflow.utils.model_utils import _add_code_from_conf_to_system_path
 
     from jaxexp_mlflow.runtime.loader import load_directory

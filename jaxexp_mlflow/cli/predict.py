@@ -8,6 +8,7 @@ import click
 
 from jaxexp_mlflow.cli._common import (
     Command,
+    Failure,
     common_options,
     emit_json,
     setup_logging,
@@ -104,9 +105,16 @@ def predict(
     import jax
     import numpy as np
 
-    with step("Running (compile + run)"):
-        out = model(*args, **kwargs)
-        leaves = [np.asarray(x) for x in jax.tree.leaves(out)]
+    try:
+        with step("Running (compile + run)"):
+            out = model(*args, **kwargs)
+            leaves = [np.asarray(x) for x in jax.tree.leaves(out)]
+    except Exception as err:
+        if "JaxExpError" in {c.__name__ for c in type(err).__mro__}:
+            raise
+        raise Failure(
+            f"the model failed to run here ({type(err).__name__}: {err}); see `jaxexp check {uri}`"
+        ) from err
     from jaxexp_mlflow.codec.reader import read_blob_file
 
     paths = leaf_paths(read_blob_file(target.blob_path).out_tree, "out")

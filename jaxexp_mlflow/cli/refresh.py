@@ -26,7 +26,13 @@ Examples:
 @click.argument("uri")
 @click.option("--register", help="Register the refreshed model under this name.")
 @click.option("--name", default="model", show_default=True, help="Model name in the run.")
-@click.option("--run-id", help="Log into this run (default: see docs/cli.md).")
+@click.option("--experiment", help="Log into a new run of this experiment (created if missing).")
+@click.option("--run-id", help="Log into this existing run (default: a new run).")
+@click.option(
+    "--allow-other-platform",
+    is_flag=True,
+    help="Re-export on this backend even if the model was not exported for it.",
+)
 @click.option("--rtol", type=float, default=None, help="Tolerance of the before/after check.")
 @click.option("--atol", type=float, default=None, help="Tolerance of the before/after check.")
 @common_options
@@ -34,7 +40,9 @@ def refresh(
     uri: str,
     register: str | None,
     name: str,
+    experiment: str | None,
     run_id: str | None,
+    allow_other_platform: bool,
     rtol: float | None,
     atol: float | None,
     as_json: bool,
@@ -56,6 +64,13 @@ def refresh(
             "refresh is not available in this version of jaxexp-mlflow (no jaxexp_mlflow.refresh"
             " module); upgrade jaxexp-mlflow"
         ) from err
+    if experiment and run_id:
+        raise click.UsageError("give --experiment or --run-id, not both")
+    if experiment:
+        import mlflow
+
+        mlflow.set_experiment(experiment)
+    options = {"allow_other_platform": True} if allow_other_platform else {}
     with step(f"Refreshing {uri}"):
         info = do_refresh(
             uri,
@@ -64,6 +79,7 @@ def refresh(
             run_id=run_id,
             rtol=rtol,
             atol=atol,
+            **options,
         )
     d = model_info_dict(info)
     if as_json:
