@@ -50,9 +50,8 @@ def init(key: jax.Array, d_in: int = 16, d_hidden: int = 64, d_out: int = 3) -> 
 
 def synthetic_data(key: jax.Array, n: int, d_in: int = 16) -> tuple[jax.Array, jax.Array]:
     """Three overlapping Gaussian blobs (so that validation loss plateaus)."""
-    kc, kx, ky = jax.random.split(key, 3)
-    centers = jax.random.normal(jax.random.key(42), (3, d_in)) * 1.2
-    del kc
+    kx, ky = jax.random.split(key)
+    centers = jax.random.normal(jax.random.key(42), (3, d_in)) * 1.2  # same classes for all splits
     y = jax.random.randint(ky, (n,), 0, 3)
     return centers[y] + jax.random.normal(kx, (n, d_in)), y
 
