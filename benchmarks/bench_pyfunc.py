@@ -62,28 +62,53 @@ def timeit(fn, *, seconds: float, min_runs: int = 20) -> float:
     return statistics.median(times) * 1e6
 
 
+def compare(fns: dict, *, seconds: float, min_runs: int = 50) -> dict[str, float]:
+    """Median microseconds of each function, calls interleaved round-robin.
+
+    Interleaving keeps a shared machine's load drift from favouring one of them.
+    """
+    for fn in fns.values():
+        for _ in range(5):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    end = time.perf_counter() + seconds * len(fns)
+    while time.perf_counter() < end or len(times[next(iter(fns))]) < min_runs:
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e6 for k, v in times.items()}
+
+
 def bench_model(name: str, widths: tuple[int, ...], tmp: Path, seconds: float) -> dict:
     import mlflow
 
     import jaxexp_mlflow  # noqa: F401
-    from jaxexp_mlflow.flavors.jaxexp import _load_pyfunc
 
     params = make_params(widths)
     x_ex = np.zeros((2, widths[0]), np.float32)
     path = tmp / name
     mlflow.jaxexp.save_model(jax.jit(apply), path, params=params, input_example=x_ex)
     model = mlflow.pyfunc.load_model(str(path))
-    impl = _load_pyfunc(str(path))
+    impl = model._model_impl  # the JaxExpPyfunc inside the PyFuncModel
     jitted = jax.jit(apply)
-    dev_params = jax.device_put(params)
+    # the same param arrays for every contender: calls are interleaved, and two copies of the
+    # weights would evict each other from the CPU caches and bias the comparison
+    dev_params = impl.model.params
     rows = {}
     for n in (1, 1024):
         x = np.random.default_rng(n).standard_normal((n, widths[0])).astype(np.float32)
         np.testing.assert_allclose(model.predict(x), jitted(dev_params, x), rtol=1e-4, atol=1e-4)
-        base = timeit(lambda x=x: jitted(dev_params, x).block_until_ready(), seconds=seconds)
-        base_np = timeit(lambda x=x: np.asarray(jitted(dev_params, x)), seconds=seconds)
-        pyf = timeit(lambda x=x: model.predict(x), seconds=seconds)
-        ours = timeit(lambda x=x: impl.predict(x), seconds=seconds)
+        t = compare(
+            {
+                "jit": lambda x=x: jitted(dev_params, x).block_until_ready(),
+                "jit_np": lambda x=x: np.asarray(jitted(dev_params, x)),
+                "pyfunc": lambda x=x: model.predict(x),
+                "ours": lambda x=x: impl.predict(x),
+            },
+            seconds=seconds,
+        )
+        base, base_np, pyf, ours = t["jit"], t["jit_np"], t["pyfunc"], t["ours"]
         rows[n] = {
             "jit_us": round(base, 1),
             "jit_to_numpy_us": round(base_np, 1),
