@@ -283,7 +283,7 @@ class TrainingHook:
                 options=ocp.CheckpointManagerOptions(
                     max_to_keep=self._max_to_keep, enable_async_checkpointing=False
                 ),
-                item_handlers=params_codec._handler(),
+                item_handlers=params_codec.checkpoint_handler(),
             )
         return self._manager
 

@@ -29,11 +29,18 @@ class JaxRunContextProvider:
             return {}
         try:
             import jaxlib
+            from jax._src import xla_bridge
 
-            devices = jax.devices()
-            return {
+            tags = {
                 "jaxexp.jax_version": jax.__version__,
                 "jaxexp.jaxlib_version": jaxlib.__version__,
+            }
+            # never start a backend just to tag a run (on GPU that allocates memory)
+            if not xla_bridge.backends_are_initialized():
+                return tags
+            devices = jax.devices()
+            return {
+                **tags,
                 "jaxexp.backend": jax.default_backend(),
                 "jaxexp.device_kind": devices[0].device_kind if devices else "",
                 "jaxexp.device_count": str(len(devices)),

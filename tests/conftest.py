@@ -52,6 +52,7 @@ def tracking_uri(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
     exp_id = mlflow.create_experiment("tests", artifact_location=(tmp_path / "artifacts").as_uri())
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", exp_id)  # set_experiment sets it; undone at teardown
     mlflow.set_experiment(experiment_id=exp_id)
     yield uri
     mlflow.end_run()

@@ -50,10 +50,14 @@ def test_runs_are_tagged_when_jax_is_imported(tmp_path):
     out = run_python(
         """
         import json, jax, jaxlib, mlflow
+        with mlflow.start_run() as idle:  # jax imported, no backend started yet
+            pass
+        jax.devices()
         with mlflow.start_run() as run:
             pass
         tags = mlflow.get_run(run.info.run_id).data.tags
-        print(json.dumps({"tags": tags, "jaxlib": jaxlib.__version__}))
+        idle_tags = mlflow.get_run(idle.info.run_id).data.tags
+        print(json.dumps({"tags": tags, "idle": idle_tags, "jaxlib": jaxlib.__version__}))
         """,
         tmp_path,
         XLA_FLAGS="--xla_force_host_platform_device_count=3",
@@ -66,6 +70,9 @@ def test_runs_are_tagged_when_jax_is_imported(tmp_path):
     assert tags["jaxexp.backend"] == "cpu"
     assert tags["jaxexp.device_kind"] == "cpu"
     assert tags["jaxexp.device_count"] == "3"  # the real count, not a default
+    # tagging never starts a backend: before jax.devices() only the versions are known
+    idle = {k for k in out["idle"] if k.startswith("jaxexp.")}
+    assert idle == {"jaxexp.jax_version", "jaxexp.jaxlib_version"}
 
 
 def test_mlflow_without_jax_pays_nothing_and_mlflow_jaxexp_loads_lazily(tmp_path):

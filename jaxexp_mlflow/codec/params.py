@@ -25,6 +25,7 @@ __all__ = [
     "COMPRESSIONS",
     "DEFAULT_COMPRESSION",
     "check_checkpoint",
+    "checkpoint_handler",
     "checkpoint_tree",
     "copy_checkpoint",
     "describe_checkpoint",
@@ -117,7 +118,8 @@ def _check_compression(compression: str | None) -> str | None:
     return compression
 
 
-def _handler(*, use_compression: bool = False) -> Any:
+def checkpoint_handler(*, use_compression: bool = False) -> Any:
+    """The Orbax ``PyTreeCheckpointHandler`` with this codec's settings (for CheckpointManagers)."""
     import orbax.checkpoint as ocp
 
     return ocp.PyTreeCheckpointHandler(
@@ -241,7 +243,7 @@ def save_params(
 
     params = jax.tree_util.tree_map_with_path(_as_array_leaf, params)
     path.parent.mkdir(parents=True, exist_ok=True)
-    checkpointer = ocp.Checkpointer(_handler(use_compression=compression is not None))
+    checkpointer = ocp.Checkpointer(checkpoint_handler(use_compression=compression is not None))
     try:
         checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
     finally:
@@ -361,7 +363,7 @@ def checkpoint_tree(directory: str | os.PathLike) -> Any:
     path = Path(directory)
     path = _require_item_dir(path if not path.is_dir() else _find_item_dir(path))
     _read_internal_metadata(path)  # ArtifactError when it is not JSON
-    checkpointer = ocp.Checkpointer(_handler())
+    checkpointer = ocp.Checkpointer(checkpoint_handler())
     try:
         meta = checkpointer.metadata(path.absolute())
     except Exception as e:  # orbax raises many types for a damaged checkpoint
@@ -670,7 +672,7 @@ def restore_params(directory: str | os.PathLike, *, target: Any) -> Any:
         )
 
     restore_args = jax.tree.map(restore_arg, todo)
-    checkpointer = ocp.Checkpointer(_handler())
+    checkpointer = ocp.Checkpointer(checkpoint_handler())
     try:
         from_orbax = checkpointer.restore(
             path.absolute(), args=ocp.args.PyTreeRestore(item=todo, restore_args=restore_args)
