@@ -46,7 +46,7 @@ DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 
 def _describe_found(arr: Any) -> str:
     a = np.asarray(arr) if not isinstance(arr, np.ndarray) else arr
-    return f"{a.dtype}{list(a.shape)}"
+    return f"{a.dtype}[{','.join(str(d) for d in a.shape)}]"
 
 
 def _exactly_representable_ints(arr: np.ndarray, target: np.dtype) -> bool:
