@@ -24,7 +24,7 @@ _LAZY = {
     "log_model": "jaxexp_mlflow.flavors.jaxexp",
     "load_model": "jaxexp_mlflow.flavors.jaxexp",
     "JaxExpModel": "jaxexp_mlflow.runtime.model",
-    "refresh": "jaxexp_mlflow.refresh",
+    "refresh": "jaxexp_mlflow.reexport",
 }
 
 

@@ -43,6 +43,12 @@ def load_case(path: Path) -> tuple[dict, list[np.ndarray], list[np.ndarray]]:
     return meta, read("inputs.npz", meta["inputs"]), read("outputs.npz", meta["outputs"])
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _compilation_cache_in_tmp(tmp_path_factory):
+    """Keep JAX's persistent compilation cache (on by default at load) out of the user's home."""
+    os.environ.setdefault("JAXEXP_COMPILATION_CACHE", str(tmp_path_factory.mktemp("xla-cache")))
+
+
 @pytest.fixture
 def tracking_uri(tmp_path, monkeypatch):
     """A fresh sqlite-backed MLflow store with artifacts under tmp_path."""

@@ -405,7 +405,6 @@ def test_log_blob_with_orbax_params_into_an_existing_run(store, tmp_path):
 
 
 def test_refresh_logs_a_new_model_that_verifies(store):
-    pytest.importorskip("jaxexp_mlflow.refresh", reason="jaxexp_mlflow.refresh not written yet")
     result = run_cli("refresh", store["runs_uri"], "--register", "mlp-refreshed", "--json")
     assert result.exit_code == 0, result.stderr
     info = json.loads(result.stdout)

@@ -395,3 +395,17 @@ def test_mlflow_jaxexp_in_fresh_interpreter_without_jax():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["jaxexp", "jaxexp_mlflow.flavors.jaxexp"]
+
+
+def test_a_blob_that_cannot_run_here_is_refused_before_xla(tmp_path):
+    case = Path(__file__).resolve().parents[2] / "shared/corpus/jax-0.4.35/linalg"
+    if not case.is_dir() or jax.__version__ != "0.10.2":
+        pytest.skip("needs the corpus and jax 0.10.2 (whose jaxlib lacks the 0.4.35 kernels)")
+    _, inputs, _ = load_case(case)
+    with pytest.raises(IncompatibleError, match=r"(?s)reference outputs.*blas_strsm"):
+        mlflow.jaxexp.save_model(
+            (case / "exported.bin").read_bytes(), tmp_path / "m", input_example=tuple(inputs)
+        )
+    # without an input example nothing runs: the archive is stored as it is
+    mlflow.jaxexp.save_model((case / "exported.bin").read_bytes(), tmp_path / "n")
+    assert (tmp_path / "n" / "exported.bin").read_bytes() == (case / "exported.bin").read_bytes()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow
-from jaxexp_mlflow.refresh import RefreshError
+from jaxexp_mlflow.reexport import RefreshError
 from tests.conftest import CORPUS, case_id, corpus_cases, load_case
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 

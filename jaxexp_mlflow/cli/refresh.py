@@ -6,7 +6,6 @@ import click
 
 from jaxexp_mlflow.cli._common import (
     Command,
-    InputProblem,
     common_options,
     emit_json,
     setup_logging,
@@ -55,15 +54,8 @@ def refresh(
     model's URIs and, with --register, its registered version.
     """
     setup_logging(debug)
-    try:
-        from jaxexp_mlflow.refresh import refresh as do_refresh
-    except ModuleNotFoundError as err:
-        if err.name != "jaxexp_mlflow.refresh":
-            raise
-        raise InputProblem(
-            "refresh is not available in this version of jaxexp-mlflow (no jaxexp_mlflow.refresh"
-            " module); upgrade jaxexp-mlflow"
-        ) from err
+    from jaxexp_mlflow.reexport import refresh as do_refresh
+
     if experiment and run_id:
         raise click.UsageError("give --experiment or --run-id, not both")
     if experiment:

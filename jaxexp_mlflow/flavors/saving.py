@@ -11,7 +11,7 @@ import jax
 from jaxexp_mlflow import artifact
 from jaxexp_mlflow.codec import blob as blob_codec
 from jaxexp_mlflow.codec.metadata import exported_metadata, package_version
-from jaxexp_mlflow.errors import UnsupportedModelError
+from jaxexp_mlflow.errors import IncompatibleError, UnsupportedModelError
 from jaxexp_mlflow.export import as_args, export_function
 from jaxexp_mlflow.pytrees import register_for_save
 
@@ -78,6 +78,19 @@ def resolve_exported(
     return exp, data, here, blob_codec.describe(data, source="the serialized export")
 
 
+def _refuse_if_it_cannot_run_here(conf: dict[str, Any], description: Any) -> None:
+    """The reference outputs are computed here: judge first, rather than fail inside XLA."""
+    from jaxexp_mlflow.runtime import compat
+
+    verdict = compat.assess(conf, description=description)
+    if verdict.status == compat.INCOMPATIBLE:
+        raise IncompatibleError(
+            "Cannot compute the reference outputs of this model here:\n- "
+            + "\n- ".join(str(r) for r in verdict.reasons)
+            + "\nSave it without input_example, or on a machine where it runs."
+        )
+
+
 def write_model_files(
     exported: Any,
     path: str | os.PathLike,
@@ -138,7 +151,9 @@ def write_model_files(
         node_types=node_types,
     )
     conf["params_format"] = params_conf
+    conf["schema_generation"] = description.schema_generation
     if input_example is not None:
+        _refuse_if_it_cannot_run_here(conf, description)
         bound = params
         if isinstance(params, str | os.PathLike):  # an on-disk checkpoint: read it to run once
             bound = params_codec.restore_params(target, target=artifact.params_target(exp))

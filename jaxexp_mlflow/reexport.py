@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -259,17 +257,3 @@ def refresh(
                 tags[TAG_PREFIX + key],
             )
     return info
-
-
-class _CallableModule(types.ModuleType):
-    """``jaxexp_mlflow.refresh(...)`` keeps working once this module has been imported.
-
-    Importing ``jaxexp_mlflow.refresh`` (the module) binds it as the package attribute
-    ``refresh``, shadowing the package's lazy ``refresh`` function; calling the module calls it.
-    """
-
-    def __call__(self, model_uri: str, **kwargs: Any) -> Any:
-        return refresh(model_uri, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
