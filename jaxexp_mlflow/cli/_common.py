@@ -105,6 +105,19 @@ def common_options(fn: Callable) -> Callable:
     return fn
 
 
+def run_options(fn: Callable) -> Callable:
+    """``--allow-incompatible`` and ``--allow-other-platform``, on the commands that run a model."""
+    fn = click.option(
+        "--allow-other-platform",
+        is_flag=True,
+        help="Run on this backend even if the model was not exported for it.",
+    )(fn)
+    fn = click.option(
+        "--allow-incompatible", is_flag=True, help="Try even when the verdict is incompatible."
+    )(fn)
+    return fn
+
+
 def setup_logging(debug: bool) -> None:
     """Quiet library chatter (absl/Orbax INFO and WARNING lines) unless ``--debug``."""
     if debug:

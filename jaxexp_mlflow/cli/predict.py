@@ -11,6 +11,7 @@ from jaxexp_mlflow.cli._common import (
     Failure,
     common_options,
     emit_json,
+    run_options,
     setup_logging,
     step,
     table,
@@ -56,14 +57,7 @@ list (single input) or an object of arrays ({"inputs": ...} is accepted too).
     type=click.Path(path_type=Path, dir_okay=False),
     help="Write the outputs (flat leaves out_0, ...) to .npz, .npy or .json.",
 )
-@click.option(
-    "--allow-incompatible", is_flag=True, help="Try even when the verdict is incompatible."
-)
-@click.option(
-    "--allow-other-platform",
-    is_flag=True,
-    help="Run on this backend even if the model was not exported for it.",
-)
+@run_options
 @common_options
 def predict(
     uri: str,

@@ -13,6 +13,7 @@ from jaxexp_mlflow.cli._common import (
     common_options,
     emit_json,
     fmt_err,
+    run_options,
     setup_logging,
     step,
     table,
@@ -43,14 +44,7 @@ Examples:
 @click.argument("uri")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance (default per dtype).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default per dtype).")
-@click.option(
-    "--allow-incompatible", is_flag=True, help="Try even when the verdict is incompatible."
-)
-@click.option(
-    "--allow-other-platform",
-    is_flag=True,
-    help="Run on this backend even if the model was not exported for it.",
-)
+@run_options
 @common_options
 def verify(
     uri: str,
