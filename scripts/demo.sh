@@ -11,3 +11,5 @@ mkdir -p run && cd run
 export PATH="$PWD/../.venv/bin:$PATH"
 export MLFLOW_TRACKING_URI="sqlite:///$PWD/mlruns.db"
 ../.venv/bin/python ../examples/train_mlp.py "$@"
+# Reproduce the archived result from the registry, as someone would months later.
+../.venv/bin/jaxexp verify "models:/jaxexp-example-mlp/latest"

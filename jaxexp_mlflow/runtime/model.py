@@ -66,6 +66,11 @@ class JaxExpModel:
         self.has_params = params is not None
         self._in_shardings = tuple(placement.in_shardings) if placement is not None else ()
         self._n_param_leaves = len(jax.tree.leaves(params)) if self.has_params else 0
+        # decided once: most models need no input placement, keep their call path bare
+        self._places_inputs = placement is not None and (
+            placement.data_parallel
+            or any(s is not None for s in self._in_shardings[self._n_param_leaves :])
+        )
         self._jit_call = jax.jit(self._raw_call)
         self._jit_call_with_params = jax.jit(self.exported.call)
 
@@ -76,15 +81,8 @@ class JaxExpModel:
 
     def _place(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Put the inputs on the placement's devices/shardings (params are placed at load)."""
-        placement = self.placement
-        if placement is None:
-            return inputs, kwargs
-        if not placement.data_parallel and not any(
-            s is not None for s in self._in_shardings[self._n_param_leaves :]
-        ):
-            return inputs, kwargs
         leaves, tree = jax.tree.flatten((inputs, kwargs))
-        placed = placement.place_inputs(leaves, self._n_param_leaves)
+        placed = self.placement.place_inputs(leaves, self._n_param_leaves)
         return jax.tree.unflatten(tree, placed)
 
     def _explain(self, err: Exception, inputs: tuple, kwargs: dict) -> InputError:
@@ -102,7 +100,8 @@ class JaxExpModel:
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the model on ``inputs`` with the bound params; returns the exported out pytree."""
-        inputs, kwargs = self._place(inputs, kwargs)
+        if self._places_inputs:
+            inputs, kwargs = self._place(inputs, kwargs)
         try:
             return self._jit_call(self.params, *inputs, **kwargs)
         except (TypeError, ValueError) as err:
