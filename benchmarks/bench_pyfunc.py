@@ -143,8 +143,28 @@ def main(argv: list[str] | None = None) -> int:
             )
     print("goal: pyfunc.predict at batch 1 within 1.3x of the jitted call")
     if args.json:
+        results["rows"] = summary_rows(results)
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def summary_rows(results: dict) -> list[dict]:
+    """The figure/baseline/ratio/goal rows the suite runner (run_all.py) prints."""
+    rows = []
+    for name, by_batch in results["models"].items():
+        for n, r in by_batch.items():
+            for label, key in (("pyfunc.predict", "pyfunc"), ("JaxExpPyfunc.predict", "jaxexp")):
+                rows.append(
+                    {
+                        "figure": f"{label}, {name}, batch {n} (µs)",
+                        "value": r[f"{key}_predict_us"],
+                        "baseline_name": "jax.jit(f)(params, x)",
+                        "baseline": r["jit_us"],
+                        "ratio": r[f"ratio_{key}"],
+                        "goal": "<= 1.3" if (n == "1" and key == "pyfunc") else "",
+                    }
+                )
+    return rows
 
 
 if __name__ == "__main__":

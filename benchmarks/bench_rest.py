@@ -183,8 +183,38 @@ def main(argv: list[str] | None = None) -> int:
                 f"p99 {m['p99_ms']} ms, p99/p50 {m['p99_over_p50']} (goal <= 2)"
             )
     if args.json:
+        results["rows"] = summary_rows(results)
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def summary_rows(results: dict) -> list[dict]:
+    """The figure/baseline/ratio/goal rows the suite runner (run_all.py) prints."""
+    rows = [
+        {
+            "figure": f"REST /invocations, batch {n} (µs)",
+            "value": r["rest_us"],
+            "baseline_name": "jax.jit(f)(params, x)",
+            "baseline": r["jit_us"],
+            "ratio": r["ratio"],
+            "goal": "(JSON-bound; reference)",
+        }
+        for n, r in results["latency"].items()
+    ]
+    for key, label in (("mixed_buckets", "buckets on"), ("mixed_no_buckets", "buckets off")):
+        if key in results:
+            m = results[key]
+            rows.append(
+                {
+                    "figure": f"REST p99, mixed batch 1..128, {label} (ms)",
+                    "value": m["p99_ms"],
+                    "baseline_name": "p50 of the same requests",
+                    "baseline": m["p50_ms"],
+                    "ratio": m["p99_over_p50"],
+                    "goal": "<= 2" if key == "mixed_buckets" else "(reference)",
+                }
+            )
+    return rows
 
 
 if __name__ == "__main__":
