@@ -161,7 +161,7 @@ def summary_rows(results: dict) -> list[dict]:
                         "baseline_name": "jax.jit(f)(params, x)",
                         "baseline": r["jit_us"],
                         "ratio": r[f"ratio_{key}"],
-                        "goal": "<= 1.3" if (n == "1" and key == "pyfunc") else "",
+                        "goal": "<= 1.3" if (str(n) == "1" and key == "pyfunc") else "",
                     }
                 )
     return rows
