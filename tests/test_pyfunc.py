@@ -325,3 +325,50 @@ def _site_without_package() -> str:
         "sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()\n"
         "                 and 'jaxexp' not in repr(f).lower()]\n"
     )
+
+
+# -- other MLflow consumers ---------------------------------------------------------------------
+
+
+def test_mlflow_models_predict_cli_and_api(two_dir, tmp_path):
+    path, params = two_dir
+    ex = two_input_example(5)
+    want = two_input_fn(params, ex)
+    body = {"inputs": {"x": ex["x"].tolist(), "ids": ex["ids"].tolist()}}
+    (tmp_path / "in.json").write_text(json.dumps(body))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "models",
+            "predict",
+            "-m",
+            str(path),
+            "-i",
+            str(tmp_path / "in.json"),
+            "-t",
+            "json",
+            "-o",
+            str(tmp_path / "out.json"),
+            "--env-manager",
+            "local",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    got = json.loads((tmp_path / "out.json").read_text())["predictions"]
+    np.testing.assert_allclose(np.asarray(got["logits"]), want["logits"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got["score"]), want["score"], rtol=1e-5, atol=1e-5)
+
+    # mlflow.models.predict: the programmatic form of the same command
+    out_file = tmp_path / "api.json"
+    mlflow.models.predict(
+        model_uri=str(path), input_data=ex, env_manager="local", output_path=str(out_file)
+    )
+    got = json.loads(out_file.read_text())["predictions"]
+    np.testing.assert_allclose(np.asarray(got["logits"]), want["logits"], rtol=1e-5, atol=1e-6)
