@@ -1,11 +1,18 @@
-"""Log to and load from a real remote tracking server (`mlflow server`, artifacts proxied)."""
+"""Log to and load from a real remote tracking server (`mlflow server`, artifacts proxied).
+
+The server runs with a sqlite backend and, where PostgreSQL 15 is installed (Debian's
+postgresql-15: the tests start their own cluster in a temp dir), with a PostgreSQL backend
+reached through psycopg 3.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,10 +31,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def _as_postgres(*cmd: str) -> list[str]:
+    """Run a PostgreSQL tool as the ``postgres`` user when we are root (initdb refuses root)."""
+    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else list(cmd)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A real ``mlflow server`` on 127.0.0.1 with a sqlite backend and proxied artifacts."""
+def postgres(tmp_path_factory):
+    """A throwaway PostgreSQL cluster on 127.0.0.1; yields its SQLAlchemy URI."""
+    pytest.importorskip("psycopg")
+    if not (PG_BIN / "initdb").exists() or (os.geteuid() == 0 and not shutil.which("runuser")):
+        pytest.skip("PostgreSQL 15 binaries not installed")
+    # not under pytest's tmp dir: the postgres user cannot enter root's private directories
+    root = Path(tempfile.mkdtemp(prefix="jaxexp-pg-"))
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres")
+    data, port = root / "data", _free_port()
+    run = lambda *c: subprocess.run(_as_postgres(*c), check=True, capture_output=True)  # noqa: E731
+    run(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "mlflow")
+    run(
+        str(PG_BIN / "pg_ctl"),
+        "-D",
+        str(data),
+        "-l",
+        str(root / "log"),
+        "-w",
+        "start",
+        "-o",
+        f"-k {root} -p {port} -c listen_addresses=127.0.0.1",
+    )
+    try:
+        run(str(PG_BIN / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "mlflow", "mlflow")
+        yield f"postgresql+psycopg://mlflow@127.0.0.1:{port}/mlflow"
+    finally:
+        run(str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def server(request, tmp_path_factory):
+    """A real ``mlflow server`` on 127.0.0.1 with a sqlite or PostgreSQL backend and proxied
+    artifacts."""
     root = tmp_path_factory.mktemp("server")
+    backend = (
+        f"sqlite:///{root / 'db.sqlite'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("postgres")
+    )
     port = _free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -42,7 +95,7 @@ def server(tmp_path_factory):
             "--port",
             str(port),
             "--backend-store-uri",
-            f"sqlite:///{root / 'db.sqlite'}",
+            backend,
             "--artifacts-destination",
             str(root / "artifacts"),
             "--workers",
