@@ -21,9 +21,11 @@ class JaxRunContextProvider:
     """
 
     def in_context(self) -> bool:
+        """Active only in processes that have already imported jax."""
         return "jax" in sys.modules
 
     def tags(self) -> dict[str, str]:
+        """JAX versions, and backend and devices once a backend is running."""
         jax = sys.modules.get("jax")
         if jax is None:
             return {}

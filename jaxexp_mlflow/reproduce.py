@@ -29,6 +29,7 @@ class OutputCheck:
     passed: bool
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (for ``jaxexp verify --json``)."""
         return asdict(self)
 
 

@@ -53,6 +53,7 @@ class Budget:
         self.left = limit
 
     def spend(self, n: int, path: str) -> None:
+        """Charge ``n`` units to the visit budget; raise when a blob asks for too much work."""
         self.left -= n
         if self.left < 0:
             raise BlobFormatError(
@@ -115,18 +116,22 @@ class Table:
         return self.pos + fo
 
     def u8(self, slot: int, name: str, default: int = 0) -> int:
+        """Scalar field ``slot`` as uint8 (``default`` when absent)."""
         p = self._field(slot, 1, name)
         return _U8(self.buf, p)[0] if p else default
 
     def u16(self, slot: int, name: str, default: int = 0) -> int:
+        """Scalar field ``slot`` as uint16 (``default`` when absent)."""
         p = self._field(slot, 2, name)
         return _U16(self.buf, p)[0] if p else default
 
     def i16(self, slot: int, name: str, default: int = 0) -> int:
+        """Scalar field ``slot`` as int16 (``default`` when absent)."""
         p = self._field(slot, 2, name)
         return _I16(self.buf, p)[0] if p else default
 
     def u32(self, slot: int, name: str, default: int = 0) -> int:
+        """Scalar field ``slot`` as uint32 (``default`` when absent)."""
         p = self._field(slot, 4, name)
         return _U32(self.buf, p)[0] if p else default
 
@@ -143,6 +148,7 @@ class Table:
         return t
 
     def table(self, slot: int, name: str) -> Table | None:
+        """Sub-table at field ``slot``, bounds-checked, or None when absent."""
         t = self._target(slot, name)
         return Table(self.buf, t, f"{self.path}.{name}", self.budget) if t else None
 
@@ -161,21 +167,25 @@ class Table:
         return start, count
 
     def vector_len(self, slot: int, name: str, elem_size: int = 4) -> int:
+        """Length of the vector at ``slot``, checked against the bytes left."""
         return self._vector(slot, name, elem_size)[1]
 
     def string(self, slot: int, name: str) -> str | None:
+        """UTF-8 string at ``slot`` (BlobFormatError if not UTF-8), or None."""
         t = self._target(slot, name)
         if not t:
             return None
         return _string_at(self.buf, t, f"{self.path}.{name}")
 
     def bytes_(self, slot: int, name: str) -> bytes | None:
+        """Raw byte vector at ``slot``, or None when absent."""
         start, count = self._vector(slot, name, 1)
         if not start:
             return None
         return bytes(self.buf[start : start + count])
 
     def ints(self, slot: int, name: str, size: int) -> tuple[int, ...]:
+        """Vector of ``size``-byte integers at ``slot``."""
         start, count = self._vector(slot, name, size)
         if not count:
             return ()
@@ -184,6 +194,7 @@ class Table:
         return struct.unpack_from(f"<{count}{fmt}", self.buf, start)
 
     def tables(self, slot: int, name: str) -> list[Table]:
+        """Vector of sub-tables at ``slot``."""
         start, count = self._vector(slot, name, 4)
         if not count:
             return []
@@ -202,6 +213,7 @@ class Table:
         return out
 
     def strings(self, slot: int, name: str) -> tuple[str, ...]:
+        """Vector of strings at ``slot``."""
         start, count = self._vector(slot, name, 4)
         if not count:
             return ()

@@ -37,10 +37,12 @@ class BucketPolicy:
 
     @property
     def enabled(self) -> bool:
+        """Whether batches are padded to buckets at all."""
         return bool(self.sizes)
 
     @property
     def largest(self) -> int:
+        """The largest bucket: bigger batches run in chunks of this size."""
         return self.sizes[-1]
 
     def bucket_for(self, n: int) -> int:
