@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,27 @@ def load_case(path: Path) -> tuple[dict, list[np.ndarray], list[np.ndarray]]:
             return out
 
     return meta, read("inputs.npz", meta["inputs"]), read("outputs.npz", meta["outputs"])
+
+
+def run_on_devices(code: str, n_devices: int, *args: str) -> dict:
+    """Run ``code`` in a fresh interpreter that sees ``n_devices`` CPU devices (XLA_FLAGS) and
+    return the JSON of its last ``RESULT <json>`` line."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}",
+        "PYTHONPATH": str(REPO),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.fixture(autouse=True, scope="session")

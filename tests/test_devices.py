@@ -8,10 +8,6 @@ cost once.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -23,7 +19,7 @@ import pytest
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import devices
-from tests.conftest import CORPUS, corpus_cases
+from tests.conftest import CORPUS, corpus_cases, run_on_devices
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,22 +125,7 @@ WORKER = textwrap.dedent(
 
 
 def run_worker(n_devices: int, *tasks: str) -> dict:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}",
-        "PYTHONPATH": str(REPO),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER, *tasks],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    res = json.loads(lines[-1][len("RESULT ") :])
+    res = run_on_devices(WORKER, n_devices, *tasks)
     assert res["n_devices"] == n_devices
     for task in tasks:
         assert "error" not in res[task], res[task]["error"]

@@ -7,10 +7,7 @@ longer has: refresh must refuse it, and log nothing.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import pytest
 
 import jaxexp_mlflow
 from jaxexp_mlflow.reexport import RefreshError
-from tests.conftest import CORPUS, case_id, corpus_cases, load_case
+from tests.conftest import CORPUS, case_id, corpus_cases, load_case, run_on_devices
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -206,22 +203,7 @@ def test_refresh_sharded_corpus_cases_on_4_devices():
     versions = sorted({c.parent.name.removeprefix("jax-") for c in corpus_cases()})
     if not versions:
         pytest.skip("corpus not available")
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "PYTHONPATH": str(REPO),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", SHARDED_WORKER, *versions],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    res = json.loads(lines[-1][len("RESULT ") :])
+    res = run_on_devices(SHARDED_WORKER, 4, *versions)
     for v in versions:
         r = res[v]
         assert r["match"] and r["nr_devices"] == 4 and r["source_uri"], (v, r)

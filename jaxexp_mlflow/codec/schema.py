@@ -193,8 +193,8 @@ class Table:
         fmt = {1: "B", 2: "H", 4: "I"}[size]
         return struct.unpack_from(f"<{count}{fmt}", self.buf, start)
 
-    def tables(self, slot: int, name: str) -> list[Table]:
-        """Vector of sub-tables at ``slot``."""
+    def _targets(self, slot: int, name: str) -> list[tuple[int, str]]:
+        """Absolute offsets (and paths) of the elements of a vector of offsets, bounds-checked."""
         start, count = self._vector(slot, name, 4)
         if not count:
             return []
@@ -209,27 +209,16 @@ class Table:
                 raise BlobFormatError(
                     f"{path}[{i}]: offset points to {t}, outside the {n}-byte buffer"
                 )
-            out.append(Table(buf, t, f"{path}[{i}]", self.budget))
+            out.append((t, f"{path}[{i}]"))
         return out
+
+    def tables(self, slot: int, name: str) -> list[Table]:
+        """Vector of sub-tables at ``slot``."""
+        return [Table(self.buf, t, path, self.budget) for t, path in self._targets(slot, name)]
 
     def strings(self, slot: int, name: str) -> tuple[str, ...]:
         """Vector of strings at ``slot``."""
-        start, count = self._vector(slot, name, 4)
-        if not count:
-            return ()
-        path = f"{self.path}.{name}"
-        self.budget.spend(count, path)
-        buf, n = self.buf, self.n
-        out = []
-        for i in range(count):
-            p = start + 4 * i
-            t = p + _U32(buf, p)[0]
-            if t + 4 > n:
-                raise BlobFormatError(
-                    f"{path}[{i}]: offset points to {t}, outside the {n}-byte buffer"
-                )
-            out.append(_string_at(buf, t, f"{path}[{i}]"))
-        return tuple(out)
+        return tuple(_string_at(self.buf, t, path) for t, path in self._targets(slot, name))
 
 
 def _string_at(buf: bytes, t: int, path: str) -> str:
