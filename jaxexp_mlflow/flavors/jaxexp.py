@@ -122,11 +122,10 @@ def save_model(
     jaxexp-mlflow.
     """
     from jaxexp_mlflow.flavors import saving
+    from jaxexp_mlflow.flavors import signature as sig
 
     if "_jax_params" in kwargs:  # from log_model: Model.log keeps ``params`` for MLflow's own
         params = kwargs.pop("_jax_params")
-    from jaxexp_mlflow.flavors import signature as sig
-
     kwargs.pop("validate_serving_input", None)  # Model.log's own option, passed along to us
     _validate_env_arguments(conda_env, pip_requirements, extra_pip_requirements)
     path = os.fspath(path)
