@@ -228,36 +228,43 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary_rows(summary: dict) -> list[dict]:
     """The figure/baseline/ratio/goal rows the suite runner (run_all.py) prints."""
-    s = summary
+
+    def row(figure: str, key: str, base_name: str, base: str, field: str, goal: str) -> dict:
+        value, baseline = summary[key][field], summary[base][field]
+        return {
+            "figure": figure,
+            "value": round(value, 3),
+            "baseline_name": base_name,
+            "baseline": round(baseline, 3),
+            "ratio": round(value / baseline, 3),
+            "goal": goal,
+        }
+
     return [
-        {
-            "figure": "flavor load -> first prediction, warm compilation cache (s)",
-            "value": round(s["flavor/warm"]["load_to_first_s"], 3),
-            "baseline_name": "same, cold cache",
-            "baseline": round(s["flavor/cold"]["load_to_first_s"], 3),
-            "ratio": round(
-                s["flavor/warm"]["load_to_first_s"] / s["flavor/cold"]["load_to_first_s"], 3
-            ),
-            "goal": "< 1 (the cache helps)",
-        },
-        {
-            "figure": "flavor load -> first prediction, cold cache (s)",
-            "value": round(s["flavor/cold"]["load_to_first_s"], 3),
-            "baseline_name": "raw jax: deserialize + jit + first call, cold",
-            "baseline": round(s["raw/cold"]["load_to_first_s"], 3),
-            "ratio": round(
-                s["flavor/cold"]["load_to_first_s"] / s["raw/cold"]["load_to_first_s"], 3
-            ),
-            "goal": "(reference)",
-        },
-        {
-            "figure": "fresh process to first prediction, flavor, warm cache (s)",
-            "value": round(s["flavor/warm"]["process_s"], 3),
-            "baseline_name": "raw jax process, warm cache",
-            "baseline": round(s["raw/warm"]["process_s"], 3),
-            "ratio": round(s["flavor/warm"]["process_s"] / s["raw/warm"]["process_s"], 3),
-            "goal": "(imports: mlflow ~1-2 s)",
-        },
+        row(
+            "flavor load -> first prediction, warm compilation cache (s)",
+            "flavor/warm",
+            "same, cold cache",
+            "flavor/cold",
+            "load_to_first_s",
+            "< 1 (the cache helps)",
+        ),
+        row(
+            "flavor load -> first prediction, cold cache (s)",
+            "flavor/cold",
+            "raw jax: deserialize + jit + first call, cold",
+            "raw/cold",
+            "load_to_first_s",
+            "(reference)",
+        ),
+        row(
+            "fresh process to first prediction, flavor, warm cache (s)",
+            "flavor/warm",
+            "raw jax process, warm cache",
+            "raw/warm",
+            "process_s",
+            "(imports: mlflow ~1-2 s)",
+        ),
     ]
 
 

@@ -164,7 +164,7 @@ def refresh(
         )
 
     exported = blob.deserialize_checked(
-        data, source=source, node_types=meta.get("pytree_node_types")
+        data, source=source, node_types=meta.get("pytree_node_types"), description=description
     )
     plan_opts = {k: options[k] for k in ("allow_other_platform", "devices") if k in options}
     placement = devices.plan(exported, **plan_opts)

@@ -29,7 +29,7 @@ def load(target: Target, *, allow_incompatible: bool = False, **options: Any) ->
                 allow_other_platform=bool(options.get("allow_other_platform")),
             )
             enforce(verdict, allow_incompatible=allow_incompatible)
-            exported = deserialize_checked(data, source=source)
+            exported = deserialize_checked(data, source=source, description=desc)
             placement = devices.plan(exported, **options)
         return JaxExpModel(placement.exported, None, {}, placement=placement)
     from mlflow.utils.model_utils import _add_code_from_conf_to_system_path

@@ -1,8 +1,8 @@
 """The serialized ``jax.export`` blob: write it, and hand it to JAX only once it is proven sound.
 
 ``jax.export.deserialize`` trusts its input (a corrupted flatbuffer can crash the process), so
-``deserialize_checked`` verifies the recorded sha256 and parses the blob with the jax-free reader
-first, and turns any failure into an ``ArtifactError`` that says what to do.
+``verify_checksum`` checks the recorded sha256 and ``deserialize_checked`` parses the blob with
+the jax-free reader first, and turns any failure into an ``ArtifactError`` that says what to do.
 """
 
 from __future__ import annotations
@@ -45,18 +45,18 @@ def describe(data: bytes | bytearray | memoryview, *, source: str = "blob") -> A
 def deserialize_checked(
     data: bytes | bytearray | memoryview,
     *,
-    expected_sha256: str | None = None,
     source: str = "blob",
     node_types: list[str] | None = None,
+    description: Any = None,
 ) -> Any:
-    """Verify then deserialize a blob into a ``jax.export.Exported``.
+    """Parse-check then deserialize a blob into a ``jax.export.Exported``.
 
-    ``node_types`` are the custom pytree node names recorded at save time; they are registered
-    before JAX sees the blob.
+    ``description`` is the reader's result when the caller has already parsed the blob (it is
+    not parsed twice). ``node_types`` are the custom pytree node names recorded at save time;
+    they are registered before JAX sees the blob.
     """
-    if expected_sha256 is not None:
-        verify_checksum(data, expected_sha256, source=source)
-    describe(data, source=source)
+    if description is None:
+        describe(data, source=source)
 
     import jax
     import jax.export

@@ -45,7 +45,7 @@ def resolve_exported(
     if isinstance(exported, bytes | bytearray | memoryview):
         data = bytes(exported)
         description = blob_codec.describe(data, source="the given blob")
-        exp = blob_codec.deserialize_checked(data, source="the given blob")
+        exp = blob_codec.deserialize_checked(data, source="the given blob", description=description)
         depth = description.vjp_order
         if vjp_order > depth:
             raise UnsupportedModelError(

@@ -54,7 +54,7 @@ def load_directory(
     )
     enforce(verdict, allow_incompatible=allow_incompatible)
     exported = blob.deserialize_checked(
-        data, source=source, node_types=meta.get("pytree_node_types")
+        data, source=source, node_types=meta.get("pytree_node_types"), description=description
     )
     placement = devices.plan(exported, **options)
     params = None
