@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from click.testing import CliRunner
 
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.hooks import TrainingHook
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,9 +197,7 @@ WORKER = textwrap.dedent(
 
 
 def test_only_process_0_logs_in_a_multi_process_job(tmp_path):
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = clean_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mp.db'}", JAX_PLATFORMS="cpu")
     args = [f"localhost:{port}", None, str(tmp_path / "ckpt")]
     procs = [

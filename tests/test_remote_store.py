@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,14 +21,8 @@ import pytest
 import requests
 
 import jaxexp_mlflow  # noqa: F401
+from tests.conftest import free_port
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -49,7 +42,7 @@ def postgres(tmp_path_factory):
     root = Path(tempfile.mkdtemp(prefix="jaxexp-pg-"))
     if os.geteuid() == 0:
         shutil.chown(root, "postgres")
-    data, port = root / "data", _free_port()
+    data, port = root / "data", free_port()
     run = lambda *c: subprocess.run(_as_postgres(*c), check=True, capture_output=True)  # noqa: E731
     run(str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "mlflow")
     run(
@@ -81,7 +74,7 @@ def server(request, tmp_path_factory):
         if request.param == "sqlite"
         else request.getfixturevalue("postgres")
     )
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.Popen(

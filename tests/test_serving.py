@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 import requests
 
 import jaxexp_mlflow  # noqa: F401
+from tests.conftest import free_port
 from tests.models import mlp_params
 from tests.test_pyfunc import two_input_example, two_input_fn
 
@@ -26,12 +26,6 @@ VENV_BIN = str(Path(sys.executable).parent)
 MAX_BODY = 256 * 1024  # the model's max_request_bytes, to test the 413 cheaply
 RSS_GROWTH_BOUND_MB = 64
 SERVE_CONFIG = {"buckets": [1, 2, 4, 8, 16, 32, 64], "max_request_bytes": MAX_BODY}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_ping(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
