@@ -62,6 +62,9 @@ class MlirModuleInfo:
     producer: str | None
     custom_call_targets: tuple[str, ...] | None
     error: str | None
+    #: ``(target, operand count, result count)`` of every custom call (sorted, unique): the
+    #: kernel ABI the module was written against (a changed operand count fails at execution).
+    custom_calls: tuple[tuple[str, int, int], ...] | None = None
 
 
 class _Reader:
@@ -158,7 +161,8 @@ def scan_module(data: bytes) -> MlirModuleInfo:
     except MlirBytecodeError as e:
         return MlirModuleInfo(None, None, None, str(e))
     try:
-        targets = _Scanner(data, version, r).custom_call_targets()
+        scanner = _Scanner(data, version, r)
+        targets = scanner.custom_call_targets()
     except MlirBytecodeError as e:
         return MlirModuleInfo(version, producer, None, str(e))
     except IndexError:
@@ -167,7 +171,7 @@ def scan_module(data: bytes) -> MlirModuleInfo:
         # Defensive: the module is an opaque payload for jax.export too; whatever is wrong in
         # it must not make the blob unreadable. Reported, never raised.
         return MlirModuleInfo(version, producer, None, f"unreadable module ({e!r})")
-    return MlirModuleInfo(version, producer, targets, None)
+    return MlirModuleInfo(version, producer, targets, None, tuple(sorted(set(scanner.calls))))
 
 
 class _Scanner:
@@ -198,7 +202,9 @@ class _Scanner:
         self.custom_call_ids = {
             i for i, (d, name, _) in enumerate(self.op_names) if (d, name) in _CUSTOM_CALL_OPS
         }
-        self.found: list[tuple[int | None, int | None, bool]] = []  # (attr dict, props, reg.)
+        # (attr dict, props, registered, operand count, result count) of each custom call
+        self.found: list[tuple[int | None, int | None, bool, int, int]] = []
+        self.calls: list[tuple[str, int, int]] = []
         self.ops_left = self.ir.left()  # every op takes >= 3 bytes: a hard bound on the walk
 
     # -- tables ---------------------------------------------------------------------------
@@ -404,6 +410,7 @@ class _Scanner:
             if num_results > e - p:
                 raise MlirBytecodeError(f"op claims {num_results} results in {e - p} bytes")
             p = _skip_varints(b, p, num_results)
+        num_operands = 0
         for bit in (_HAS_OPERANDS, _HAS_SUCCESSORS):
             if mask & bit:
                 c = b[p]
@@ -414,10 +421,13 @@ class _Scanner:
                 if n > e - p:
                     raise MlirBytecodeError(f"op claims {n} operands/successors in {e - p} bytes")
                 p = _skip_varints(b, p, n)
+                if bit == _HAS_OPERANDS:
+                    num_operands = n
         if self.version >= _V_USE_LIST_ORDERING and mask & _HAS_USE_LIST_ORDERS:
             p = self._walk_use_list(b, p, e, num_results)
         if name_idx in self.custom_call_ids:
-            self.found.append((attr_dict, props, bool(self.op_names[name_idx][2])))
+            registered = bool(self.op_names[name_idx][2])
+            self.found.append((attr_dict, props, registered, num_operands, num_results))
         if mask & _HAS_INLINE_REGIONS:
             v, p = _varint(b, p)
             num_regions, isolated = v >> 1, v & 1
@@ -492,13 +502,15 @@ class _Scanner:
         if p != ir.e:
             raise MlirBytecodeError("IR section has trailing data after the top-level block")
         targets = set()
-        for attr_dict, props, registered in self.found:
+        for attr_dict, props, registered, n_operands, n_results in self.found:
             if props is not None and registered:
-                targets.add(self._target_from_props(props))
+                target = self._target_from_props(props)
             elif attr_dict is not None:
-                targets.add(self._target_from_dict(attr_dict))
+                target = self._target_from_dict(attr_dict)
             else:
                 raise MlirBytecodeError("custom-call op has neither properties nor attributes")
+            targets.add(target)
+            self.calls.append((target, n_operands, n_results))
         return tuple(sorted(targets))
 
 

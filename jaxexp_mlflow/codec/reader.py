@@ -163,6 +163,8 @@ class BlobDescription:
     module_size: int = 0
     module_error: str | None = None
     unknown_fields: tuple[int, ...] = field(default=())
+    #: ``(target, operand count, result count)`` of each custom call, or None (unreadable).
+    custom_calls: tuple[tuple[str, int, int], ...] | None = None
 
     def in_tree_str(self) -> str:
         """``in_tree`` as JAX prints it."""
@@ -225,6 +227,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> BlobDescription:
         mlir_bytecode_version=info.bytecode_version,
         module_size=len(module),
         module_error=info.error,
+        custom_calls=info.custom_calls,
         size=len(buf),
         sha256=hashlib.sha256(buf).hexdigest(),
     )

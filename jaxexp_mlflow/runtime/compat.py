@@ -15,6 +15,13 @@ description from the jax-free reader) and a snapshot of the running environment
 ``window_forward``      exporter's jaxlib built more than 3 weeks after the running one
 ``jaxlib_unknown``      a jaxlib version the shipped release table does not know
 ``custom_calls``        custom-call targets of the module the running jaxlib does not register
+``kernel_abi``          a registered kernel called with a signature (operand/result count) the
+                        running jax no longer runs (it fails at execution)
+
+Kernel signatures and what each jax release runs come from ``jaxexp_mlflow/data/kernel_abi.json``,
+derived from the history of JAX's own back-compat test data (regenerate with
+``scripts/update_kernel_abi.py``); the same table records whether a release enforces its stated
+calling-convention range when reading (none does so far: an older convention only warns).
 
 JAX's promise (https://docs.jax.dev/en/latest/export/export.html#compatibility-guarantees) is
 stated between the *build dates* of the exporting and the consuming jaxlib; the dates come from
@@ -167,6 +174,45 @@ def release_table() -> dict[str, Any]:
     """The shipped jaxlib release table (package data), parsed once."""
     text = resources.files("jaxexp_mlflow").joinpath("data/jaxlib_releases.json").read_text()
     return json.loads(text)
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_abi_table() -> dict[str, Any]:
+    """The shipped kernel-signature table (package data), parsed once."""
+    text = resources.files("jaxexp_mlflow").joinpath("data/kernel_abi.json").read_text()
+    return json.loads(text)
+
+
+def _table_release(jax_version: str | None) -> str | None:
+    """The release of the kernel table that stands for ``jax_version``: the newest one not
+    newer than it (a jax newer than the table is judged as the newest release known)."""
+    if not jax_version:
+        return None
+    key = _vkey(jax_version)
+    known = [v for v in kernel_abi_table()["releases"] if _vkey(v) <= key]
+    return max(known, key=_vkey) if known else None
+
+
+def _in_ranges(version: str, ranges: Sequence[Sequence[str]]) -> bool:
+    key = _vkey(version)
+    return any(_vkey(a) <= key <= _vkey(b) for a, b in ranges)
+
+
+def kernel_signatures(target: str, jax_version: str | None) -> list[dict[str, Any]] | None:
+    """The signatures of ``target`` JAX's archive shows, each with ``runs`` (whether the release
+    standing for ``jax_version`` still runs it); None if the table does not know the target."""
+    rows = kernel_abi_table()["targets"].get(target)
+    release = _table_release(jax_version)
+    if rows is None or release is None:
+        return None
+    return [{**r, "runs": _in_ranges(release, r["releases"])} for r in rows]
+
+
+def calling_convention_enforced(jax_version: str | None) -> bool | None:
+    """Whether that jax refuses, when reading, a convention outside its stated range."""
+    release = _table_release(jax_version)
+    facts = kernel_abi_table()["calling_conventions"].get(release or "")
+    return None if facts is None else bool(facts["enforced_on_read"])
 
 
 def _vkey(version: str) -> tuple[int, ...]:
@@ -486,15 +532,33 @@ def assess(
         lo, hi = env.calling_convention_range
         cc = int(cc)
         if cc < lo:
-            add(
-                "calling_convention",
-                INCOMPATIBLE,
-                f"The blob uses calling convention {cc}; jax {env.jax_version} reads "
-                f"{lo}..{hi} only (it dropped support for {cc}).",
-                "Load it with an older jax that still reads it"
-                + (f" (the exporter's jax {exporter_jax})" if exporter_jax else "")
-                + " and refresh it there (jaxexp_mlflow.refresh / `jaxexp refresh`).",
-            )
+            enforced = calling_convention_enforced(env.jax_version)
+            effects = list(getattr(description, "ordered_effects", ()) or ())
+            if enforced is False and not (effects and cc < 9):
+                add(
+                    "calling_convention",
+                    WARN,
+                    f"The blob uses calling convention {cc}; jax {env.jax_version} states it "
+                    f"reads {lo}..{hi}, but it does not check this when reading and still runs "
+                    "older conventions (as JAX's archived modules show). A later jax may stop.",
+                    "Refresh it now while this jax runs it (jaxexp_mlflow.refresh / `jaxexp "
+                    f"refresh`): the refreshed blob uses calling convention {hi}.",
+                )
+            else:
+                why = (
+                    f"its ordered effects {effects} are passed differently before convention 9"
+                    if effects and cc < 9
+                    else f"it dropped support for {cc}"
+                )
+                add(
+                    "calling_convention",
+                    INCOMPATIBLE,
+                    f"The blob uses calling convention {cc}; jax {env.jax_version} reads "
+                    f"{lo}..{hi} only ({why}).",
+                    "Load it with an older jax that still reads it"
+                    + (f" (the exporter's jax {exporter_jax})" if exporter_jax else "")
+                    + " and refresh it there (jaxexp_mlflow.refresh / `jaxexp refresh`).",
+                )
         elif cc > hi:
             add(
                 "calling_convention",
@@ -522,8 +586,9 @@ def assess(
     # build-date window
     exporter = _window(meta, description, env, add)
 
-    # custom calls
+    # custom calls: registered at all, then with the signature the module calls them with
     _custom_calls(_targets(meta, description), run_platform, env, meta, exporter, add)
+    _kernel_abi(meta, description, run_platform, env, exporter, add)
 
     status = max((r.severity for r in reasons), key=_RANK.__getitem__, default=OK)
     return Verdict(status, tuple(reasons), env.to_dict(), exporter)
@@ -695,3 +760,89 @@ def _custom_calls(
         f"not register on {platform}; calling it would fail with NOT_FOUND.",
         action,
     )
+
+
+def _calls(meta: Mapping[str, Any], description: Any) -> list[tuple[str, int, int]] | None:
+    calls = getattr(description, "custom_calls", None)
+    if calls is None:
+        calls = meta.get("custom_calls")
+    return None if calls is None else [(str(t), int(o), int(r)) for t, o, r in calls]
+
+
+def _kernel_abi(
+    meta: Mapping[str, Any],
+    description: Any,
+    platform: str | None,
+    env: Environment,
+    exporter: dict,
+    add: Any,
+) -> None:
+    """Registered kernels called with a signature the running jax no longer runs.
+
+    With the module's own calls (operand/result counts read from the bytecode) the signature is
+    compared directly; without them, a module whose exporter predates every signature this jax
+    runs is judged from its build date.
+    """
+    if env.jax_version is None or platform is None:
+        return
+    registered = env.custom_call_targets
+    calls = _calls(meta, description)
+    if calls is None:
+        latest = exporter.get("build_date_latest")
+        targets = _targets(meta, description) or []
+        calls = [(t, -1, -1) for t in targets]
+    else:
+        latest = None
+    seen: set[str] = set()
+    for target, n_ops, n_res in sorted(calls):
+        if _is_builtin(target) or (registered is not None and target not in registered):
+            continue  # builtins are variadic; unregistered targets are reported by custom_calls
+        owner = target_platform(target)
+        if (
+            owner is not None
+            and owner != platform
+            and not (owner == "gpu" and platform in {"cuda", "rocm"})
+        ):
+            continue
+        sigs = kernel_signatures(target, env.jax_version)
+        running = [s for s in (sigs or []) if s["runs"]]
+        if not running or target in seen:
+            continue
+        if n_ops >= 0:
+            if any((s["operands"], s["results"]) == (n_ops, n_res) for s in running):
+                continue
+            old = [s for s in sigs if (s["operands"], s["results"]) == (n_ops, n_res)]
+            called = f"with {n_ops} operand(s) and {n_res} result(s)"
+        else:
+            first = min(dt.date.fromisoformat(s["written"]) for s in running if s["written"])
+            if latest is None or dt.date.fromisoformat(latest) >= first:
+                continue
+            old = [s for s in sigs if not s["runs"]]
+            called = f"as a jaxlib built on or before {latest} wrote it"
+        seen.add(target)
+        now = ", ".join(
+            f"{s['operands']} operand(s)/{s['results']} result(s) (written {s['written']}, "
+            f"since jax {s['jax_from']})"
+            for s in running
+        )
+        history = ""
+        last_ok = None
+        if old:
+            last_ok = max((s["jax_until"] for s in old), key=_vkey)
+            history = (
+                f"; that signature was written {old[0]['written']} and last run by jax {last_ok}"
+            )
+        add(
+            "kernel_abi",
+            INCOMPATIBLE,
+            f"The module calls kernel {target} {called}{history}; the kernel in jax "
+            f"{env.jax_version} takes {now}: calling it would fail at execution "
+            "(INVALID_ARGUMENT: wrong number of arguments).",
+            (
+                f"Run it with jax/jaxlib {last_ok}, which still runs this signature; "
+                if last_ok
+                else "Run it with a jaxlib of the exporter's era; "
+            )
+            + "to move to this jaxlib, export the function again from its Python source "
+            "(a refresh keeps the old kernel call).",
+        )
