@@ -6,6 +6,9 @@ while this JAX still reads it, wraps ``Exported.call`` in a new ``jax.export.exp
 platforms, shardings, symbolic shapes, vjp order and disabled safety checks), checks that the
 refreshed function reproduces the model's stored reference outputs, and logs the result (same
 params checkpoint, signature and reference input) as a new model with tags pointing at its source.
+A model without a reference (a bare blob saved as bytes) is proved on synthetic probes instead
+(``probes.py``: the old and the refreshed blob on inputs made from the avals), and the refreshed
+model says so in its tags (``jaxexp.refresh.proof``, ``jaxexp.refresh.synthetic_probes``).
 
 The module inside is the old one, inlined: a refresh renews the serialization, not the kernels.
 A blob that calls custom-call targets this jaxlib no longer registers (LAPACK kernels of
@@ -82,7 +85,7 @@ def _judge(meta: dict, description: Any, model_uri: str, options: dict) -> compa
     if blocking:
         why = "\n- ".join(str(r) for r in blocking)
         extra = ""
-        if any(r.code == "custom_calls" for r in blocking):
+        if any(r.code in ("custom_calls", "kernel_abi") for r in blocking):
             extra = (
                 "\nA refresh re-serializes the same module, so it would keep calling these "
                 "kernels: it cannot fix this. Export the function again from its Python source "
@@ -95,6 +98,20 @@ def _judge(meta: dict, description: Any, model_uri: str, options: dict) -> compa
     return verdict
 
 
+def _bind(exported: Any, local: Path, meta: dict, placement: Any) -> Any:
+    """A ``JaxExpModel`` of ``exported`` with the model's params restored for ``placement``."""
+    from jaxexp_mlflow import artifact
+    from jaxexp_mlflow.runtime.model import JaxExpModel
+
+    params = None
+    if meta.get("params"):
+        from jaxexp_mlflow.codec.params import restore_params
+
+        target = artifact.params_target(exported, placement.in_shardings)
+        params = restore_params(Path(local, meta["params"]), target=target)
+    return JaxExpModel(exported, params, meta, placement=placement)
+
+
 def _check(
     new_exp: Any,
     local: Path,
@@ -104,17 +121,39 @@ def _check(
     rtol: float | None,
     atol: float | None,
 ) -> list[Any]:
-    from jaxexp_mlflow import artifact, reproduce
-    from jaxexp_mlflow.runtime.model import JaxExpModel
+    from jaxexp_mlflow import reproduce
 
-    params = None
-    if meta.get("params"):
-        from jaxexp_mlflow.codec.params import restore_params
-
-        target = artifact.params_target(new_exp, placement.in_shardings)
-        params = restore_params(Path(local, meta["params"]), target=target)
-    model = JaxExpModel(new_exp, params, meta, placement=placement)
+    model = _bind(new_exp, local, meta, placement)
     return reproduce.verify_directory(model, local, rtol=rtol, atol=atol)
+
+
+def _check_on_probes(
+    old: Any, new: Any, *, rtol: float | None, atol: float | None
+) -> tuple[list[Any], list[Any]]:
+    """Run the old and the refreshed model on synthetic probes; (checks, probes)."""
+    from jaxexp_mlflow import probes, reproduce
+
+    n = old._n_param_leaves
+    avals = list(old.exported.in_avals)[n:]
+
+    def both(leaves: list) -> list[Any]:
+        want = probes.call_flat(old, leaves)
+        got = probes.call_flat(new, leaves)
+        return reproduce.compare_outputs(got, want, rtol=rtol, atol=atol)
+
+    runs = probes.run_probes(avals, both)
+    checks = [c for _, cs in runs for c in cs]
+    return checks, [p for p, _ in runs]
+
+
+def _proof(meta: dict, probes_used: list[Any]) -> str:
+    """What the before/after comparison ran on (the ``jaxexp.refresh.proof`` tag)."""
+    if probes_used:
+        shapes = " | ".join(p.describe() for p in probes_used)
+        return f"{len(probes_used)} synthetic probes, old vs refreshed blob ({shapes})"
+    if meta.get("reference_synthetic"):
+        return "stored synthetic reference (made at save time from a probe)"
+    return "stored reference input/outputs"
 
 
 def refresh(
@@ -129,7 +168,8 @@ def refresh(
 ) -> Any:
     """Re-export the jaxexp model at ``model_uri`` with the running JAX; log it as a new model.
 
-    The refreshed model must reproduce the source's stored reference outputs (per-dtype
+    The refreshed model must reproduce the source's stored reference outputs (or, without a
+    reference, the old blob's outputs on synthetic probes) (per-dtype
     tolerances, or ``rtol``/``atol``) before anything is logged; otherwise ``RefreshError``.
     It is logged under ``name`` in run ``run_id`` (default: the active run, else a new run), with
     the source's params checkpoint, signature and reference input, tagged ``jaxexp.refresh.*``
@@ -156,12 +196,7 @@ def refresh(
     source = str(Path(local, meta.get("exported_file", artifact.EXPORTED_FILE)))
     description = blob.describe(data, source=source)
     verdict = _judge(meta, description, model_uri, options)
-    if not meta.get("reference"):
-        raise RefreshError(
-            f"{model_uri} carries no reference input/outputs (it was logged without "
-            "input_example), so a refresh could not prove the new export computes the same "
-            "thing. Log it again with input_example=..., then refresh that."
-        )
+    synthetic = bool(meta.get("reference_synthetic")) or not meta.get("reference")
 
     exported = blob.deserialize_checked(
         data, source=source, node_types=meta.get("pytree_node_types"), description=description
@@ -177,13 +212,20 @@ def refresh(
             f"({meta.get('jax_version') or 'unknown: a bare blob'})."
         ) from err
     new_placement = devices.plan(new_exp, **plan_opts)
+    probes_used: list[Any] = []
     try:
-        checks = _check(new_exp, local, meta, new_placement, rtol=rtol, atol=atol)
+        if meta.get("reference"):
+            checks = _check(new_exp, local, meta, new_placement, rtol=rtol, atol=atol)
+        else:  # no reference: the old and the new blob on synthetic probes (probes.py)
+            old_model = _bind(exported, local, meta, placement)
+            new_model = _bind(new_exp, local, meta, new_placement)
+            checks, probes_used = _check_on_probes(old_model, new_model, rtol=rtol, atol=atol)
     except ArtifactError:
         raise
     except Exception as err:
+        what = "its reference input" if meta.get("reference") else "synthetic probe inputs"
         raise RefreshError(
-            f"The refreshed export of {model_uri} failed to run its reference input: {err}"
+            f"The refreshed export of {model_uri} failed to run {what}: {err}"
         ) from err
     failed = [c for c in checks if not c.passed]
     if failed:
@@ -198,15 +240,17 @@ def refresh(
             "pass looser rtol=/atol=."
         )
 
-    inputs, _ = artifact.read_reference(local, meta)
-    n_params = int(meta.get("n_param_leaves") or 0)
-    args, kwargs = jax.tree.unflatten(exported.in_tree, [None] * n_params + list(inputs))
-    if kwargs:
-        raise RefreshError(
-            f"{model_uri} takes keyword arguments {sorted(kwargs)}, which a logged input "
-            "example cannot carry; refresh supports positional inputs only."
-        )
-    example = tuple(args[1:] if meta.get("params") else args)
+    example = None  # a synthetic reference is made again by save_model, marked as such
+    if not synthetic:
+        inputs, _ = artifact.read_reference(local, meta)
+        n_params = int(meta.get("n_param_leaves") or 0)
+        args, kwargs = jax.tree.unflatten(exported.in_tree, [None] * n_params + list(inputs))
+        if kwargs:
+            raise RefreshError(
+                f"{model_uri} takes keyword arguments {sorted(kwargs)}, which a logged input "
+                "example cannot carry; refresh supports positional inputs only."
+            )
+        example = tuple(args[1:] if meta.get("params") else args)
     tags = {
         TAG_PREFIX + "source_uri": model_uri,
         TAG_PREFIX + "source_jax_version": str(meta.get("jax_version") or "unknown (bare blob)"),
@@ -216,6 +260,8 @@ def refresh(
         TAG_PREFIX + "jaxlib_version": str(package_version("jaxlib")),
         TAG_PREFIX + "verdict": verdict.status,
         TAG_PREFIX + "max_abs_err": f"{max((c.max_abs_err for c in checks), default=0.0):.3g}",
+        TAG_PREFIX + "proof": _proof(meta, probes_used),
+        TAG_PREFIX + "synthetic_probes": str(synthetic).lower(),
     }
     if getattr(source_model, "model_id", None):
         tags[TAG_PREFIX + "source_model_id"] = source_model.model_id

@@ -68,7 +68,7 @@ def verify_directory(
     model: Any, path: str | os.PathLike, *, rtol: float | None = None, atol: float | None = None
 ) -> list[OutputCheck]:
     """Run ``model`` (a loaded ``JaxExpModel``) on its stored reference input and compare."""
-    import jax
+    from jaxexp_mlflow.probes import call_flat
 
     ref = artifact.read_reference(path, model.metadata)
     if ref is None:
@@ -77,10 +77,5 @@ def verify_directory(
             "input_example), so there is nothing to reproduce. Log it again with input_example=."
         )
     inputs, outputs = ref
-    # the reference holds the inputs after the params: fill the params slots, then drop them
-    leaves = [None] * model._n_param_leaves + list(inputs)
-    args, kwargs = jax.tree.unflatten(model.exported.in_tree, leaves)
-    if model.has_params:
-        args = args[1:]
-    got = jax.tree.leaves(model(*args, **kwargs))
-    return compare_outputs(got, outputs, rtol=rtol, atol=atol)
+    # the reference holds the inputs after the params
+    return compare_outputs(call_flat(model, inputs), outputs, rtol=rtol, atol=atol)

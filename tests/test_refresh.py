@@ -155,10 +155,14 @@ def test_refresh_refuses_when_the_reference_is_not_reproduced(tmp_path, tracking
     with pytest.raises(RefreshError, match=r"(?s)does not reproduce.*out_0.*Nothing was logged"):
         jaxexp_mlflow.refresh(str(path))
     assert mlflow.search_logged_models(output_format="list") == []
-    # without a reference there is nothing to check against: refused as well
+    # a synthetic reference (saved without input example) that the blob does not reproduce
     bare = tmp_path / "bare"
     mlflow.jaxexp.save_model(export_mlp(params), bare, params=params)
-    with pytest.raises(RefreshError, match="no reference"):
+    ref = bare / "reference" / "outputs.npz"
+    with np.load(ref) as d:
+        out = {k: d[k] * 2.0 for k in d.files}
+    np.savez(ref, **out)
+    with pytest.raises(RefreshError, match=r"(?s)does not reproduce.*out_0"):
         jaxexp_mlflow.refresh(str(bare))
 
 

@@ -159,4 +159,8 @@ def write_model_files(
             bound = params_codec.restore_params(target, target=artifact.params_target(exp))
         outputs = JaxExpModel(exp, bound, conf)(*as_args(input_example))
         conf["reference"] = artifact.write_reference(path, as_args(input_example), outputs)
+    else:  # a synthetic reference when the blob runs here, so verify has something to reproduce
+        from jaxexp_mlflow import probes
+
+        conf.update(probes.store_reference(path, exp, conf, description, params=params))
     return conf, exp
