@@ -90,11 +90,17 @@ def verify(
     paths = _output_paths(target, len(checks))
     passed = all(c.passed for c in checks)
     flavor = target.flavor
+    synthetic = flavor.get("reference_synthetic")
+    reference = "input example and outputs stored at logging time"
+    if synthetic:
+        dims = ", ".join(f"{k}={v}" for k, v in synthetic["dims"].items()) or "static shapes"
+        reference = f"synthetic probe ({dims}; seed {synthetic['seed']}), stored at save time"
     if as_json:
         emit_json(
             {
                 "ok": passed,
                 "uri": uri,
+                "reference": {"synthetic": bool(synthetic), **(synthetic or {})},
                 "saved_with": {
                     "jax_version": flavor.get("jax_version"),
                     "jaxlib_version": flavor.get("jaxlib_version"),
@@ -111,6 +117,7 @@ def verify(
             f"Saved by  jax {saved}" if saved else "Saved by  (unknown jax: logged as bytes)"
         )
         click.echo(f"Running   {environment_line(env)}")
+        click.echo(f"Reference {reference}")
         click.echo("")
         rows = [
             [
