@@ -22,7 +22,7 @@ from tests.conftest import CORPUS, load_case
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 JAXEXP = Path(sys.executable).with_name("jaxexp")
-COMMANDS = ["inspect", "check", "predict", "verify", "log", "refresh"]
+COMMANDS = ["inspect", "check", "predict", "verify", "log", "refresh", "audit"]
 
 
 @pytest.fixture(scope="module")

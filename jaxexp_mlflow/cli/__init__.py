@@ -1,4 +1,4 @@
-"""The ``jaxexp`` command line: inspect, check, predict, verify, log and refresh jaxexp models.
+"""The ``jaxexp`` command line: inspect, check, predict, verify, log, refresh and audit models.
 
 Every command takes a model URI MLflow understands (``runs:/<run_id>/<name>``,
 ``models:/<name>/<version>``, ``models:/<name>@<alias>``, ``models:/<model_id>``, a local model
@@ -12,6 +12,7 @@ from __future__ import annotations
 import click
 
 from jaxexp_mlflow import __version__
+from jaxexp_mlflow.cli.audit import audit
 from jaxexp_mlflow.cli.check import check
 from jaxexp_mlflow.cli.inspect import inspect
 from jaxexp_mlflow.cli.log import log
@@ -39,7 +40,7 @@ def main() -> None:
     """
 
 
-for _command in (inspect, check, predict, verify, log, refresh):
+for _command in (inspect, check, predict, verify, log, refresh, audit):
     main.add_command(_command)
 
 __all__ = ["main"]

@@ -846,3 +846,20 @@ def _kernel_abi(
             + "to move to this jaxlib, export the function again from its Python source "
             "(a refresh keeps the old kernel call).",
         )
+
+
+def window_closes(exporter: Mapping[str, Any]) -> tuple[dt.date | None, str]:
+    """When JAX's 6-month backward window of a blob closes, from ``Verdict.exporter``.
+
+    Returns ``(date, how)``: ``how`` is ``"exact"`` (known exporter build date), ``"by"`` (a bare
+    blob built on or before a date: the window closes by then at the latest), ``"after"`` (only
+    a lower bound is known) or ``"unknown"`` (``date`` is None).
+    """
+    earliest, latest = exporter.get("build_date_earliest"), exporter.get("build_date_latest")
+    if earliest and latest and earliest == latest:
+        return dt.date.fromisoformat(latest) + BACKWARD_WINDOW, "exact"
+    if latest:
+        return dt.date.fromisoformat(latest) + BACKWARD_WINDOW, "by"
+    if earliest:
+        return dt.date.fromisoformat(earliest) + BACKWARD_WINDOW, "after"
+    return None, "unknown"

@@ -1,0 +1,143 @@
+"""``jaxexp audit`` over a real sqlite MLflow store holding live and archived (corpus) models."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+
+import mlflow
+import pytest
+from click.testing import CliRunner
+
+from jaxexp_mlflow.cli import main
+from jaxexp_mlflow.cli.audit import plan
+from jaxexp_mlflow.runtime import compat
+from tests.conftest import CORPUS, corpus_cases
+from tests.models import batch, export_mlp, mlp_params
+
+pytestmark = pytest.mark.skipif(not corpus_cases(), reason="corpus not available")
+AS_OF = "2026-11-22"
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory):
+    """A registry with a live model and archived blobs of several jax versions, plus a
+    non-jaxexp model in the same experiment (skipped by the audit)."""
+    root = tmp_path_factory.mktemp("audit")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        exp_id = mlflow.create_experiment("archive", artifact_location=(root / "art").as_uri())
+        mlflow.set_experiment(experiment_id=exp_id)
+        params = mlp_params()
+        with mlflow.start_run():
+            mlflow.jaxexp.log_model(
+                export_mlp(params),
+                name="live",
+                params=params,
+                input_example=batch(),
+                registered_model_name="live",
+            )
+            for version, case in [
+                ("0.6.2", "mlp"),
+                ("0.8.3", "mlp_poly"),
+                ("0.10.2", "sharded4"),
+                ("0.4.35", "linalg"),
+                ("0.10.2", "dtypes"),
+            ]:
+                blob = (CORPUS / f"jax-{version}" / case / "exported.bin").read_bytes()
+                mlflow.jaxexp.log_model(
+                    blob, name=f"{case}-{version}".replace(".", "_"), registered_model_name=case
+                )
+            mlflow.pyfunc.log_model(name="other", python_model=_Echo())
+        yield uri
+        mlflow.set_tracking_uri(None)
+        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+
+
+class _Echo(mlflow.pyfunc.PythonModel):
+    def predict(self, context, model_input):
+        return model_input
+
+
+def test_audit_registry_ranks_what_to_refresh_first(archive):
+    result = CliRunner().invoke(main, ["audit", "--as-of", AS_OF, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["scope"] == "registry" and doc["as_of"] == AS_OF
+    rows = {r["name"]: r for r in doc["models"]}
+    assert set(rows) == {"live", "mlp", "mlp_poly", "sharded4", "linalg", "dtypes"}
+    assert [r["rank"] for r in doc["models"]] == list(range(1, 7))
+    # jax 0.6.2 blob (calling convention 9, bare: built on or before 2025-07-22): closed
+    old = rows["mlp"]
+    assert old["status"] == "warn" and old["window"] == "by"
+    assert old["window_closes"] == "2026-01-21" and old["months_left"] < 0
+    assert old["action"] == "refresh now (window closed)"
+    # refresh-now models come first, ordered by the date their window closes
+    assert doc["models"][0]["name"] == "mlp"
+    # the kernels of 0.4.35 linalg are gone: a refresh cannot help
+    assert rows["linalg"]["action"].startswith("export again from source")
+    assert "custom_calls" in rows["linalg"]["codes"]
+    # 4-device blob on 1 device: refresh it where it runs
+    assert rows["sharded4"]["action"] == "refresh with enough devices before the window closes"
+    # live model logged by this jax (0.10.2, built 2026-06-17): its window closes 2026-12-17
+    live = rows["live"]
+    assert live["status"] == "ok" and live["window"] == "exact"
+    assert live["window_closes"] == "2026-12-17" and live["action"] == "refresh now"
+    assert doc["summary"]["refresh now"] >= 2
+
+
+def test_audit_table_experiment_scope_and_later_date(archive):
+    result = CliRunner().invoke(
+        main, ["audit", "--experiment", "archive", "--as-of", "2026-06-01"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "Audit of experiments archive as of 2026-06-01 (6 jaxexp model(s))"
+    header = next(ln for ln in lines if "window closes" in ln)
+    assert header.split() == [
+        "#",
+        "model",
+        "logged",
+        "by",
+        "jax",
+        "verdict",
+        "window",
+        "closes",
+        "months",
+        "action",
+    ]
+    body = "\n".join(lines)
+    assert "bare blob" in body and "by 2026-01-21" in body and "Summary:" in body
+    # a bare 0.8.3 blob: only a lower bound of its build date, so its window may have closed
+    poly = next(ln for ln in lines if "mlp_poly" in ln)
+    assert "after 2026-05-25" in poly and "refresh now (window may have closed)" in poly
+    # as of June 2026 the live model (window to 2026-12-17) still has months left
+    live = next(ln for ln in lines if ln.split()[1:2] and ln.split()[1].startswith("live"))
+    assert "+6.5" in live and live.rstrip().endswith("ok")
+    # progress goes to stderr, only when asked for (a terminal, or JAXEXP_PROGRESS=1)
+    assert "Auditing" not in result.stderr
+    shown = CliRunner().invoke(
+        main, ["audit", "--model", "dtypes"], env={"JAXEXP_PROGRESS": "1"}, catch_exceptions=False
+    )
+    assert "Auditing" in shown.stderr and "Auditing" not in shown.stdout
+    assert "(1 jaxexp model(s))" in shown.stdout
+    # an unknown experiment is an input error (exit 2)
+    bad = CliRunner().invoke(main, ["audit", "--experiment", "nope"], catch_exceptions=False)
+    assert bad.exit_code == 2 and "no experiment named 'nope'" in bad.output
+
+
+def test_plan_and_window_rules():
+    day = dt.date(2026, 11, 22)
+    assert plan("ok", [], day + dt.timedelta(days=200), day) == (5, "ok")
+    assert plan("ok", [], day + dt.timedelta(days=60), day) == (3, "refresh soon")
+    assert plan("warn", ["calling_convention"], day + dt.timedelta(days=400), day)[1] == (
+        "refresh now"
+    )
+    assert plan("incompatible", ["kernel_abi"], None, day)[0] == 1
+    exact = {"build_date_earliest": "2026-06-17", "build_date_latest": "2026-06-17"}
+    assert compat.window_closes(exact) == (dt.date(2026, 12, 17), "exact")
+    assert compat.window_closes({"build_date_earliest": "2026-04-04"})[1] == "after"
+    assert compat.window_closes({}) == (None, "unknown")
