@@ -79,3 +79,14 @@ def verify_directory(
     inputs, outputs = ref
     # the reference holds the inputs after the params
     return compare_outputs(call_flat(model, inputs), outputs, rtol=rtol, atol=atol)
+
+
+def decode_outputs(raw: list[np.ndarray], dtypes: list[str]) -> list[np.ndarray]:
+    """Arrays stored as raw bits (dtypes numpy lacks, e.g. bfloat16) viewed as their dtype."""
+    from jaxexp_mlflow.codec.arrays import resolve_dtype
+
+    out = []
+    for arr, name in zip(raw, dtypes, strict=True):
+        want = resolve_dtype(name)
+        out.append(arr.view(want) if arr.dtype != want else arr)
+    return out

@@ -39,17 +39,26 @@ def _output_paths(target: Any, n: int) -> list[str]:
 Examples:
   jaxexp verify runs:/0f3c.../model
   jaxexp verify models:/classifier@best --rtol 1e-4 --atol 1e-6 --json
+  jaxexp verify runs:/0f3c.../model --env-manager uv   # also in the logged environment
 """,
 )
 @click.argument("uri")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance (default per dtype).")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance (default per dtype).")
+@click.option(
+    "--env-manager",
+    type=click.Choice(["uv", "virtualenv"]),
+    default=None,
+    help="Also re-run the reference in the environment the model was logged with (restored "
+    "from its recorded requirements by MLflow) and show the drift side by side.",
+)
 @run_options
 @common_options
 def verify(
     uri: str,
     rtol: float | None,
     atol: float | None,
+    env_manager: str | None,
     allow_incompatible: bool,
     allow_other_platform: bool,
     as_json: bool,
@@ -68,6 +77,19 @@ def verify(
         raise InputProblem(
             f"{uri} is a bare blob: it carries no reference input/outputs to reproduce. Log it "
             "with an input example (`jaxexp log BLOB --input-example FILE`) and verify that"
+        )
+    if env_manager:
+        from jaxexp_mlflow.cli.verify_env import verify_in_recorded_env
+
+        return verify_in_recorded_env(
+            uri,
+            target,
+            env_manager,
+            rtol=rtol,
+            atol=atol,
+            as_json=as_json,
+            allow_incompatible=allow_incompatible,
+            allow_other_platform=allow_other_platform,
         )
     from jaxexp_mlflow.reproduce import verify_directory
 
