@@ -74,7 +74,9 @@ def verify_directory(
     if ref is None:
         raise ArtifactError(
             f"The model at {path} carries no reference input/outputs (it was saved without "
-            "input_example), so there is nothing to reproduce. Log it again with input_example=."
+            "input_example, before synthetic references), so there is nothing to reproduce. "
+            "Save or log it again (a synthetic reference is stored when it runs), or "
+            "`jaxexp refresh` it (proved on synthetic probes)."
         )
     inputs, outputs = ref
     # the reference holds the inputs after the params

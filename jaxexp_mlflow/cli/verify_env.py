@@ -3,6 +3,7 @@ next to the stored reference and the current environment (the drift between the 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import click
@@ -57,6 +58,9 @@ def verify_in_recorded_env(
     from jaxexp_mlflow.cli.verify import _output_paths
     from jaxexp_mlflow.recorded_env import run_recorded
 
+    if not logging.getLogger().isEnabledFor(logging.INFO):  # MLflow's env chatter: --debug
+        for name in ("mlflow.utils.virtualenv", "mlflow.utils.environment"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     flavor = target.flavor
     ref = artifact.read_reference(target.path, flavor)
     if ref is None:
