@@ -216,3 +216,32 @@ def test_compat_and_devices_import_without_jax_or_mlflow():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@needs_corpus
+def test_kernel_signatures_read_from_the_module(env):
+    old = read_blob_file(CORPUS / "jax-0.4.35" / "linalg" / "exported.bin")
+    assert ("blas_strsm", 10, 1) in old.custom_calls  # the pre-FFI kernel: 10 operands
+    new = read_blob_file(CORPUS / "jax-0.6.2" / "linalg" / "exported.bin")
+    assert ("lapack_strsm_ffi", 2, 1) in new.custom_calls
+    assert "kernel_abi" not in _judge(CORPUS / "jax-0.6.2" / "linalg", env).codes()
+    # the same call with 3 operands (as JAX's 2024-12-02 module makes it) is refused
+    meta = {
+        "platforms": ["cpu"],
+        "nr_devices": 1,
+        "jaxlib_version": "0.10.2",
+        "calling_convention_version": 9,
+    }
+
+    class Desc:
+        custom_call_targets = ("lapack_strsm_ffi",)
+        custom_calls = (("lapack_strsm_ffi", 3, 1),)
+
+    v = compat.assess(meta, description=Desc(), env=env)
+    assert v.codes() == ["kernel_abi"] and v.status == "incompatible"
+    # judged as the jax 0.7.2 that still ran it: fine
+    assert compat.assess(meta, description=Desc(), env=env.replace(jax_version="0.7.2")).ok
+    # calls unreadable: dates alone only warn (JAX's dates are when its tests were rewritten)
+    dated = {**meta, "jaxlib_version": "0.6.2", "custom_call_targets": ["lapack_strsm_ffi"]}
+    v = compat.assess(dated, env=env)
+    assert "kernel_abi" in v.codes() and v.status == "warn"

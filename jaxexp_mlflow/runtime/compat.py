@@ -16,7 +16,8 @@ description from the jax-free reader) and a snapshot of the running environment
 ``jaxlib_unknown``      a jaxlib version the shipped release table does not know
 ``custom_calls``        custom-call targets of the module the running jaxlib does not register
 ``kernel_abi``          a registered kernel called with a signature (operand/result count) the
-                        running jax no longer runs (it fails at execution)
+                        running jax no longer runs (it fails at execution); a warning when the
+                        calls cannot be read and only dates suggest it
 
 Kernel signatures and what each jax release runs come from ``jaxexp_mlflow/data/kernel_abi.json``,
 derived from the history of JAX's own back-compat test data (regenerate with
@@ -780,8 +781,8 @@ def _kernel_abi(
     """Registered kernels called with a signature the running jax no longer runs.
 
     With the module's own calls (operand/result counts read from the bytecode) the signature is
-    compared directly; without them, a module whose exporter predates every signature this jax
-    runs is judged from its build date.
+    compared directly (a mismatch is ``incompatible``); without them, a module whose exporter
+    predates every signature this jax runs only warns (JAX's dates are those of its tests).
     """
     if env.jax_version is None or platform is None:
         return
@@ -820,6 +821,18 @@ def _kernel_abi(
             old = [s for s in sigs if not s["runs"]]
             called = f"as a jaxlib built on or before {latest} wrote it"
         seen.add(target)
+        if n_ops < 0:  # dated, not counted: JAX's dates are when its tests were rewritten
+            add(
+                "kernel_abi",
+                WARN,
+                f"The module's calls could not be read, and it calls kernel {target}, whose "
+                f"signature in jax {env.jax_version} JAX's archive dates after the exporter "
+                f"(built on or before {latest}); it may fail at execution with "
+                "INVALID_ARGUMENT (wrong number of arguments).",
+                "Run `jaxexp verify` to find out; if it fails, export the function again from "
+                "its Python source.",
+            )
+            continue
         now = ", ".join(
             f"{s['operands']} operand(s)/{s['results']} result(s) (written {s['written']}, "
             f"since jax {s['jax_from']})"
