@@ -69,6 +69,11 @@ def run_on_devices(code: str, n_devices: int, *args: str) -> dict:
         env=env,
         timeout=600,
     )
+    return result_of(proc)
+
+
+def result_of(proc: subprocess.CompletedProcess) -> dict:
+    """The JSON of a finished child's last ``RESULT <json>`` line (asserting it succeeded)."""
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT ") :])

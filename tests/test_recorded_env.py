@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.recorded_env import RecordedEnvError, requirements, run_recorded
+from tests.conftest import result_of
 
 REPO = Path(__file__).resolve().parents[1]
 UV = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
@@ -61,9 +62,7 @@ def test_model_logged_under_jax_0_6_2_verified_in_its_recorded_env(tmp_path, mon
         env=env,
         timeout=600,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    logged = json.loads(lines[-1][len("RESULT ") :])
+    logged = result_of(proc)
     assert logged["jax"] == "0.6.2"
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
