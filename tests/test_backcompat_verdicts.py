@@ -9,6 +9,7 @@ again (``scripts/backcompat_truth.py`` rewrites the file).
 from __future__ import annotations
 
 import collections
+import subprocess
 from pathlib import Path
 
 import jax
@@ -81,7 +82,10 @@ def test_verdict_agrees_with_jax_on_its_archive(mods, env):
 
 @same_jax
 def test_changed_kernel_signature_is_refused_with_its_history(mods, env):
-    backcompat.fetch_wheels(("0.8.0",))  # its data still has trsm as written 2024-12-02
+    try:  # jax 0.8.0's data still has trsm as written 2024-12-02 (a 2.5 MB wheel from PyPI)
+        backcompat.fetch_wheels(("0.8.0",))
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"cannot fetch the jax 0.8.0 wheel: {err}")
     mods = backcompat.modules()
     old = [m for m in mods if m.entry == "data_2024_12_02[f32]" and "trsm" in m.file]
     assert old, "jax 0.8.0's back-compat data holds lapack_strsm_ffi written 2024-12-02"
