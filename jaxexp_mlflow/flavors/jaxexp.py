@@ -146,8 +146,17 @@ def save_model(
         platforms=platforms,
         **kwargs,
     )
+    arg_names = None
+    if callable(exported) and not hasattr(exported, "in_avals"):  # a function we exported
+        from jaxexp_mlflow.export import argument_names
+
+        arg_names = argument_names(exported, has_params=params is not None)
     in_specs, out_specs = sig.leaf_specs(
-        exp, has_params=params is not None, input_names=input_names, output_names_=output_names
+        exp,
+        has_params=params is not None,
+        input_names=input_names,
+        output_names_=output_names,
+        arg_names=arg_names,
     )
     inferred = sig.model_signature(in_specs, out_specs)
     if signature is None:
@@ -155,6 +164,8 @@ def save_model(
     elif signature is not False:
         mlflow_model.signature = sig.check_user_signature(signature, inferred)
         in_specs, out_specs = sig.rename(in_specs, out_specs, mlflow_model.signature)
+    if mlflow_model.signature is not None:
+        sig.validated_by_model(mlflow_model.signature)
     flavor_conf["io"] = sig.specs_to_conf(in_specs, out_specs)
     if serving_config:
         flavor_conf["serving"] = dict(serving_config)
