@@ -56,7 +56,7 @@ ACCEPTED = {
         {
             "dataframe_split": {
                 "columns": ["ids", "x"],
-                "data": [list(r) for r in zip(*_lists().values())],
+                "data": [list(r) for r in zip(*_lists().values(), strict=True)],
             }
         },
         N,

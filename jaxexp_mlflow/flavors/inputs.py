@@ -196,7 +196,7 @@ def _flatten(mapping: Mapping, names: set[str], prefix: str = "") -> dict[str, A
 
 
 class InputContract:
-    """The inputs of one model (``LeafSpec`` list, signature names) and how any form maps to them."""
+    """The inputs of one model (``LeafSpec`` list, signature names) and how forms map to them."""
 
     def __init__(self, specs: list[LeafSpec], *, allow_nan: bool = False) -> None:
         self.specs = list(specs)

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
