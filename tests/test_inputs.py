@@ -268,3 +268,50 @@ def test_tabular_dataframe_of_feature_columns(logged):
     np.testing.assert_allclose(model.predict(frame), np.asarray(mlp_apply(params, x)), rtol=1e-5)
     with pytest.raises(InputError, match="float32"):
         model.predict(frame.iloc[:, :7])
+
+
+# -- tabular: mlflow.models.evaluate on a DataFrame of feature columns ------------------------------
+
+
+def _regress(params, features):
+    return mlp_apply(params, features)[:, 0]
+
+
+def test_evaluate_classifier_and_regressor_on_feature_columns(tracking_uri):
+    params = mlp_params()
+    x = batch(64, seed=3)
+    logits = np.asarray(mlp_apply(params, x))
+    names = ["ant", "bee", "cat", "dog"]
+    frame = pd.DataFrame(x.astype(np.float64), columns=[f"f{i}" for i in range(8)])
+    with mlflow.start_run():
+        clf = mlflow.jaxexp.log_model(
+            jax.jit(mlp_apply),
+            name="clf",
+            params=params,
+            input_example=batch(2),
+            classifier=names,
+            serving_config=FAST,
+        )
+        reg = mlflow.jaxexp.log_model(
+            jax.jit(_regress), name="reg", params=params, input_example=batch(2)
+        )
+        config = {"log_model_explainability": False}
+        data = frame.assign(label=np.asarray(names)[logits.argmax(1)])
+        res = mlflow.models.evaluate(
+            clf.model_uri, data, targets="label", model_type="classifier", evaluator_config=config
+        )
+        assert res.metrics["accuracy_score"] == 1.0
+        data = frame.assign(y=logits[:, 0].astype(np.float64) + 0.5)
+        res = mlflow.models.evaluate(
+            reg.model_uri, data, targets="y", model_type="regressor", evaluator_config=config
+        )
+        assert abs(res.metrics["mean_absolute_error"] - 0.5) < 1e-5
+    model = mlflow.pyfunc.load_model(clf.model_uri)
+    assert list(model.predict(frame[:3])) == [names[i] for i in logits[:3].argmax(1)]
+    probs = model.predict(frame[:3], params={"predict_method": "predict_proba"})
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-6)
+    assert (probs.argmax(1) == logits[:3].argmax(1)).all()
+    raw = model.predict(frame[:3], params={"predict_method": "predict_logits"})
+    np.testing.assert_allclose(raw, logits[:3], rtol=1e-5)
+    with pytest.raises(mlflow.exceptions.MlflowException, match="predict_method"):
+        model.predict(frame[:3], params={"predict_method": "nope"})

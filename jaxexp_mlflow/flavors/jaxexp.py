@@ -100,6 +100,7 @@ def save_model(
     output_names: list[str] | None = None,
     serving_config: dict[str, Any] | None = None,
     include_package: bool = True,
+    classifier: Any = None,
     **kwargs: Any,
 ) -> None:
     """Save a JAX model to ``path`` as an MLflow model with the ``jaxexp`` and pyfunc flavors.
@@ -119,8 +120,11 @@ def save_model(
     section as the pyfunc defaults (``buckets``, ``max_batch``, ``precompile``, ``allow_nan``,
     ``max_request_bytes``; see docs/serving.md). ``include_package`` copies this package into
     the model's ``code/`` directory so that a fresh environment can load it without installing
-    jaxexp-mlflow.
+    jaxexp-mlflow. ``classifier`` (``True`` or the list of labels) marks a logits classifier:
+    pyfunc then returns labels, and probabilities with ``params={"predict_method":
+    "predict_proba"}`` (``flavors.classifier``).
     """
+    from jaxexp_mlflow.flavors import classifier as classifier_mod
     from jaxexp_mlflow.flavors import saving
     from jaxexp_mlflow.flavors import signature as sig
 
@@ -164,6 +168,15 @@ def save_model(
     elif signature is not False:
         mlflow_model.signature = sig.check_user_signature(signature, inferred)
         in_specs, out_specs = sig.rename(in_specs, out_specs, mlflow_model.signature)
+    clf = classifier_mod.check(out_specs, classifier)
+    if clf is not None:
+        flavor_conf["classifier"] = clf
+        if mlflow_model.signature is not None:
+            mlflow_model.signature = ModelSignature(
+                mlflow_model.signature.inputs,
+                classifier_mod.output_schema(clf),
+                classifier_mod.params_schema(),
+            )
     if mlflow_model.signature is not None:
         sig.validated_by_model(mlflow_model.signature)
     flavor_conf["io"] = sig.specs_to_conf(in_specs, out_specs)
@@ -318,7 +331,12 @@ def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
     specs = sig.specs_from_conf(flavor_conf)
     inputs, outputs = specs if specs is not None else (None, None)
     impl = pyfunc_impl.JaxExpPyfunc(
-        model, config, inputs=inputs, outputs=outputs, saved_config=saved
+        model,
+        config,
+        inputs=inputs,
+        outputs=outputs,
+        saved_config=saved,
+        classifier=flavor_conf.get("classifier"),
     )
     pyfunc_impl.register(meta.model_uuid, impl)
     pyfunc_impl.install_serving_guard()

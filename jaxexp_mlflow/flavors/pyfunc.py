@@ -45,12 +45,14 @@ class JaxExpPyfunc:
         inputs: list[LeafSpec] | None = None,
         outputs: list[LeafSpec] | None = None,
         saved_config: dict[str, Any] | None = None,
+        classifier: dict[str, Any] | None = None,
     ) -> None:
         import jax
 
         from jaxexp_mlflow.flavors import signature
 
         self.model = model
+        self.classifier = classifier
         self.model_config = dict(model_config or {})
         saved = dict(saved_config or {})
         if inputs is None or outputs is None:
@@ -111,9 +113,17 @@ class JaxExpPyfunc:
         import inspect
 
         convert_inputs, run, format_outputs = self.convert_inputs, self.run, self.format_outputs
+        if self.classifier is not None:
+            from jaxexp_mlflow.flavors import classifier as classifier_mod
 
-        def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
-            return format_outputs(run(convert_inputs(data)))
+            conf = self.classifier
+
+            def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
+                return classifier_mod.apply(conf, run(convert_inputs(data))[0], params)
+        else:
+
+            def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
+                return format_outputs(run(convert_inputs(data)))
 
         predict.__signature__ = inspect.signature(predict)  # type: ignore[attr-defined]
         predict.__doc__ = JaxExpPyfunc.predict.__doc__
