@@ -270,7 +270,7 @@ def test_tabular_dataframe_of_feature_columns(logged):
         model.predict(frame.iloc[:, :7])
 
 
-# -- tabular: mlflow.models.evaluate on a DataFrame of feature columns ------------------------------
+# -- tabular: mlflow.models.evaluate on a DataFrame of feature columns ---------------------------
 
 
 def _regress(params, features):
