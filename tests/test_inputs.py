@@ -315,3 +315,19 @@ def test_evaluate_classifier_and_regressor_on_feature_columns(tracking_uri):
     np.testing.assert_allclose(raw, logits[:3], rtol=1e-5)
     with pytest.raises(mlflow.exceptions.MlflowException, match="predict_method"):
         model.predict(frame[:3], params={"predict_method": "nope"})
+
+
+def test_logged_model_carries_the_jax_facts(tracking_uri):
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model(
+            jax.jit(mlp_apply), name="m", params=mlp_params(), input_example=batch(2)
+        )
+    logged = mlflow.get_logged_model(info.model_id)
+    assert logged.params["jax.version"] == jax.__version__
+    assert logged.params["jax.platforms"] == "cpu"
+    assert logged.params["jax.nr_devices"] == "1"
+    assert logged.params["jax.vjp_order"] == "0"
+    assert logged.params["jax.in_avals"] == "x: float32[-1,8]"
+    assert logged.params["jax.out_avals"] == "output: float32[-1,4]"
+    blob = Path(mlflow.artifacts.download_artifacts(info.model_uri)) / "exported.bin"
+    assert logged.params["jax.blob_bytes"] == str(blob.stat().st_size)

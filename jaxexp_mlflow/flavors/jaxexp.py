@@ -168,6 +168,12 @@ def save_model(
     elif signature is not False:
         mlflow_model.signature = sig.check_user_signature(signature, inferred)
         in_specs, out_specs = sig.rename(in_specs, out_specs, mlflow_model.signature)
+    sig_now = mlflow_model.signature
+    if sig_now is not None and sig_now.outputs is inferred.outputs:
+        rows = sig.row_output_schema(out_specs)  # spark_udf's default result_type reads these
+        mlflow_model.signature = ModelSignature(
+            sig_now.inputs, rows or sig_now.outputs, getattr(sig_now, "params", None)
+        )
     clf = classifier_mod.check(out_specs, classifier)
     if clf is not None:
         flavor_conf["classifier"] = clf
@@ -180,6 +186,9 @@ def save_model(
     if mlflow_model.signature is not None:
         sig.validated_by_model(mlflow_model.signature)
     flavor_conf["io"] = sig.specs_to_conf(in_specs, out_specs)
+    flavor_conf["exported_nbytes"] = os.path.getsize(
+        os.path.join(path, flavor_conf["exported_file"])
+    )
     if serving_config:
         flavor_conf["serving"] = dict(serving_config)
     if input_example is not None:
@@ -246,14 +255,16 @@ def log_model(
     """Log a JAX model to the current MLflow run (or ``run_id=``) and return its ``ModelInfo``.
 
     Takes what ``save_model`` takes. ``params`` are the JAX parameters bound to the function;
-    MLflow's own logged-model parameters (``params=`` of other flavors) go in ``mlflow_params``.
+    MLflow's own logged-model parameters (``params=`` of other flavors) go in ``mlflow_params``;
+    the JAX facts of the export (``jax.*``: versions, platforms, devices, avals, blob size) are
+    added to them, so the MLflow UI shows them on the logged model's page.
     ``artifact_path`` is a deprecated alias of ``name``.
     """
     if artifact_path is not None:
         warnings.warn(
             "artifact_path is deprecated; use name= instead.", FutureWarning, stacklevel=2
         )
-    return Model.log(
+    info = Model.log(
         artifact_path=artifact_path,
         name=name,
         flavor=sys.modules[__name__],
@@ -275,6 +286,10 @@ def log_model(
         model_id=model_id,
         **kwargs,
     )
+    from jaxexp_mlflow.flavors.facts import record_on_logged_model
+
+    record_on_logged_model(info)
+    return info
 
 
 def load_model(

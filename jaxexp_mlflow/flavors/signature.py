@@ -352,3 +352,41 @@ def validated_by_model(signature: Any) -> Any:
     if hasattr(signature, "_is_signature_from_type_hint"):
         signature._is_signature_from_type_hint = True
     return signature
+
+
+_COLUMN_TYPES = {
+    "bool": "boolean",
+    "int8": "integer",
+    "int16": "integer",
+    "int32": "integer",
+    "uint8": "integer",
+    "uint16": "integer",
+    "int64": "long",
+    "uint32": "long",
+    "float16": "float",
+    "float32": "float",
+    "float64": "double",
+}
+
+
+def row_output_schema(outputs: list[LeafSpec]) -> Any:
+    """The outputs as per-row columns (``ColSpec``), or None where they are not per row.
+
+    Every output must have a symbolic leading (batch) dimension and a type MLflow columns carry:
+    ``float32[-1]`` is a ``float`` column, ``float32[-1, k]`` an ``Array(float)`` column, one
+    ``Array`` per further dimension. That is the form ``spark_udf`` reads to choose its default
+    ``result_type`` (a scalar, an array, or a struct with one field per output); a tensor output
+    schema makes it expect a whole batch per row. The exact shapes stay in ``jaxexp.io``.
+    """
+    from mlflow.types.schema import Array, ColSpec, DataType, Schema
+
+    cols = []
+    for spec in outputs:
+        kind = _COLUMN_TYPES.get(str(spec.wire_dtype))
+        if kind is None or not spec.shape or spec.shape[0] is not None:
+            return None
+        col_type: Any = DataType[kind]
+        for _ in spec.shape[1:]:
+            col_type = Array(col_type)
+        cols.append(ColSpec(col_type, spec.name))
+    return Schema(cols)
