@@ -30,6 +30,7 @@ SUITE = [
     ("rest", "bench_rest.py"),
     ("cold_start", "bench_cold_start.py"),
     ("params", "bench_params.py"),
+    ("spark", "bench_spark.py"),  # needs the spark extra and Java; minutes
 ]
 
 

@@ -67,3 +67,25 @@ def export_function(
             f"jax.export could not export {getattr(fn, '__name__', fn)!r} for inputs "
             f"{[str(a) for a in jax.tree.leaves(args)]}: {err}.{hint}"
         ) from err
+
+
+def argument_names(fn: Callable, *, has_params: bool) -> list[str]:
+    """The names of ``fn``'s positional parameters after the params (``apply(params, tokens,
+    mask)`` -> ``["tokens", "mask"]``), read with ``inspect.signature`` at export time.
+
+    Stops at ``*args`` or the first keyword-only parameter; empty when the signature cannot be
+    read (builtins, some C callables). Input leaves beyond these are named by position.
+    """
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = []
+    for p in sig.parameters.values():
+        if p.kind not in kinds:
+            break
+        names.append(p.name)
+    return names[1:] if has_params else names

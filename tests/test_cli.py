@@ -140,7 +140,7 @@ def test_inspect_local_model_summary(store):
     ):
         assert text in out, text
     rows = [line.split() for line in out.splitlines()]
-    assert ["4", "input", "args[1]", "float32[b,8]"] in rows
+    assert ["4", "input", "x", "args[1]", "float32[b,8]"] in rows  # with the signature name
     assert ["0", "param", "params['b1']", "float32[16]"] in rows
 
 

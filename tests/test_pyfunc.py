@@ -72,8 +72,8 @@ def test_signature_inferred_from_export(mlp_dir, two_dir):
     assert json.loads(sig["inputs"]) == [
         {"name": "x", "type": "tensor", "tensor-spec": {"dtype": "float32", "shape": [-1, 8]}}
     ]
-    assert json.loads(sig["outputs"]) == [
-        {"name": "output", "type": "tensor", "tensor-spec": {"dtype": "float32", "shape": [-1, 4]}}
+    assert json.loads(sig["outputs"]) == [  # per-row columns (spark_udf's default result_type)
+        {"name": "output", "type": "array", "items": {"type": "float"}, "required": True}
     ]
     two = mlflow.models.get_model_info(str(two_dir[0])).signature
     assert two.inputs.input_names() == ["ids", "x"]  # dict keys in pytree (sorted) order
@@ -191,11 +191,11 @@ def test_casting_rules(two_dir):
         ({"x": x, "ids": [1, 2**40]}, r"Input 'ids'.*values in .*\[-2147483648, 2147483647\]"),
         ({"x": [r[:7] for r in x], "ids": [1, 2]}, r"Input 'x': expected x: float32\[-1,8\]"),
         ({"x": x[0], "ids": [1]}, r"Input 'x'.*found float32\[8\].*wrap it in a list"),
-        ({"x": x}, r"Missing input\(s\) ids: int32\[-1\]"),
-        ({"x": x, "ids": [1, 2], "y": [0]}, r"Unknown input\(s\) \['y'\]"),
+        ({"x": x}, r"missing 'ids'. Expected: ids: int32\[-1\]"),
+        ({"x": x, "ids": [1, 2], "y": [0]}, r"unknown 'y'"),
         ({"x": [], "ids": []}, r"a batch of 0 rows"),
         ({"x": [[float("nan")] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*NaN values"),
-        ({"x": x, "ids": [1, 2, 3]}, r"share the dimension 'b' but have 3 and 2"),
+        ({"x": x, "ids": [1, 2, 3]}, r"share 'b' but have 3 and 2"),
         ({"x": [["a"] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*Send numbers"),
         ({"x": [[1.0] * 8, [1.0]], "ids": [1, 2]}, r"Input 'x'.*ragged"),
         ({"x": [[1e39] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*out of the range of float32"),
@@ -206,13 +206,6 @@ def test_casting_rules(two_dir):
     nan_ok = _load_pyfunc(str(two_dir[0]), {**FAST, "allow_nan": True})
     out = nan_ok.predict({"x": [[float("nan")] * 8] * 2, "ids": [1, 2]})
     assert np.isnan(out["logits"]).all()
-
-
-def test_mlflow_schema_check_refuses_before_predict(mlp_dir):
-    # in-process PyFuncModel.predict enforces the MLflow signature first: exact dtype for arrays
-    model = mlflow.pyfunc.load_model(str(mlp_dir[0]), model_config=FAST)
-    with pytest.raises(mlflow.exceptions.MlflowException, match="dtype of input float64"):
-        model.predict(batch(2).astype(np.float64))
 
 
 # -- buckets ---------------------------------------------------------------------------------------

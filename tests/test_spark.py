@@ -1,45 +1,70 @@
 """Spark's ``mlflow.pyfunc.spark_udf`` scores a jaxexp model with no JAX code on the Spark side.
 
-Slow (a local Spark session starts a JVM); needs pyspark (`pip install pyspark`) and Java.
+Slow (a local Spark session starts a JVM); needs the ``spark`` extra (pyspark) and Java 17.
+No ``result_type`` and no ``PYSPARK_PYTHON``: the default result type comes from the per-row
+output schema, and Spark's Python workers are the ``python3`` on PATH (the venv's, as in an
+activated venv or CI's ``scripts/test.sh``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
+from tests.test_pyfunc import two_input_example, two_input_fn
 
 pytestmark = pytest.mark.slow
 
 
-def test_spark_udf_matches_in_process(tmp_path, monkeypatch):
-    pyspark = pytest.importorskip("pyspark")
-    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)  # workers use this venv
-    import mlflow
-    import pandas as pd
+@pytest.fixture(scope="module")
+def spark():
+    pytest.importorskip("pyspark")
     from pyspark.sql import SparkSession
 
-    params = mlp_params()
-    path = tmp_path / "m"
-    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
-    x = batch(6, seed=4)
-    spark = (
-        SparkSession.builder.master("local[1]")
+    if os.environ.get("PYSPARK_PYTHON"):
+        pytest.skip("this test checks that PYSPARK_PYTHON is not needed")
+    venv_bin = str(Path(sys.executable).parent)
+    if not os.environ.get("PATH", "").startswith(venv_bin):
+        pytest.skip("run with the venv's bin first on PATH (an activated venv)")
+    session = (
+        SparkSession.builder.master("local[2]")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .getOrCreate()
     )
-    try:
-        # one array-valued column per input, as Spark carries tensors
-        df = spark.createDataFrame(pd.DataFrame({"x": [row.tolist() for row in x]}))
-        udf = mlflow.pyfunc.spark_udf(
-            spark, str(path), env_manager="local", result_type="array<float>"
-        )
-        got = np.asarray([r[0] for r in df.select(udf("x")).collect()], np.float32)
-    finally:
-        spark.stop()
+    yield session
+    session.stop()
+
+
+def test_default_result_type_for_every_output_shape(spark, tmp_path):
+    import mlflow
+    import pandas as pd
+
+    params = mlp_params()
+    mlflow.jaxexp.save_model(export_mlp(params), tmp_path / "m", params=params)
+    mlflow.jaxexp.save_model(
+        jax.jit(two_input_fn),
+        tmp_path / "two",
+        params=params,
+        input_example=two_input_example(),
+    )
+    x = batch(6, seed=4)
+    df = spark.createDataFrame(pd.DataFrame({"x": [row.tolist() for row in x]}))
+    udf = mlflow.pyfunc.spark_udf(spark, str(tmp_path / "m"), env_manager="local")
+    got = np.asarray([r[0] for r in df.select(udf("x")).collect()], np.float32)  # array<float>
     np.testing.assert_allclose(got, mlp_apply(params, x), rtol=1e-5, atol=1e-6)
-    assert pyspark.__version__
+
+    inp = two_input_example(6)
+    want = two_input_fn(params, inp)
+    frame = pd.DataFrame({"ids": inp["ids"].astype(np.int64), "x": [r.tolist() for r in inp["x"]]})
+    df2 = spark.createDataFrame(frame)  # ids arrive as int64 (Spark's long) for an int32 input
+    udf2 = mlflow.pyfunc.spark_udf(spark, str(tmp_path / "two"), env_manager="local")
+    rows = df2.select(udf2("ids", "x").alias("out")).collect()  # struct<logits, score>
+    np.testing.assert_allclose([r.out.logits for r in rows], want["logits"], rtol=1e-5)
+    np.testing.assert_allclose([r.out.score for r in rows], want["score"], rtol=1e-5)

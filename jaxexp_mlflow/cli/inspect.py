@@ -38,8 +38,17 @@ def leaf_paths(node: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def input_rows(desc: Any, n_param_leaves: int) -> list[dict[str, Any]]:
-    """One row per flat input leaf: role (param/input/kwarg), key path, aval, sharding."""
+def _io_names(flavor: dict[str, Any], side: str) -> list[str]:
+    """The leaf names the MLmodel stores (``jaxexp.io``: the signature's names), else []."""
+    io = flavor.get("io") or {}
+    return [str(e.get("name")) for e in io.get(side) or []]
+
+
+def input_rows(
+    desc: Any, n_param_leaves: int, names: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """One row per flat input leaf: role (param/input/kwarg), signature name, key path, aval,
+    sharding."""
     root = desc.in_tree
     if root.kind == "tuple" and len(root.children) == 2:
         args, kwargs = root.children
@@ -55,18 +64,23 @@ def input_rows(desc: Any, n_param_leaves: int) -> list[dict[str, Any]]:
         if n_param_leaves and role == "param" and path.startswith("args[0]"):
             path = "params" + path[len("args[0]") :]
         shard = desc.in_shardings[i] if i < len(desc.in_shardings) else None
-        rows.append({"index": i, "role": role, "path": path, "aval": aval, "sharding": shard})
+        k = i - n_param_leaves
+        name = names[k] if names and 0 <= k < len(names) else None
+        rows.append(
+            {"index": i, "role": role, "name": name, "path": path, "aval": aval, "sharding": shard}
+        )
     return rows
 
 
-def output_rows(desc: Any) -> list[dict[str, Any]]:
-    """One row per flat output leaf: key path, aval, sharding."""
+def output_rows(desc: Any, names: list[str] | None = None) -> list[dict[str, Any]]:
+    """One row per flat output leaf: signature name, key path, aval, sharding."""
     paths = leaf_paths(desc.out_tree, "out")
     rows = []
     for i, aval in enumerate(desc.out_avals):
         shard = desc.out_shardings[i] if i < len(desc.out_shardings) else None
         path = paths[i] if i < len(paths) else f"out[{i}]"
-        rows.append({"index": i, "path": path, "aval": aval, "sharding": shard})
+        name = names[i] if names and i < len(names) else None
+        rows.append({"index": i, "name": name, "path": path, "aval": aval, "sharding": shard})
     return rows
 
 
@@ -137,8 +151,8 @@ def describe(target: Target) -> dict[str, Any]:
             if not flavor.get("params")
             else {"path": flavor.get("params"), "n_leaves": n_params, **params_format}
         ),
-        "inputs": input_rows(desc, n_params),
-        "outputs": output_rows(desc),
+        "inputs": input_rows(desc, n_params, _io_names(flavor, "inputs")),
+        "outputs": output_rows(desc, _io_names(flavor, "outputs")),
         "signature": signature_rows(target.mlmodel),
         "reference": flavor.get("reference"),
     }
@@ -233,13 +247,14 @@ def render(report: dict[str, Any]) -> str:
         )
     parts = [_kv(rows), ""]
     sharded = any(r["sharding"] for r in report["inputs"] + report["outputs"])
-    headers = ["#", "role", "path", "aval"] + (["sharding"] if sharded else [])
+    headers = ["#", "role", "name", "path", "aval"] + (["sharding"] if sharded else [])
     parts.append("Inputs (from the blob)")
     parts.append(
         table(
             headers,
             [
-                [r["index"], r["role"], r["path"], r["aval"]] + ([r["sharding"]] if sharded else [])
+                [r["index"], r["role"], r["name"] or "", r["path"], r["aval"]]
+                + ([r["sharding"]] if sharded else [])
                 for r in report["inputs"]
             ],
         )
@@ -248,9 +263,10 @@ def render(report: dict[str, Any]) -> str:
     parts.append("Outputs (from the blob)")
     parts.append(
         table(
-            ["#", "path", "aval"] + (["sharding"] if sharded else []),
+            ["#", "name", "path", "aval"] + (["sharding"] if sharded else []),
             [
-                [r["index"], r["path"], r["aval"]] + ([r["sharding"]] if sharded else [])
+                [r["index"], r["name"] or "", r["path"], r["aval"]]
+                + ([r["sharding"]] if sharded else [])
                 for r in report["outputs"]
             ],
         )

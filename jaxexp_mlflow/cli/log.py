@@ -92,10 +92,10 @@ def log(
     data = blob.read_bytes()
     example = None
     if input_example is not None:
-        from jaxexp_mlflow.cli.arrays_io import build_args, read_inputs
+        from jaxexp_mlflow.cli.arrays_io import call_args, input_leaves, input_specs, read_payload
         from jaxexp_mlflow.codec.blob import deserialize_checked
 
-        mode, arrays = read_inputs(input_example)
+        payload = read_payload(input_example)
         with step("Reading the blob"):
             exported = deserialize_checked(data, source=str(blob))
         n_params = 0
@@ -103,7 +103,8 @@ def log(
             args_tree, _ = exported.in_tree.children()
             children = args_tree.children()
             n_params = children[0].num_leaves if children else 0
-        args, kwargs = build_args(exported, n_params, mode, arrays)
+        specs = input_specs(exported, bool(n_params), None)
+        args, kwargs = call_args(exported, bool(n_params), input_leaves(payload, specs))
         if kwargs:
             raise InputProblem(
                 "the blob's function takes keyword arguments; log_model's input example holds "

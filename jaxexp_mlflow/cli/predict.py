@@ -38,9 +38,10 @@ Examples:
   jaxexp predict models:/classifier@best --input x.npy
   jaxexp predict models:/classifier/3 --input x.json --json
 \b
-Input files hold the inputs after the params: .npz with keys in_0, in_1, ... (flat leaves of
-the exported in_tree) or one array per positional input; .npy for a single input; .json as a
-list (single input) or an object of arrays ({"inputs": ...} is accepted too).
+Input files hold the inputs after the params, by the same contract as pyfunc and serving
+(docs/serving.md): .npz keyed by the signature's input names (or in_0, in_1, ... by position);
+.npy for a single input; .json as an object keyed by names, a list, or the model's own
+input_example.json / serving_input_example.json. Casts are lossless only (exit 2 otherwise).
 """,
 )
 @click.argument("uri")
@@ -75,14 +76,16 @@ def predict(
     """
     setup_logging(debug)
     from jaxexp_mlflow.cli.arrays_io import (
-        build_args,
-        read_inputs,
+        call_args,
+        input_leaves,
+        input_specs,
+        read_payload,
         to_json_value,
         write_outputs,
     )
     from jaxexp_mlflow.cli.inspect import leaf_paths
 
-    mode, arrays = read_inputs(input_file)
+    payload = read_payload(input_file)
     if output_file is not None:
         from jaxexp_mlflow.cli.arrays_io import _check_suffix
 
@@ -95,7 +98,11 @@ def predict(
         allow_incompatible=allow_incompatible,
         allow_other_platform=allow_other_platform,
     )
-    args, kwargs = build_args(model.exported, model._n_param_leaves, mode, arrays)
+    has_params = bool(model._n_param_leaves)
+    specs = input_specs(
+        model.exported, has_params, target.flavor if target.kind != "blob" else None
+    )
+    args, kwargs = call_args(model.exported, has_params, input_leaves(payload, specs))
     import jax
     import numpy as np
 
@@ -110,8 +117,13 @@ def predict(
             f"the model failed to run here ({type(err).__name__}: {err}); see `jaxexp check {uri}`"
         ) from err
     from jaxexp_mlflow.codec.reader import read_blob_file
+    from jaxexp_mlflow.flavors.signature import specs_from_conf
 
-    paths = leaf_paths(read_blob_file(target.blob_path).out_tree, "out")
+    stored = specs_from_conf(target.flavor or {}) if target.kind != "blob" else None
+    if stored is not None:  # the signature's output names
+        paths = [s.name for s in stored[1]]
+    else:
+        paths = leaf_paths(read_blob_file(target.blob_path).out_tree, "out")
     if len(paths) != len(leaves):
         paths = [f"out[{i}]" for i in range(len(leaves))]
     if output_file is not None:

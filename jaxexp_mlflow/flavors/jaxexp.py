@@ -100,6 +100,7 @@ def save_model(
     output_names: list[str] | None = None,
     serving_config: dict[str, Any] | None = None,
     include_package: bool = True,
+    classifier: Any = None,
     **kwargs: Any,
 ) -> None:
     """Save a JAX model to ``path`` as an MLflow model with the ``jaxexp`` and pyfunc flavors.
@@ -119,8 +120,11 @@ def save_model(
     section as the pyfunc defaults (``buckets``, ``max_batch``, ``precompile``, ``allow_nan``,
     ``max_request_bytes``; see docs/serving.md). ``include_package`` copies this package into
     the model's ``code/`` directory so that a fresh environment can load it without installing
-    jaxexp-mlflow.
+    jaxexp-mlflow. ``classifier`` (``True`` or the list of labels) marks a logits classifier:
+    pyfunc then returns labels, and probabilities with ``params={"predict_method":
+    "predict_proba"}`` (``flavors.classifier``).
     """
+    from jaxexp_mlflow.flavors import classifier as classifier_mod
     from jaxexp_mlflow.flavors import saving
     from jaxexp_mlflow.flavors import signature as sig
 
@@ -146,8 +150,17 @@ def save_model(
         platforms=platforms,
         **kwargs,
     )
+    arg_names = None
+    if callable(exported) and not hasattr(exported, "in_avals"):  # a function we exported
+        from jaxexp_mlflow.export import argument_names
+
+        arg_names = argument_names(exported, has_params=params is not None)
     in_specs, out_specs = sig.leaf_specs(
-        exp, has_params=params is not None, input_names=input_names, output_names_=output_names
+        exp,
+        has_params=params is not None,
+        input_names=input_names,
+        output_names_=output_names,
+        arg_names=arg_names,
     )
     inferred = sig.model_signature(in_specs, out_specs)
     if signature is None:
@@ -155,7 +168,27 @@ def save_model(
     elif signature is not False:
         mlflow_model.signature = sig.check_user_signature(signature, inferred)
         in_specs, out_specs = sig.rename(in_specs, out_specs, mlflow_model.signature)
+    sig_now = mlflow_model.signature
+    if sig_now is not None and sig_now.outputs is inferred.outputs:
+        rows = sig.row_output_schema(out_specs)  # spark_udf's default result_type reads these
+        mlflow_model.signature = ModelSignature(
+            sig_now.inputs, rows or sig_now.outputs, getattr(sig_now, "params", None)
+        )
+    clf = classifier_mod.check(out_specs, classifier)
+    if clf is not None:
+        flavor_conf["classifier"] = clf
+        if mlflow_model.signature is not None:
+            mlflow_model.signature = ModelSignature(
+                mlflow_model.signature.inputs,
+                classifier_mod.output_schema(clf),
+                classifier_mod.params_schema(),
+            )
+    if mlflow_model.signature is not None:
+        sig.validated_by_model(mlflow_model.signature)
     flavor_conf["io"] = sig.specs_to_conf(in_specs, out_specs)
+    flavor_conf["exported_nbytes"] = os.path.getsize(
+        os.path.join(path, flavor_conf["exported_file"])
+    )
     if serving_config:
         flavor_conf["serving"] = dict(serving_config)
     if input_example is not None:
@@ -222,14 +255,16 @@ def log_model(
     """Log a JAX model to the current MLflow run (or ``run_id=``) and return its ``ModelInfo``.
 
     Takes what ``save_model`` takes. ``params`` are the JAX parameters bound to the function;
-    MLflow's own logged-model parameters (``params=`` of other flavors) go in ``mlflow_params``.
+    MLflow's own logged-model parameters (``params=`` of other flavors) go in ``mlflow_params``;
+    the JAX facts of the export (``jax.*``: versions, platforms, devices, avals, blob size) are
+    added to them, so the MLflow UI shows them on the logged model's page.
     ``artifact_path`` is a deprecated alias of ``name``.
     """
     if artifact_path is not None:
         warnings.warn(
             "artifact_path is deprecated; use name= instead.", FutureWarning, stacklevel=2
         )
-    return Model.log(
+    info = Model.log(
         artifact_path=artifact_path,
         name=name,
         flavor=sys.modules[__name__],
@@ -251,6 +286,10 @@ def log_model(
         model_id=model_id,
         **kwargs,
     )
+    from jaxexp_mlflow.flavors.facts import record_on_logged_model
+
+    record_on_logged_model(info)
+    return info
 
 
 def load_model(
@@ -307,7 +346,12 @@ def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
     specs = sig.specs_from_conf(flavor_conf)
     inputs, outputs = specs if specs is not None else (None, None)
     impl = pyfunc_impl.JaxExpPyfunc(
-        model, config, inputs=inputs, outputs=outputs, saved_config=saved
+        model,
+        config,
+        inputs=inputs,
+        outputs=outputs,
+        saved_config=saved,
+        classifier=flavor_conf.get("classifier"),
     )
     pyfunc_impl.register(meta.model_uuid, impl)
     pyfunc_impl.install_serving_guard()

@@ -97,8 +97,14 @@ def _placeholders(treedef: Any) -> Any:
     return jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
 
 
-def input_structure(exported: Any, has_params: bool) -> tuple[Any, list[str], int]:
-    """(treedef of ``(inputs_tuple, kwargs)``, default leaf names, number of param leaves)."""
+def input_structure(
+    exported: Any, has_params: bool, arg_names: Any = None
+) -> tuple[Any, list[str], int]:
+    """(treedef of ``(inputs_tuple, kwargs)``, default leaf names, number of param leaves).
+
+    ``arg_names`` (the function's positional parameter names after the params, when known)
+    name the positional inputs in place of their indices.
+    """
     import jax
 
     args, kwargs = _placeholders(exported.in_tree)
@@ -114,12 +120,17 @@ def input_structure(exported: Any, has_params: bool) -> tuple[Any, list[str], in
     structure = (tuple(args), kwargs)
     flat, treedef = jax.tree_util.tree_flatten_with_path(structure)
     names: list[str] = []
+    arg_names = list(arg_names or ())
     single = len(args) == 1 and not kwargs
     for path, _ in flat:
         # path[0] selects args (0) or kwargs (1); path[1] the position or keyword
-        rest = path[1:]
-        if single and len(rest) >= 1:
-            rest = rest[1:]
+        rest: tuple = path[1:]
+        if single and len(rest) > 1:
+            rest = rest[1:]  # one container input: its keys are the names
+        elif single and not arg_names:
+            rest = ()  # one array input, function parameter names unknown: "x"
+        elif path[0].idx == 0 and rest[0].idx < len(arg_names):
+            rest = (arg_names[rest[0].idx], *rest[1:])
         names.append(_join(rest) if rest else SINGLE_INPUT_NAME)
     return treedef, names, n_param_leaves
 
@@ -156,9 +167,10 @@ def leaf_specs(
     has_params: bool,
     input_names: Any = None,
     output_names_: Any = None,
+    arg_names: Any = None,
 ) -> tuple[list[LeafSpec], list[LeafSpec]]:
     """Input and output ``LeafSpec`` lists of an export (params leaves excluded)."""
-    _, in_default, n_params = input_structure(exported, has_params)
+    _, in_default, n_params = input_structure(exported, has_params, arg_names)
     in_names = _override(in_default, input_names, "input")
     out_names = _override(output_names(exported), output_names_, "output")
 
@@ -325,3 +337,56 @@ def serving_example(inputs: list[LeafSpec], input_example: Any) -> dict[str, np.
             return None
         out[spec.name] = arr.astype(spec.wire_dtype)
     return out
+
+
+def validated_by_model(signature: Any) -> Any:
+    """Mark ``signature`` as checked by the model's own ``predict`` (the input contract).
+
+    ``PyFuncModel.predict`` then hands inputs over unchanged instead of running MLflow's tensor
+    schema enforcement first (which refuses int64 for int32, lists, feature-column DataFrames, and
+    repeats the whole input in its message). This is MLflow's convention for models that
+    validate their inputs themselves (``is_signature_from_type_hint`` in the MLmodel, set by
+    MLflow for type-hinted ``PythonModel``s); the signature still documents the inputs for the
+    UI, ``spark_udf`` and serving. See docs/serving.md, "The input contract".
+    """
+    if hasattr(signature, "_is_signature_from_type_hint"):
+        signature._is_signature_from_type_hint = True
+    return signature
+
+
+_COLUMN_TYPES = {
+    "bool": "boolean",
+    "int8": "integer",
+    "int16": "integer",
+    "int32": "integer",
+    "uint8": "integer",
+    "uint16": "integer",
+    "int64": "long",
+    "uint32": "long",
+    "float16": "float",
+    "float32": "float",
+    "float64": "double",
+}
+
+
+def row_output_schema(outputs: list[LeafSpec]) -> Any:
+    """The outputs as per-row columns (``ColSpec``), or None where they are not per row.
+
+    Every output must have a symbolic leading (batch) dimension and a type MLflow columns carry:
+    ``float32[-1]`` is a ``float`` column, ``float32[-1, k]`` an ``Array(float)`` column, one
+    ``Array`` per further dimension. That is the form ``spark_udf`` reads to choose its default
+    ``result_type`` (a scalar, an array, or a struct with one field per output); a tensor output
+    schema makes it expect a whole batch per row. The exact shapes stay in ``jaxexp.io``.
+    """
+    from mlflow.types.schema import Array, ColSpec, DataType, Schema
+
+    cols = []
+    for spec in outputs:
+        kind = _COLUMN_TYPES.get(str(spec.wire_dtype))
+        if kind is None or not spec.shape or spec.shape[0] is not None:
+            return None
+        col_type: Any = DataType[kind]
+        for _ in spec.shape[1:]:
+            col_type = Array(col_type)
+        cols.append(ColSpec(col_type, spec.name))
+    return Schema(cols)
