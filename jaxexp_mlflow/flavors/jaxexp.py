@@ -166,7 +166,9 @@ def save_model(
     if signature is None:
         mlflow_model.signature = inferred
     elif signature is not False:
-        mlflow_model.signature = sig.check_user_signature(signature, inferred)
+        mlflow_model.signature = sig.check_user_signature(
+            signature, inferred, row_outputs=sig.row_output_schema(out_specs)
+        )
         in_specs, out_specs = sig.rename(in_specs, out_specs, mlflow_model.signature)
     sig_now = mlflow_model.signature
     if sig_now is not None and sig_now.outputs is inferred.outputs:

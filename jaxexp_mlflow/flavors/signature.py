@@ -238,12 +238,14 @@ def model_signature(inputs: list[LeafSpec], outputs: list[LeafSpec]) -> Any:
     return ModelSignature(inputs=schema(inputs), outputs=schema(outputs))
 
 
-def check_user_signature(user: Any, inferred: Any) -> Any:
+def check_user_signature(user: Any, inferred: Any, row_outputs: Any = None) -> Any:
     """Refuse a user ``signature`` that disagrees with the export; return the one to store.
 
     Agreement: same number of tensor inputs and outputs, same (wire) dtypes and the same shapes,
     with ``-1`` exactly where the export has a symbolic dimension. The user's
-    names replace the inferred ones, so callers can use their own names.
+    names replace the inferred ones, so callers can use their own names. Outputs may also be
+    ``row_outputs``, the per-row column form the flavor itself stores (``row_output_schema``),
+    so a stored signature can be handed back (as ``refresh`` does).
     """
     from mlflow.types.schema import TensorSpec
 
@@ -252,6 +254,8 @@ def check_user_signature(user: Any, inferred: Any) -> Any:
         mine = getattr(inferred, part).inputs
         theirs_schema = getattr(user, part)
         if theirs_schema is None:
+            continue
+        if part == "outputs" and row_outputs is not None and theirs_schema == row_outputs:
             continue
         theirs = theirs_schema.inputs
         if len(theirs) != len(mine):
