@@ -48,14 +48,60 @@ def params_treedef(exported: Any) -> Any:
     return children[0]
 
 
-def params_target(exported: Any, in_shardings: tuple = ()) -> Any:
-    """ShapeDtypeStructs (with the placement's shardings) the checkpoint must restore into."""
+#: ``params_layout`` of a checkpoint holding the flat ``{name: array}`` dict (PRNG keys as
+#: key data); models without it hold the export's own params tree (older models, copied
+#: checkpoints).
+NAMED_LAYOUT = "named"
+
+
+def param_names(meta: dict[str, Any] | None, n: int) -> list[str] | None:
+    """The recorded params names (export leaf order), checked; None for older models."""
+    from jaxexp_mlflow.named_params import safe_name
+
+    names = (meta or {}).get("param_names")
+    if names is None:
+        return None
+    if (
+        not isinstance(names, list)
+        or len(names) != n
+        or len(set(names)) != n
+        or not all(safe_name(x) for x in names)
+    ):
+        raise ArtifactError(
+            f"MLmodel's param_names do not fit the export: expected {n} distinct relative "
+            f"names, found {str(names)[:200]}. The MLmodel file was altered; download the "
+            "model again."
+        )
+    return names
+
+
+def params_target(exported: Any, in_shardings: tuple = (), meta: dict | None = None) -> Any:
+    """ShapeDtypeStructs (with the placement's shardings) the checkpoint must restore into.
+
+    For a model in the named layout (``meta['params_layout']``) a dict ``{name: struct}``
+    (typed PRNG keys as their key data), else the export's params tree.
+    """
+    from jaxexp_mlflow.named_params import dtype_impl_name, key_data_spec
+
     treedef = params_treedef(exported)
     n = treedef.num_leaves
     shardings = list(in_shardings[:n]) or [None] * n
+    avals = exported.in_avals[:n]
+    if (meta or {}).get("params_layout") == NAMED_LAYOUT:
+        names = param_names(meta, n) or []
+        impls = meta.get("param_keys") or {}
+        out = {}
+        for name, a, s in zip(names, avals, shardings, strict=True):
+            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                out[name] = key_data_spec(
+                    tuple(a.shape), impls.get(name) or dtype_impl_name(a.dtype)
+                )
+            else:
+                out[name] = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        return out
     leaves = [
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-        for a, s in zip(exported.in_avals[:n], shardings, strict=True)
+        for a, s in zip(avals, shardings, strict=True)
     ]
     return jax.tree.unflatten(treedef, leaves)
 
@@ -74,7 +120,9 @@ def check_params(exported: Any, params: Any) -> int:
         )
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     for path, leaf, aval in zip(paths, leaves, exported.in_avals, strict=False):
-        got = jax.ShapeDtypeStruct(np.shape(leaf), jax.numpy.result_type(leaf))
+        got = jax.ShapeDtypeStruct(
+            np.shape(leaf), getattr(leaf, "dtype", None) or jax.numpy.result_type(leaf)
+        )
         if tuple(got.shape) != tuple(aval.shape) or got.dtype != aval.dtype:
             raise ParamsMismatchError(
                 f"params{path}: expected {aval_str(aval)}, found "

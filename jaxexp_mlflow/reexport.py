@@ -107,7 +107,7 @@ def _bind(exported: Any, local: Path, meta: dict, placement: Any) -> Any:
     if meta.get("params"):
         from jaxexp_mlflow.codec.params import restore_params
 
-        target = artifact.params_target(exported, placement.in_shardings)
+        target = artifact.params_target(exported, placement.in_shardings, meta)
         params = restore_params(Path(local, meta["params"]), target=target)
     return JaxExpModel(exported, params, meta, placement=placement)
 

@@ -131,7 +131,7 @@ def test_inspect_local_model_summary(store):
     for text in (
         "mlp_apply",
         "jax " + jax.__version__,
-        "params['w1']",
+        "params.w1",
         "float32[b,8]",
         "float32[b,4]",
         "(matches MLmodel)",
@@ -141,7 +141,7 @@ def test_inspect_local_model_summary(store):
         assert text in out, text
     rows = [line.split() for line in out.splitlines()]
     assert ["4", "input", "x", "args[1]", "float32[b,8]"] in rows  # with the signature name
-    assert ["0", "param", "params['b1']", "float32[16]"] in rows
+    assert ["0", "param", "params.b1", "float32[16]"] in rows
 
 
 def test_inspect_json_matches_the_blob(store):

@@ -19,20 +19,46 @@ from jaxexp_mlflow.cli._common import (
 from jaxexp_mlflow.cli.uri import Target, resolve
 
 
+def _custom_keys(node: Any) -> list | None:
+    """The child keys of a dict-like custom node (Flax ``FrozenDict``, ``nnx.State``): its
+    auxiliary data when that is a JSON list of one str/int key per child."""
+    try:
+        keys = json.loads(node.custom_auxdata or b"")
+    except ValueError:
+        return None
+    if (
+        isinstance(keys, list)
+        and len(keys) == len(node.children)
+        and all(isinstance(k, str | int) for k in keys)
+    ):
+        return keys
+    return None
+
+
 def leaf_paths(node: Any, prefix: str = "") -> list[str]:
-    """Key paths of the leaves of a reader ``TreeNode`` (``[0]['w1']``), in flattening order."""
+    """Key paths of the leaves of a reader ``TreeNode`` (``[0]['w1']``), in flattening order.
+
+    Dict-like custom nodes (keys in their auxiliary data) read like dicts, one-child wrappers
+    (Flax variables) are left out of the path; other custom nodes show their class name.
+    """
     kind = node.kind
     if kind == "leaf":
         return [prefix]
     if kind == "none":
         return []
+    custom_keys = _custom_keys(node) if kind == "custom" else None
     out: list[str] = []
     for i, child in enumerate(node.children):
         if kind == "dict":
             key = (node.keys or ())[i] if i < len(node.keys or ()) else i
             out += leaf_paths(child, f"{prefix}[{key!r}]")
+        elif custom_keys is not None:
+            out += leaf_paths(child, f"{prefix}[{custom_keys[i]!r}]")
+        elif kind == "custom" and len(node.children) == 1:
+            out += leaf_paths(child, prefix)
         elif kind == "custom":
-            out += leaf_paths(child, f"{prefix}.<{node.custom_name}>[{i}]")
+            short = str(node.custom_name).rpartition(".")[2]
+            out += leaf_paths(child, f"{prefix}.<{short}>[{i}]")
         else:
             out += leaf_paths(child, f"{prefix}[{i}]")
     return out
@@ -44,24 +70,37 @@ def _io_names(flavor: dict[str, Any], side: str) -> list[str]:
     return [str(e.get("name")) for e in io.get(side) or []]
 
 
+def param_path(name: str) -> str:
+    """How a named param reads in the inputs table: ``params.l1.kernel``, ``params[0].w``."""
+    return "params" + ("" if name.startswith("[") else ".") + name
+
+
 def input_rows(
-    desc: Any, n_param_leaves: int, names: list[str] | None = None
+    desc: Any,
+    n_param_leaves: int,
+    names: list[str] | None = None,
+    param_names: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per flat input leaf: role (param/input/kwarg), signature name, key path, aval,
-    sharding."""
+    sharding. ``param_names`` are the params names MLmodel records (models saved since named
+    params): they make the params' paths."""
     root = desc.in_tree
     if root.kind == "tuple" and len(root.children) == 2:
         args, kwargs = root.children
         paths = leaf_paths(args, "args") + leaf_paths(kwargs, "kwargs")
     else:  # pragma: no cover - every writer stores (args, kwargs)
         paths = leaf_paths(root, "in")
+    if not isinstance(param_names, list) or len(param_names) != n_param_leaves:
+        param_names = None
     rows = []
     for i, aval in enumerate(desc.in_avals):
         path = paths[i] if i < len(paths) else f"in[{i}]"
         role = (
             "param" if i < n_param_leaves else ("kwarg" if path.startswith("kwargs") else "input")
         )
-        if n_param_leaves and role == "param" and path.startswith("args[0]"):
+        if role == "param" and param_names is not None:
+            path = param_path(str(param_names[i]))
+        elif n_param_leaves and role == "param" and path.startswith("args[0]"):
             path = "params" + path[len("args[0]") :]
         shard = desc.in_shardings[i] if i < len(desc.in_shardings) else None
         k = i - n_param_leaves
@@ -151,7 +190,9 @@ def describe(target: Target) -> dict[str, Any]:
             if not flavor.get("params")
             else {"path": flavor.get("params"), "n_leaves": n_params, **params_format}
         ),
-        "inputs": input_rows(desc, n_params, _io_names(flavor, "inputs")),
+        "inputs": input_rows(
+            desc, n_params, _io_names(flavor, "inputs"), flavor.get("param_names")
+        ),
         "outputs": output_rows(desc, _io_names(flavor, "outputs")),
         "signature": signature_rows(target.mlmodel),
         "reference": flavor.get("reference"),

@@ -91,11 +91,12 @@ class JaxExpPyfunc:
             exported = model.exported
             has_params = model.has_params
             unflatten = treedef.unflatten
+            export_arg = model.export_arg
 
             def flat_call(params: Any, *leaves: Any) -> list:
                 args, kwargs = unflatten(leaves)
                 if has_params:
-                    return jax.tree.leaves(exported.call(params, *args, **kwargs))
+                    return jax.tree.leaves(exported.call(export_arg(params), *args, **kwargs))
                 return jax.tree.leaves(exported.call(*args, **kwargs))
 
             self._flat = jax.jit(flat_call)

@@ -8,10 +8,10 @@ from typing import Any
 
 import jax
 
-from jaxexp_mlflow import artifact
+from jaxexp_mlflow import artifact, named_params
 from jaxexp_mlflow.codec import blob as blob_codec
 from jaxexp_mlflow.codec.metadata import exported_metadata, package_version
-from jaxexp_mlflow.errors import IncompatibleError, UnsupportedModelError
+from jaxexp_mlflow.errors import IncompatibleError, ParamsMismatchError, UnsupportedModelError
 from jaxexp_mlflow.export import as_args, export_function
 from jaxexp_mlflow.pytrees import register_for_save
 
@@ -20,11 +20,20 @@ def _serialize(exported: Any, vjp_order: int) -> bytes:
     try:
         return bytes(exported.serialize(vjp_order=vjp_order))
     except Exception as err:
+        text = str(err).lower()
+        if any(w in text for w in ("pytree", "register", "keys", "serialization is supported")):
+            hint = (
+                "A given Exported whose arguments hold custom pytree nodes (Equinox modules, "
+                "your own classes) needs them registered with "
+                "jax.export.register_pytree_node_serialization. Simpler: pass the function "
+                "fn(params, *inputs) with params=...: the flavor then exports against a flat "
+                "dict of named arrays and keeps your tree inside the function."
+            )
+        else:
+            hint = "Functions that cannot be differentiated need vjp_order=0."
         raise UnsupportedModelError(
-            f"Exported.serialize(vjp_order={vjp_order}) failed for {exported.fun_name!r}: {err}. "
-            "Custom pytree nodes must be registered with "
-            "jax.export.register_pytree_node_serialization (Flax types are registered "
-            "automatically); functions that cannot be differentiated need vjp_order=0."
+            f"Exported.serialize(vjp_order={vjp_order}) failed for {exported.fun_name!r}: "
+            f"{err}. {hint}"
         ) from err
 
 
@@ -59,9 +68,13 @@ def resolve_exported(
     elif callable(exported):
         if platforms is not None and hasattr(exported, "platforms"):
             raise UnsupportedModelError("platforms= applies only to functions, not Exported.")
+        fn, arrays = exported, params
+        if params is not None and not isinstance(params, str | os.PathLike):
+            named = named_params.canonicalize(params)  # export against {name: array}
+            fn, arrays = named_params.bind(exported, named), named.arrays
         exp = export_function(
-            exported,
-            params,
+            fn,
+            arrays,
             input_example,
             batch_polymorphic=batch_polymorphic,
             platforms=platforms,
@@ -120,17 +133,42 @@ def write_model_files(
     n_params = 0
     params_path = None
     params_conf: dict[str, Any] | None = None
+    names_conf: dict[str, Any] = {}
+    arrays = None  # the params as stored: {name: array}
     if params is not None:
         params_path = artifact.PARAMS_DIR
         target = Path(path, params_path)
+        treedef = artifact.params_treedef(exp)
+        names = named_params.export_param_names(treedef)
+        avals = exp.in_avals[: treedef.num_leaves]
+        names_conf = {
+            "param_names": names,
+            "param_keys": named_params.export_key_impls(names, avals),
+            "params_layout": artifact.NAMED_LAYOUT,
+        }
         if isinstance(params, str | os.PathLike):
-            params_codec.check_checkpoint(params, artifact.params_target(exp))
+            try:  # a checkpoint of this flavor's named layout (e.g. a refresh)...
+                params_codec.check_checkpoint(params, artifact.params_target(exp, (), names_conf))
+            except ParamsMismatchError:  # ... or of the export's own tree
+                params_codec.check_checkpoint(params, artifact.params_target(exp))
+                del names_conf["params_layout"]
             params_conf = params_codec.copy_checkpoint(params, target)
-            n_params = artifact.params_treedef(exp).num_leaves
+            n_params = treedef.num_leaves
         else:
-            n_params = artifact.check_params(exp, params)
+            given = params
+            if not isinstance(exported, bytes | bytearray | memoryview | jax.export.Exported):
+                named = named_params.canonicalize(params)  # what export_function was given
+                given = named.arrays
+                names_conf["param_keys"].update(named.key_impls)
+            n_params = artifact.check_params(exp, given)
+            arrays = {
+                n: named_params.unwrap_key(leaf)
+                for n, leaf in zip(names, jax.tree.leaves(given), strict=True)
+            }
             kw = {} if compression == "default" else {"compression": compression}
-            params_conf = params_codec.save_params(params, target, **kw)
+            params_conf = params_codec.save_params(arrays, target, **kw)
+        if not names_conf["param_keys"]:
+            del names_conf["param_keys"]
     Path(path, artifact.EXPORTED_FILE).write_bytes(data)
 
     node_types = sorted({*register_for_save(exp.in_tree), *register_for_save(exp.out_tree)})
@@ -151,12 +189,15 @@ def write_model_files(
         node_types=node_types,
     )
     conf["params_format"] = params_conf
+    conf.update(names_conf)
     conf["schema_generation"] = description.schema_generation
     if input_example is not None:
         _refuse_if_it_cannot_run_here(conf, description)
-        bound = params
+        bound = arrays
         if isinstance(params, str | os.PathLike):  # an on-disk checkpoint: read it to run once
-            bound = params_codec.restore_params(target, target=artifact.params_target(exp))
+            bound = params_codec.restore_params(
+                target, target=artifact.params_target(exp, (), names_conf)
+            )
         outputs = JaxExpModel(exp, bound, conf)(*as_args(input_example))
         conf["reference"] = artifact.write_reference(path, as_args(input_example), outputs)
     else:  # a synthetic reference when the blob runs here, so verify has something to reproduce

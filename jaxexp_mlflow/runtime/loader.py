@@ -67,7 +67,7 @@ def load_directory(
                 f"The model's params checkpoint {ckpt} is missing. Download the complete model "
                 "directory (exported.bin, params/, MLmodel) again."
             )
-        target = artifact.params_target(placement.exported, placement.in_shardings)
+        target = artifact.params_target(placement.exported, placement.in_shardings, meta)
         params = restore_params(ckpt, target=target)
     model = JaxExpModel(placement.exported, params, meta, placement=placement)
     model.verdict = verdict

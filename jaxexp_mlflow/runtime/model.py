@@ -34,6 +34,12 @@ class JaxExpModel:
     ``model(*inputs, **kw)`` calls the export with the stored params as first argument (when the
     model has params), through one ``jax.jit``-compiled callable kept per model: a bare
     ``Exported.call`` outside jit costs 2-3x more at small batch sizes.
+
+    ``params`` of a model saved by this version is a dict ``{name: jax.Array}`` in the export's
+    leaf order, named by the attribute paths of the params the model was logged with
+    (``l1.kernel``, ``layers[0].weight``), typed PRNG keys rebuilt; ``call_with_params`` takes
+    the same dict. Older models give back the export's params tree. See
+    docs/model-families.md.
     """
 
     def __init__(
@@ -48,6 +54,9 @@ class JaxExpModel:
         self.metadata = dict(metadata or {})
         order = self.metadata.get("vjp_order", 0) if vjp_order is None else vjp_order
         self.exported = _guard_vjp(exported, int(order))
+        self._param_names = None
+        if params is not None and self.metadata.get("param_names") is not None:
+            params = self._named(params)
         if placement is None and int(getattr(exported, "nr_devices", 1)) > 1:
             # built directly (e.g. at save time) rather than by the loader: place it here, and
             # move the params into the shardings the export expects
@@ -56,10 +65,16 @@ class JaxExpModel:
             placement = devices.plan(self.exported)
             if params is not None:
                 n = len(jax.tree.leaves(params))
-                shardings = jax.tree.unflatten(
-                    jax.tree.structure(params), list(placement.in_shardings[:n])
-                )
+                shardings = list(placement.in_shardings[:n])
+                if self._param_names is not None:
+                    shardings = dict(zip(self._param_names, shardings, strict=True))
+                else:
+                    shardings = jax.tree.unflatten(jax.tree.structure(params), shardings)
                 params = jax.device_put(params, shardings)
+        if self._param_names is not None:
+            from jaxexp_mlflow.named_params import wrap_keys
+
+            params = wrap_keys(params, self.metadata.get("param_keys"))
         self.params = params
         self.placement = placement
         self.verdict: Any = None  # the compat.Verdict the loader reached, if loaded from disk
@@ -72,11 +87,33 @@ class JaxExpModel:
             or any(s is not None for s in self._in_shardings[self._n_param_leaves :])
         )
         self._jit_call = jax.jit(self._raw_call)
-        self._jit_call_with_params = jax.jit(self.exported.call)
+        self._jit_call_with_params = jax.jit(self._raw_call)
+
+    def _named(self, params: Any) -> dict[str, Any]:
+        """The params as ``{name: array}`` in the export's leaf order (see named_params)."""
+        from jaxexp_mlflow import artifact
+
+        n = artifact.params_treedef(self.exported).num_leaves
+        names = artifact.param_names(self.metadata, n)
+        self._param_names = names
+        if not isinstance(params, dict) or set(params) != set(names):
+            params = dict(zip(names, jax.tree.leaves(params), strict=True))  # a copied tree
+        return {name: params[name] for name in names}
+
+    def export_arg(self, params: Any) -> Any:
+        """The export's first argument from ``params`` shaped like ``model.params``."""
+        if self._param_names is None:
+            return params
+        from jaxexp_mlflow import artifact
+        from jaxexp_mlflow.named_params import export_arg
+
+        treedef = artifact.params_treedef(self.exported)
+        avals = self.exported.in_avals[: treedef.num_leaves]
+        return export_arg(params, self._param_names, treedef, avals)
 
     def _raw_call(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
         if self.has_params:
-            return self.exported.call(params, *inputs, **kwargs)
+            return self.exported.call(self.export_arg(params), *inputs, **kwargs)
         return self.exported.call(*inputs, **kwargs)
 
     def _place(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -108,7 +145,8 @@ class JaxExpModel:
             raise self._explain(err, inputs, kwargs) from err
 
     def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
-        """Run with other ``params`` of the same structure, e.g. to differentiate wrt them."""
+        """Run with other ``params`` shaped like ``model.params``, e.g. to differentiate wrt
+        them."""
         if not self.has_params:
             raise InputError(
                 "This model was saved without params, so there are none to replace: "
