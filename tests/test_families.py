@@ -132,6 +132,12 @@ def test_bare_export_of_nnx_state_with_rng_keys(tmp_path):
     assert flavor_conf(path)["param_names"] == [
         "drop.rngs.count", "drop.rngs.key", "l1.bias", "l1.kernel"
     ]  # fmt: skip
+    from tests.test_cli import run_cli
+
+    # the bare blob, without MLmodel: dict-like Flax nodes read as dicts, variables transparent
+    report = json.loads(run_cli("inspect", str(path / "exported.bin"), "--json").stdout)
+    paths = [r["path"] for r in report["inputs"]]
+    assert paths[:2] == ["args[0]['drop']['rngs']['count']", "args[0]['drop']['rngs']['key']"]
 
 
 def test_linen_frozendict_with_batch_stats(tmp_path):
@@ -171,6 +177,11 @@ def test_equinox_partition_and_whole_module(tmp_path):
     # the whole module: its activation functions stay inside the exported function
     _, loaded = save_and_load(tmp_path, "whole", lambda m, x: jax.vmap(m)(x), mlp)
     np.testing.assert_allclose(loaded(X), apply(params, X), rtol=1e-5, atol=1e-6)
+    # an Exported taking the Equinox module cannot be serialized: the error says what to do
+    exp = jax.export.export(jax.jit(apply))(params, jax.ShapeDtypeStruct(X.shape, X.dtype))
+    with pytest.raises(UnsupportedModelError, match="pass the function"):
+        mlflow.jaxexp.save_model(exp, tmp_path / "bare", params=params)
+    assert not (tmp_path / "bare" / "params").exists()
 
 
 def test_keys_that_look_alike_round_trip(tmp_path):
