@@ -1,5 +1,7 @@
 """Serialization of custom pytree nodes (Flax ``FrozenDict``, ``nnx.State``, ``nnx.Variable``).
 
+Only a given ``Exported`` (or blob) whose arguments hold such nodes needs this: a function
+saved with ``params=`` is exported against a plain dict of named arrays (``named_params``).
 ``Exported.serialize`` refuses custom pytree nodes unless they are registered with
 ``jax.export.register_pytree_node_serialization``, on the saving *and* the loading side. Users
 logging a Flax model expect that to just work, so we register the node types of an allowlisted
