@@ -244,6 +244,23 @@ def canonicalize(params: Any) -> NamedParams:
     return NamedParams(tuple(arrays), arrays, impls, rebuild)
 
 
+def restore_tree(like: Any, named: dict[str, Any]) -> Any:
+    """``like`` (params of the structure the model was logged with: an NNX module or state, an
+    Equinox module, a dict...) rebuilt with the arrays of ``named`` (e.g. ``model.params``).
+
+    Needs the user's classes (Flax, Equinox) since it rebuilds their objects.
+    """
+    template = canonicalize(like)
+    missing = [n for n in template.names if n not in named]
+    if missing:
+        raise ParamsMismatchError(
+            f"params: expected entries {missing[:8]} (of {len(template.names)}), found none "
+            f"in the given dict of {len(named)}. Pass params of the structure the model was "
+            "logged with."
+        )
+    return template.rebuild({n: unwrap_key(named[n]) for n in template.names})
+
+
 def export_param_names(treedef: Any) -> list[str]:
     """The names of the leaves of an export's params argument, given its treedef."""
     return leaf_names(jax.tree.unflatten(treedef, list(range(treedef.num_leaves))))

@@ -32,7 +32,7 @@ def save_and_load(tmp_path, name, fn, params, **kw):
     return path, mlflow.jaxexp.load_model(str(path))
 
 
-def nnx_model():
+def nnx_model(seed: int = 0):
     nnx = pytest.importorskip("flax.nnx")
 
     class Net(nnx.Module):
@@ -46,7 +46,7 @@ def nnx_model():
             h = self.drop(jax.nn.relu(self.bn(self.l1(x))))
             return self.layers[1](jax.nn.relu(self.layers[0](h)))
 
-    model = Net(nnx.Rngs(0, dropout=1))
+    model = Net(nnx.Rngs(seed, dropout=1))
     model.eval()
     return nnx, model
 
@@ -73,6 +73,13 @@ def test_nnx_split_state_with_rng_logs_loads_and_serves(tracking_uri):
         jax.random.key_data(key), jax.random.key_data(state["drop"]["rngs"]["key"][...])
     )
     np.testing.assert_array_equal(loaded.params["l1.kernel"], state["l1"]["kernel"][...])
+    from jaxexp_mlflow.named_params import restore_tree
+
+    _, fresh = nnx_model(seed=7)  # same structure, other weights: rebuilt from the loaded ones
+    assert not np.allclose(fresh.l1.kernel[...], state["l1"]["kernel"][...])
+    rebuilt = restore_tree(nnx.state(fresh), loaded.params)
+    np.testing.assert_array_equal(rebuilt["l1"]["kernel"][...], state["l1"]["kernel"][...])
+    np.testing.assert_allclose(nnx.merge(graphdef, rebuilt)(X), model(X), rtol=1e-6)
     pyfunc = mlflow.pyfunc.load_model(info.model_uri)
     np.testing.assert_allclose(pyfunc.predict(X), model(X), rtol=1e-5, atol=1e-6)
     # call_with_params takes model.params' own dict (typed keys included)
