@@ -183,7 +183,7 @@ def store_reference(
         if isinstance(params, str | os.PathLike):
             from jaxexp_mlflow.codec.params import restore_params
 
-            target = artifact.params_target(exported)
+            target = artifact.params_target(exported, (), conf)
             params = restore_params(Path(path, conf["params"]), target=target)
         model = JaxExpModel(exported, params, conf)
         avals = list(exported.in_avals)[int(conf.get("n_param_leaves") or 0) :]

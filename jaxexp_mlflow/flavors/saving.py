@@ -203,5 +203,6 @@ def write_model_files(
     else:  # a synthetic reference when the blob runs here, so verify has something to reproduce
         from jaxexp_mlflow import probes
 
-        conf.update(probes.store_reference(path, exp, conf, description, params=params))
+        stored = params if arrays is None else arrays  # the {name: array} dict, or a path
+        conf.update(probes.store_reference(path, exp, conf, description, params=stored))
     return conf, exp

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from jaxexp_mlflow.errors import IncompatibleError, InputError
+from jaxexp_mlflow.errors import IncompatibleError, InputError, ParamsMismatchError
 
 
 def _guard_vjp(exported: Any, vjp_order: int, level: int = 0) -> Any:
@@ -93,10 +93,16 @@ class JaxExpModel:
         """The params as ``{name: array}`` in the export's leaf order (see named_params)."""
         from jaxexp_mlflow import artifact
 
-        n = artifact.params_treedef(self.exported).num_leaves
-        names = artifact.param_names(self.metadata, n)
+        treedef = artifact.params_treedef(self.exported)
+        names = artifact.param_names(self.metadata, treedef.num_leaves)
         self._param_names = names
         if not isinstance(params, dict) or set(params) != set(names):
+            if jax.tree.structure(params) != treedef:
+                raise ParamsMismatchError(
+                    f"params: expected a dict with the names {names[:8]}... or the export's "
+                    f"params tree {treedef}, found {jax.tree.structure(params)}. Pass a dict "
+                    "like model.params."
+                )
             params = dict(zip(names, jax.tree.leaves(params), strict=True))  # a copied tree
         return {name: params[name] for name in names}
 
