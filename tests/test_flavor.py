@@ -302,7 +302,9 @@ def test_mlflow_params_tags_and_registration_pass_through(tracking_uri):
         )
     assert info.registered_model_version == 1
     logged = mlflow.get_logged_model(info.model_id)
-    assert logged.params == {"lr": "0.1"} and logged.tags["team"] == "jax"
+    assert logged.params["lr"] == "0.1" and logged.tags["team"] == "jax"
+    # the rest are the JAX facts the flavor adds for the MLflow UI (flavors/facts.py)
+    assert {k for k in logged.params if k != "lr"} <= {k for k in logged.params if k[:4] == "jax."}
     model = mlflow.jaxexp.load_model("models:/mlp/1")
     np.testing.assert_allclose(model(batch(2)), mlp_apply(params, batch(2)), rtol=1e-6)
 
