@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -254,9 +255,10 @@ def save_params(
     return describe_checkpoint(path)
 
 
-#: File listing every file of the checkpoint with its size, written by this package so that a
-#: file lost on the way (a partial download, an artifact store that skips it) is an error and
-#: not a silently zero-filled array: zarr reads a missing chunk file as its fill value.
+#: File listing every file of the checkpoint with its size and CRC-32C, written by this package
+#: so that a file lost or altered on the way (a partial download, an artifact store that skips
+#: it, bit rot, an edit) is an error and not a silently zero-filled or corrupted array: zarr
+#: reads a missing chunk file as its fill value. See ``codec.manifest``.
 MANIFEST_FILE = "jaxexp_manifest.json"
 
 
@@ -291,45 +293,27 @@ def _flatten_chunk_keys(path: Path) -> None:
 
 
 def _write_manifest(path: Path) -> None:
-    files = {
-        str(f.relative_to(path)): f.stat().st_size
-        for f in sorted(path.rglob("*"))
-        if f.is_file() and f.name != MANIFEST_FILE
-    }
-    (path / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=0))
+    from jaxexp_mlflow.codec import manifest
+
+    manifest.write_manifest(path)
 
 
-def verify_manifest(directory: str | os.PathLike) -> None:
-    """Raise :class:`ArtifactError` if a file listed in the checkpoint's manifest is missing or
-    has another size. Checkpoints without a manifest (not written by this package) pass."""
-    path = Path(directory)
-    try:
-        files = json.loads((path / MANIFEST_FILE).read_bytes())["files"]
-    except FileNotFoundError:
-        return
-    except (ValueError, KeyError, TypeError) as e:
-        raise ArtifactError(
-            f"The params manifest {path / MANIFEST_FILE} is damaged ({e}). Download the model "
-            "again."
-        ) from e
-    bad = []
-    for rel, size in files.items():
-        f = path / rel
-        found = f.stat().st_size if f.is_file() else None
-        if found != size:
-            bad.append(
-                f"{rel}: expected {size} bytes, found {'no file' if found is None else found}"
-            )
-    if bad:
-        shown = "\n  ".join(bad[:10]) + (
-            f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
-        )
-        raise ArtifactError(
-            f"The params checkpoint {path} is incomplete ({len(bad)} of {len(files)} files):\n  "
-            f"{shown}\nThe download or copy lost files: download the model again. If they keep "
-            "missing, the artifact store drops them: re-log the model with this version of "
-            "jaxexp-mlflow, which stores array chunks as flat files."
-        )
+def _is_chunk_file(rel: str) -> bool:
+    """Array data (zarr chunks, OCDBT data files): checksummed while the fast path reads them."""
+    name = rel.rsplit("/", 1)[-1]
+    return name == "c" or bool(re.fullmatch(r"c(\.\d+)+", name)) or "/c/" in f"/{rel}"
+
+
+def verify_manifest(directory: str | os.PathLike) -> Any:
+    """Check the checkpoint at ``directory`` against its manifest (see ``codec.manifest``).
+
+    File set, sizes, regular files inside the directory, and the CRC-32C of every file except
+    the array chunks, which are checked as they are read. Returns the ``Manifest``; raises
+    :class:`ArtifactError` when the manifest is missing or a file differs from it.
+    """
+    from jaxexp_mlflow.codec import manifest
+
+    return manifest.verify_checkpoint(directory, checksum=lambda rel: not _is_chunk_file(rel))
 
 
 def _fsync_tree(path: Path) -> None:
@@ -452,135 +436,180 @@ def _aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = 64) -> Any:
     return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
-def _fill_value(meta: dict, dtype: Any) -> Any:
-    import numpy as np
+def _pread_into(fd: int, view: memoryview, offset: int, crc: int) -> int:
+    """Fill ``view`` from ``offset``; return the CRC-32C continued over the bytes read."""
+    from jaxexp_mlflow.codec.manifest import crc32c
 
-    fv = meta.get("fill_value", 0)
-    if isinstance(fv, str):
-        specials = {"NaN": np.nan, "Infinity": np.inf, "-Infinity": -np.inf}
-        if fv not in specials:
-            raise _NoFastPath(f"fill_value {fv!r}")
-        fv = specials[fv]
-    if isinstance(fv, list):  # complex
-        fv = complex(fv[0], fv[1])
-    return np.asarray(fv).astype(dtype)
-
-
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
     while len(view):
-        n = os.preadv(fd, [view], offset)
+        n = os.preadv(fd, [view[: 8 << 20]], offset)  # checksum each block while it is cached
         if n <= 0:
             raise ArtifactError(
                 f"Truncated params array file: expected {len(view)} more bytes at offset "
                 f"{offset}, found end of file. The artifact is damaged; re-log the model."
             )
+        crc = crc32c(view[:n], crc)
         view = view[n:]
         offset += n
+    return crc
 
 
-def _fast_read_leaf(array_dir: Path, sds: Any) -> Any:
+def _fast_read_leaf(root: Path, rel_dir: str, sds: Any, manifest: Any) -> Any:
     """Read one uncompressed zarr3 array written by Orbax straight into an aligned buffer.
 
     Handles the layouts Orbax writes for an unsharded array: ``sharding_indexed`` (or plain)
     zarr3 chunks with the ``bytes`` codec only, split along axis 0 at most. Anything else raises
-    ``_NoFastPath`` and the leaf goes through Orbax.
+    ``_NoFastPath`` and the leaf goes through Orbax. Every chunk file must be present and hold
+    the array's bytes (checked before the buffer is allocated; a missing chunk is an error, not
+    zeros: Orbax writes every chunk), and its CRC-32C, computed as it is read, must match the
+    manifest.
     """
     import numpy as np
 
+    from jaxexp_mlflow.codec import files
+    from jaxexp_mlflow.codec.manifest import file_crc32c
+
+    if f"{rel_dir}/zarr.json" not in manifest.files:
+        raise _NoFastPath("no zarr.json")
+    array_dir = root / rel_dir
     try:
-        meta = json.loads((array_dir / "zarr.json").read_bytes())
-    except FileNotFoundError as e:
-        raise _NoFastPath("no zarr.json") from e
+        meta = json.loads(
+            files.read_file(
+                array_dir / "zarr.json",
+                what=f"array metadata {rel_dir}/zarr.json",
+                max_bytes=files.MAX_SMALL_FILE_BYTES,
+            )
+        )
+    except (ValueError, RecursionError) as e:
+        raise ArtifactError(
+            f"The params array metadata {rel_dir}/zarr.json is not valid JSON "
+            f"({type(e).__name__}). The checkpoint is damaged; download the model again."
+        ) from None
+    if not isinstance(meta, dict):
+        raise _NoFastPath("zarr metadata")
     shape = tuple(int(d) for d in sds.shape)
     dtype = np.dtype(sds.dtype)
-    if (
-        meta.get("zarr_format") != 3
-        or tuple(meta.get("shape", ())) != shape
-        or meta.get("data_type") != dtype.name
-        or meta.get("chunk_key_encoding", {}).get("name") != "default"
-        or meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/")
-        not in ("/", ".")
-        or meta.get("chunk_grid", {}).get("name") != "regular"
-        or meta.get("storage_transformers")
-        or sys.byteorder != "little"
-    ):
-        raise _NoFastPath("zarr metadata")
-    outer = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
-    codecs = meta.get("codecs", [])
-    raw_codecs = [[{"name": "bytes", "configuration": {"endian": "little"}}]]
-    if dtype.itemsize == 1:  # endianness is meaningless, so zarr3 omits it
-        raw_codecs.append([{"name": "bytes"}])
-    if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
-        conf = codecs[0]["configuration"]
-        inner = tuple(conf["chunk_shape"])
+    try:
         if (
-            conf.get("codecs") not in raw_codecs
-            or conf.get("index_location", "end") != "end"
-            or conf.get("index_codecs")
-            != [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+            meta.get("zarr_format") != 3
+            or tuple(meta.get("shape", ())) != shape
+            or meta.get("data_type") != dtype.name
+            or meta.get("chunk_key_encoding", {}).get("name") != "default"
+            or meta.get("chunk_key_encoding", {}).get("configuration", {}).get("separator", "/")
+            not in ("/", ".")
+            or meta.get("chunk_grid", {}).get("name") != "regular"
+            or meta.get("storage_transformers")
+            or sys.byteorder != "little"
         ):
+            raise _NoFastPath("zarr metadata")
+        outer = tuple(int(d) for d in meta["chunk_grid"]["configuration"]["chunk_shape"])
+        codecs = meta.get("codecs", [])
+        raw_codecs = [[{"name": "bytes", "configuration": {"endian": "little"}}]]
+        if dtype.itemsize == 1:  # endianness is meaningless, so zarr3 omits it
+            raw_codecs.append([{"name": "bytes"}])
+        if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
+            conf = codecs[0]["configuration"]
+            inner = tuple(int(d) for d in conf["chunk_shape"])
+            if (
+                conf.get("codecs") not in raw_codecs
+                or conf.get("index_location", "end") != "end"
+                or conf.get("index_codecs")
+                != [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+            ):
+                raise _NoFastPath("codecs")
+            sharded = True
+        elif codecs in raw_codecs:
+            inner, sharded = outer, False
+        else:
             raise _NoFastPath("codecs")
-        sharded = True
-    elif codecs in raw_codecs:
-        inner, sharded = outer, False
-    else:
-        raise _NoFastPath("codecs")
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise _NoFastPath("zarr metadata") from e  # Orbax judges (and refuses) it
     if len(outer) != len(shape) or len(inner) != len(shape) or outer[1:] != shape[1:]:
         raise _NoFastPath("chunk shape")
-    if inner[1:] != shape[1:] or (shape and (outer[0] % inner[0])):
+    if inner[1:] != shape[1:] or (shape and (not inner[0] or outer[0] % inner[0])):
         raise _NoFastPath("chunk shape")
-    out = _aligned_empty(shape, dtype)
-    if out.size == 0:
-        return out
-    fill = None
-    flat = out.reshape(-1).view(np.uint8) if out.ndim else out.reshape(1).view(np.uint8)
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else 0
     rows = shape[0] if shape else 1
     outer0 = outer[0] if shape else 1
     inner0 = inner[0] if shape else 1
     if not shape:
         row_bytes = dtype.itemsize
+    if rows == 0 or row_bytes == 0:
+        return _aligned_empty(shape, dtype)
     n_inner = outer0 // inner0
     chunk_bytes = inner0 * row_bytes
     sep = meta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
     rest = f"{sep}0" * (len(shape) - 1)
-    for s_idx in range(-(-rows // outer0)):
-        key = f"c{sep}{s_idx}{rest}" if shape else "c"
-        shard_path = array_dir / key
+    keys = [f"c{sep}{s}{rest}" if shape else "c" for s in range(-(-rows // outer0))]
+    missing = [k for k in keys if f"{rel_dir}/{k}" not in manifest.files]
+    if missing:
+        raise ArtifactError(
+            f"The params array {rel_dir} lacks its chunk file {missing[0]!r} (and "
+            f"{len(missing) - 1} more): expected every chunk of the array, found none, which "
+            "would read as zeros. The checkpoint is incomplete; download the model again."
+        )
+    on_disk = sum(manifest.files[f"{rel_dir}/{k}"][0] for k in keys)
+    nbytes = rows * row_bytes
+    if on_disk < nbytes:  # before allocating: the files must hold the bytes they claim
+        raise ArtifactError(
+            f"The params array {rel_dir} claims {nbytes} bytes ({dtype.name}{list(shape)}) but "
+            f"its chunk files hold {on_disk}. The checkpoint is damaged or forged; download the "
+            "model again."
+        )
+    out = _aligned_empty(shape, dtype)
+    flat = out.reshape(-1).view(np.uint8) if out.ndim else out.reshape(1).view(np.uint8)
+    for s_idx, key in enumerate(keys):
+        rel = f"{rel_dir}/{key}"
         row0 = s_idx * outer0
-        try:
-            fd = os.open(shard_path, os.O_RDONLY)
-        except FileNotFoundError:
-            fill = _fill_value(meta, dtype) if fill is None else fill
-            out.reshape(rows, -1)[row0 : row0 + outer0] = fill
-            continue
+        fd, size = files.open_regular(
+            root / rel, what=f"params file {rel!r}", max_bytes=manifest.files[rel][0]
+        )
         try:
             if sharded:
-                size = os.fstat(fd).st_size
                 index_bytes = n_inner * 16
                 if size < index_bytes + 4:
                     raise ArtifactError(
-                        f"Truncated params array file {shard_path}: expected at least "
+                        f"Truncated params array file {rel}: expected at least "
                         f"{index_bytes + 4} bytes, found {size}. Re-log the model."
                     )
                 index = np.frombuffer(os.pread(fd, index_bytes, size - index_bytes - 4), "<u8")
-                index = index.reshape(n_inner, 2)
-                entries = [(int(o), int(n)) for o, n in index]
+                entries = [(int(o), int(n)) for o, n in index.reshape(n_inner, 2)]
             else:
                 entries = [(0, chunk_bytes)]
-            for c_idx, (offset, nbytes) in enumerate(entries):
+            regions = []  # (file offset, destination) of every chunk this file holds
+            for c_idx, (offset, nb) in enumerate(entries):
                 start_row = row0 + c_idx * inner0
                 if start_row >= rows:
                     break
-                valid = min(inner0, rows - start_row) * row_bytes
-                dst = flat[start_row * row_bytes : start_row * row_bytes + valid]
-                if offset == _MISSING and nbytes == _MISSING:
-                    fill = _fill_value(meta, dtype) if fill is None else fill
-                    out.reshape(rows, -1)[start_row : start_row + inner0] = fill
-                    continue
-                if nbytes != chunk_bytes:
+                if offset == _MISSING and nb == _MISSING:
+                    raise ArtifactError(
+                        f"The params array file {rel} marks chunk {c_idx} as never written: "
+                        "expected every chunk of the array (it would read as zeros). The "
+                        "checkpoint is damaged; download the model again."
+                    )
+                if nb != chunk_bytes:
                     raise _NoFastPath("chunk size (compressed?)")
-                _pread_into(fd, memoryview(dst), offset)
+                if offset + nb > size:
+                    raise ArtifactError(
+                        f"The params array file {rel} is damaged: chunk {c_idx} lies past its "
+                        f"end ({offset + nb} > {size} bytes). Download the model again."
+                    )
+                valid = min(inner0, rows - start_row) * row_bytes
+                regions.append((offset, flat[start_row * row_bytes : start_row * row_bytes + valid]))
+            crc, pos = 0, 0
+            for offset, dst in sorted(regions, key=lambda r: r[0]):
+                if offset < pos:  # overlapping chunks: checksum the file on its own
+                    crc, pos = None, size
+                    break
+                crc = file_crc32c(fd, offset - pos, pos, crc)
+                crc = _pread_into(fd, memoryview(dst), offset, crc)
+                pos = offset + len(dst)
+            if crc is None:
+                for offset, dst in regions:
+                    _pread_into(fd, memoryview(dst), offset, 0)
+                crc = file_crc32c(fd, size)
+            else:
+                crc = file_crc32c(fd, size - pos, pos, crc)
+            manifest.check(rel, crc)
         finally:
             os.close(fd)
     return out
@@ -588,6 +617,20 @@ def _fast_read_leaf(array_dir: Path, sds: Any) -> Any:
 
 def _param_dir_name(tokens: tuple[str, ...]) -> str:
     return ".".join(tokens)
+
+
+def _check_leaf_names(target: Any) -> None:
+    """Array directories are named from the params' keys: refuse keys that would leave it."""
+    import jax
+
+    for kp, _ in jax.tree_util.tree_flatten_with_path(target)[0]:
+        name = _param_dir_name(tuple(_key_token(k) for k in kp))
+        if "/" in name or "\\" in name or "\x00" in name or name in ("", ".", ".."):
+            raise ArtifactError(
+                f"params{jax.tree_util.keystr(kp)}: expected a key usable as a file name inside "
+                "the checkpoint, found one with a path separator or '..'. The exported "
+                "function's params tree was forged or damaged; do not load this model."
+            )
 
 
 def check_checkpoint(directory: str | os.PathLike, target: Any) -> None:
@@ -628,8 +671,9 @@ def restore_params(directory: str | os.PathLike, *, target: Any) -> Any:
     import orbax.checkpoint as ocp
 
     path = _require_item_dir(directory)
-    verify_manifest(path)
+    manifest = verify_manifest(path)
     check_checkpoint(path, target)
+    _check_leaf_names(target)
     default_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     meta = _read_internal_metadata(path)
     ocdbt = bool(meta.get("use_ocdbt", (path / "manifest.ocdbt").exists()))
@@ -641,7 +685,7 @@ def restore_params(directory: str | os.PathLike, *, target: Any) -> Any:
             return ocp.PLACEHOLDER
         tokens = tuple(_key_token(k) for k in kp)
         try:
-            host = _fast_read_leaf(path / _param_dir_name(tokens), sds)
+            host = _fast_read_leaf(path, _param_dir_name(tokens), sds, manifest)
         except _NoFastPath:
             return ocp.PLACEHOLDER
         except OSError as e:
@@ -656,6 +700,7 @@ def restore_params(directory: str | os.PathLike, *, target: Any) -> Any:
     todo = jax.tree.map(
         lambda sds, r: sds if r is ocp.PLACEHOLDER else ocp.PLACEHOLDER, target, restored
     )
+    manifest.verify_files()  # what the fast path did not read, before Orbax reads it
     if not any(x is not ocp.PLACEHOLDER for x in jax.tree.leaves(todo)):
         _LAST_RESTORE_STATS.update(stats)
         return restored
@@ -749,7 +794,12 @@ def copy_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     when ``dst`` is on the same filesystem (Orbax never rewrites checkpoint files in place),
     copied otherwise. Returns the same description as :func:`save_params`.
     """
+    from jaxexp_mlflow.codec import files
+
     item = _find_item_dir(Path(src))
+    # a link leading out of the checkpoint, a FIFO or a device is refused, never copied
+    for _ in files.walk_files(item, ".", what="params checkpoint"):
+        pass
     checkpoint_tree(item)  # validates that Orbax can read its metadata
     out = Path(dst)
     if out.exists():

@@ -1,0 +1,297 @@
+"""The params manifest: every file of the checkpoint with its size and CRC-32C (no JAX needed).
+
+``save_params`` writes ``jaxexp_manifest.json`` into the checkpoint::
+
+    {"format": "jaxexp-manifest", "version": 2, "checksum": "crc32c",
+     "files": {"_METADATA": {"size": 397, "crc32c": "1a2b3c4d"}, "w/c.0.0": {...}, ...}}
+
+and every restore checks the directory against it before (sizes, file set, metadata files) and
+while (array data) reading: a file lost, added, truncated or altered is an ``ArtifactError``,
+never a silently zero-filled or corrupted array. CRC-32C is computed in hardware (SSE4.2 /
+ARMv8 CRC) by ``google-crc32c`` at several GB/s, so checking costs a fraction of the read itself
+(benchmarks/bench_params.py). It detects damage, not forgery: whoever can rewrite the weights
+can rewrite the manifest (see docs/security.md).
+
+Manifests written before checksums existed (``{"files": {name: size}}``) are accepted with a
+warning (sizes checked); a checkpoint without a manifest is refused. Only the stdlib, numpy-free
+``google_crc32c`` (plus numpy for buffer addresses) and :mod:`jaxexp_mlflow.codec.files` are used, so readers without JAX (the
+IREE backend) call :func:`verify_checkpoint` too.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from jaxexp_mlflow.codec import files
+from jaxexp_mlflow.codec.files import fail
+
+__all__ = [
+    "MANIFEST_FILE",
+    "Manifest",
+    "crc32c",
+    "file_crc32c",
+    "read_manifest",
+    "verify_checkpoint",
+    "write_manifest",
+]
+
+_logger = logging.getLogger(__name__)
+
+MANIFEST_FILE = "jaxexp_manifest.json"
+FORMAT = "jaxexp-manifest"
+VERSION = 2
+_MAX_FILES = 1_000_000
+_BLOCK = 8 << 20  # checksum streaming block: stays in the CPU caches
+
+
+@functools.cache
+def _native() -> Any:
+    """``crc32c_extend`` of the Google CRC32C library bundled with ``google-crc32c``, or None.
+
+    Called through ctypes because the extension module only takes ``bytes`` (a copy of every
+    buffer); ctypes passes the buffer's address and releases the GIL during the call.
+    """
+    import ctypes
+    import glob
+
+    import google_crc32c
+
+    pkg = os.path.dirname(google_crc32c.__file__)
+    for lib in sorted(glob.glob(os.path.join(pkg + "*", "*crc32c*.so*"))) + sorted(
+        glob.glob(os.path.join(pkg + "*", "*crc32c*.dylib"))
+    ):
+        try:
+            fn = ctypes.CDLL(lib).crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_uint32
+        return fn
+    return None
+
+
+def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC-32C of ``data`` continuing from ``value`` (hardware accelerated when available)."""
+    import numpy as np
+
+    view = memoryview(data).cast("B") if memoryview(data).ndim != 1 else memoryview(data)
+    if not len(view):
+        return value
+    fn = _native()
+    if fn is None:  # no bundled library found: the extension module, on a copy
+        import google_crc32c
+
+        return google_crc32c.extend(value, bytes(view))
+    return int(fn(value, np.frombuffer(view, np.uint8).ctypes.data, len(view)))
+
+
+def file_crc32c(fd: int, size: int, offset: int = 0, value: int = 0) -> int:
+    """CRC-32C of ``size`` bytes of an open file from ``offset``, streamed in 8 MiB blocks."""
+    buf = bytearray(min(_BLOCK, max(size, 1)))
+    view = memoryview(buf)
+    while size > 0:
+        n = os.preadv(fd, [view[: min(size, len(buf))]], offset)
+        if n <= 0:
+            raise fail(
+                f"A params file ended {size} bytes early while it was checksummed. The checkpoint "
+                "is damaged; download the model again."
+            )
+        value = crc32c(view[:n], value)
+        size -= n
+        offset += n
+    return value
+
+
+@dataclass
+class Manifest:
+    """The checkpoint's files: ``{relative path: (size, crc32c or None)}``.
+
+    ``legacy`` is True for a manifest without checksums (written before version 2).
+    """
+
+    directory: Path
+    files: dict[str, tuple[int, int | None]]
+    legacy: bool = False
+    verified: set[str] = field(default_factory=set)
+
+    def check(self, rel: str, value: int) -> None:
+        """Record that ``rel`` was read whole with CRC ``value``; raise if it differs."""
+        size, want = self.files[rel]
+        if want is not None and value != want:
+            raise fail(
+                f"The params file {rel!r} does not match its checksum in {MANIFEST_FILE} "
+                f"(expected crc32c {want:08x}, found {value:08x}, {size} bytes): the weights were "
+                "altered or damaged on disk. Download the model again or restore it from a backup."
+            )
+        self.verified.add(rel)
+
+    def verify_files(self, names: list[str] | None = None) -> None:
+        """Checksum the named files (default: every file not yet verified)."""
+        for rel in sorted(self.files) if names is None else names:
+            if rel in self.verified:
+                continue
+            size, want = self.files[rel]
+            if want is None:
+                self.verified.add(rel)
+                continue
+            path = files.resolve_inside(self.directory, rel, what=f"params file {rel!r}")
+            fd, found = files.open_regular(path, what=f"params file {rel!r}", max_bytes=size)
+            try:
+                self.check(rel, file_crc32c(fd, found))
+            finally:
+                os.close(fd)
+
+
+def _entry(rel: object, value: object, where: Path) -> tuple[str, tuple[int, int | None]]:
+    def bad(found: str) -> Exception:
+        return fail(
+            f"The params manifest {where.name} is damaged: expected entries "
+            f'"<relative path>": {{"size": <bytes>, "crc32c": "<8 hex digits>"}}, found {found}. '
+            "Download the model again."
+        )
+
+    if not isinstance(rel, str) or not rel or len(rel) > 4096:
+        raise bad("an entry without a usable name")
+    parts = PurePosixPath(rel).parts
+    if rel.startswith("/") or ".." in parts or "\x00" in rel or rel == MANIFEST_FILE:
+        raise bad(f"the entry {rel[:100]!r} (an absolute path, a '..' escape or itself)")
+    if isinstance(value, int) and not isinstance(value, bool):  # version 1: size only
+        size, crc = value, None
+    elif isinstance(value, dict):
+        size, text = value.get("size"), value.get("crc32c")
+        if not isinstance(text, str) or len(text) != 8:
+            raise bad(f"{rel[:100]!r} without an 8-digit crc32c")
+        try:
+            crc = int(text, 16)
+        except ValueError:
+            raise bad(f"{rel[:100]!r} with a crc32c that is not hexadecimal") from None
+    else:
+        raise bad(f"{rel[:100]!r} mapped to a {type(value).__name__}")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise bad(f"{rel[:100]!r} without a valid size")
+    return rel, (size, crc)
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    """Parse and validate the manifest of the checkpoint at ``directory`` (no data files read).
+
+    A missing or malformed manifest raises ``ArtifactError``; a version-1 manifest (sizes only)
+    comes back with ``legacy=True``.
+    """
+    path = Path(directory)
+    where = path / MANIFEST_FILE
+    if not os.path.lexists(where):
+        raise fail(
+            f"The params checkpoint has no {MANIFEST_FILE}: expected the list of its files with "
+            "their checksums, found none, so damaged or foreign weights could not be detected. "
+            "Re-log the model with this version of jaxexp-mlflow (or pass the checkpoint "
+            "directory as params= to log_model, which writes the manifest)."
+        )
+    raw = files.read_file(where, what=f"params manifest {MANIFEST_FILE}", max_bytes=256 << 20)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise fail(
+            f"The params manifest {MANIFEST_FILE} is not valid JSON ({type(err).__name__}). "
+            "Download the model again."
+        ) from None
+    entries = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(entries, dict) or len(entries) > _MAX_FILES:
+        raise fail(
+            f"The params manifest {MANIFEST_FILE} is damaged: expected an object with a 'files' "
+            f"mapping, found {type(entries if isinstance(doc, dict) else doc).__name__}. "
+            "Download the model again."
+        )
+    version = doc.get("version", 1)
+    if version not in (1, VERSION) or (version == VERSION and doc.get("checksum") != "crc32c"):
+        raise fail(
+            f"The params manifest {MANIFEST_FILE} has version {str(version)[:20]!r} / checksum "
+            f"{str(doc.get('checksum'))[:20]!r}: expected version {VERSION} with crc32c. It was "
+            "written by a newer jaxexp-mlflow: upgrade jaxexp-mlflow."
+        )
+    parsed = dict(_entry(k, v, where) for k, v in entries.items())
+    legacy = any(crc is None for _, crc in parsed.values())
+    if version == VERSION and legacy:
+        raise fail(
+            f"The params manifest {MANIFEST_FILE} lacks a checksum for some files; every file of "
+            "a version 2 manifest has one. Download the model again."
+        )
+    return Manifest(path, parsed, legacy=legacy)
+
+
+def verify_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    checksum: bool | Callable[[str], bool] = True,
+) -> Manifest:
+    """Check the checkpoint at ``directory`` against its manifest; return the manifest.
+
+    Always: every file under ``directory`` is a regular file inside it (no link leading out, no
+    FIFO or device), the files on disk are exactly those listed (none missing, none added), each
+    with the listed size. ``checksum`` selects the files whose CRC is verified now (True: all;
+    a predicate on the relative path: those; the rest can be verified as they are read, with
+    :meth:`Manifest.check`, or later with :meth:`Manifest.verify_files`). Raises
+    ``ArtifactError`` listing at most ten problems.
+    """
+    path = Path(directory)
+    manifest = read_manifest(path)
+    if manifest.legacy:
+        _logger.warning(
+            "jaxexp: the params checkpoint %s has a manifest without checksums (saved by "
+            "jaxexp-mlflow before checksums were recorded): sizes are checked, contents are "
+            "not. Re-log the model to protect it.",
+            path,
+        )
+    on_disk = {
+        rel: st.st_size
+        for rel, st in files.walk_files(path, ".", what="params checkpoint")
+        if rel != MANIFEST_FILE
+    }
+    problems = []
+    for rel, (size, _) in manifest.files.items():
+        found = on_disk.get(rel)
+        if found != size:
+            problems.append(
+                f"{rel}: expected {size} bytes, found {'no file' if found is None else found}"
+            )
+    extra = sorted(set(on_disk) - set(manifest.files))
+    problems += [f"{rel}: not in the manifest (expected no such file)" for rel in extra]
+    if problems:
+        shown = "\n  ".join(problems[:10]) + (
+            f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        )
+        raise fail(
+            f"The params checkpoint is incomplete ({len(problems)} of "
+            f"{len(manifest.files)} files):\n  {shown}\nThe download or copy lost or altered files: download the model again. "
+            "If files keep missing, the artifact store drops them: re-log the model with this "
+            "version of jaxexp-mlflow, which stores array chunks as flat files."
+        )
+    if checksum is True:
+        manifest.verify_files()
+    elif checksum:
+        manifest.verify_files([rel for rel in sorted(manifest.files) if checksum(rel)])
+    return manifest
+
+
+def write_manifest(directory: str | os.PathLike) -> dict:
+    """Write the version-2 manifest of the checkpoint at ``directory``; return its content."""
+    path = Path(directory)
+    entries = {}
+    for rel, st in files.walk_files(path, ".", what="params checkpoint"):
+        if rel == MANIFEST_FILE:
+            continue
+        fd, size = files.open_regular(path / rel, what=f"params file {rel!r}", max_bytes=None)
+        try:
+            entries[rel] = {"size": size, "crc32c": f"{file_crc32c(fd, size):08x}"}
+        finally:
+            os.close(fd)
+    doc = {"format": FORMAT, "version": VERSION, "checksum": "crc32c", "files": entries}
+    (path / MANIFEST_FILE).write_text(json.dumps(doc, indent=0))
+    return doc
