@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxexp_mlflow.codec import arrays, blob
+from jaxexp_mlflow.codec import arrays, blob, files
 from jaxexp_mlflow.errors import ArtifactError, ParamsMismatchError
 
 EXPORTED_FILE = "exported.bin"
@@ -142,31 +142,52 @@ def write_reference(path: str | os.PathLike, inputs: tuple, outputs: Any) -> dic
 
 
 def read_reference(path: str | os.PathLike, meta: dict[str, Any]) -> tuple[list, list] | None:
-    """The stored reference (flat input leaves, flat output leaves), or None if there is none."""
+    """The stored reference (flat input leaves, flat output leaves), or None if there is none.
+
+    The npz files are read confined to the model directory, and their members' declared sizes
+    are checked against the bytes on disk before anything is decompressed (``arrays``).
+    """
     ref = meta.get("reference")
     if not ref:
         return None
-    try:
-        inputs = arrays.load_arrays(Path(path, REFERENCE_INPUTS), ref["input_dtypes"], "in")
-        outputs = arrays.load_arrays(Path(path, REFERENCE_OUTPUTS), ref["output_dtypes"], "out")
-    except (OSError, KeyError, ValueError) as err:
-        raise ArtifactError(
-            f"The model's reference arrays under {Path(path, 'reference')} are missing or "
-            f"damaged ({err}). Download the model again."
-        ) from err
-    return inputs, outputs
+    loaded = []
+    for rel, key, prefix in (
+        (REFERENCE_INPUTS, "input_dtypes", "in"),
+        (REFERENCE_OUTPUTS, "output_dtypes", "out"),
+    ):
+        file = files.resolve_inside(path, rel, what=f"reference file {rel}")
+        try:
+            loaded.append(arrays.load_arrays(file, ref[key], prefix, what=rel))
+        except ArtifactError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError, EOFError) as err:
+            raise ArtifactError(
+                f"The model's reference arrays ({rel}) are missing or damaged "
+                f"({type(err).__name__}). Download the model again."
+            ) from err
+    return loaded[0], loaded[1]
+
+
+def blob_name(meta: dict[str, Any]) -> str:
+    """The blob's path inside the model directory, as MLmodel records it."""
+    name = meta.get("exported_file", EXPORTED_FILE)
+    return EXPORTED_FILE if name is None else name
 
 
 def read_blob(path: str | os.PathLike, meta: dict[str, Any]) -> bytes:
-    """Read ``exported.bin``, verified against the recorded checksum."""
-    file = Path(path, meta.get("exported_file", EXPORTED_FILE))
-    try:
-        data = file.read_bytes()
-    except OSError as err:
+    """Read ``exported.bin`` (confined, regular file, bounded), verified against its sha256.
+
+    ``exported_sha256`` is required: a model without it is refused, never read unchecked.
+    """
+    name = blob_name(meta)
+    data = files.read_bytes(
+        path, name, what=f"serialized function ({name!s:.100})", max_bytes=files.MAX_BLOB_BYTES
+    )
+    expected = meta.get("exported_sha256")
+    if not expected:
         raise ArtifactError(
-            f"The model's serialized function {file} cannot be read ({err}). Download the "
-            "model again; it is incomplete."
-        ) from err
-    if meta.get("exported_sha256"):
-        blob.verify_checksum(data, meta["exported_sha256"], source=str(file))
+            f"The model's MLmodel has no exported_sha256: expected the checksum of {name!s:.100}, "
+            "found none, so the blob cannot be trusted. Download the model again, or re-log it."
+        )
+    blob.verify_checksum(data, expected, source=str(name))
     return data

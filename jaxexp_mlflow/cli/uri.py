@@ -46,29 +46,32 @@ class Target:
         """The serialized ``jax.export`` blob of this target."""
         if self.kind == "blob":
             return self.path
-        return self.path / self.flavor.get("exported_file", DEFAULT_BLOB)
+        from jaxexp_mlflow.codec.files import resolve_inside
+
+        name = self.flavor.get("exported_file", DEFAULT_BLOB)
+        return resolve_inside(self.path, name, what="serialized function (exported_file)")
 
 
 def read_mlmodel(path: Path) -> dict[str, Any]:
-    """The MLmodel file as a dict (plain YAML, no MLflow import)."""
-    import yaml
+    """The MLmodel file as a dict (bounded YAML, see ``codec.mlmodel``; no MLflow import)."""
+    from jaxexp_mlflow.codec import mlmodel
 
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise InputProblem(f"cannot read {path}: {err}") from err
-    if not isinstance(data, dict):
-        raise InputProblem(f"{path} is not an MLmodel file (expected a YAML mapping)")
-    return data
+    return mlmodel.read_mlmodel(path.parent)
 
 
 def _require_jaxexp(target: Target) -> Target:
-    if target.kind == "model" and not target.flavor:
-        flavors = sorted((target.mlmodel.get("flavors") or {}).keys())
+    if target.kind != "model":
+        return target
+    flavors = target.mlmodel.get("flavors")
+    if not isinstance(flavors, dict) or "jaxexp" not in flavors:
+        names = sorted(str(k) for k in flavors) if isinstance(flavors, dict) else []
         raise InputProblem(
-            f"{target.uri} is an MLflow model without the jaxexp flavor (flavors: {flavors}); "
+            f"{target.uri} is an MLflow model without the jaxexp flavor (flavors: {names}); "
             "expected a model logged with mlflow.jaxexp.log_model or `jaxexp log`"
         )
+    from jaxexp_mlflow.codec.mlmodel import validate_flavor
+
+    validate_flavor(flavors["jaxexp"])
     return target
 
 

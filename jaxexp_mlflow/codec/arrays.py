@@ -9,6 +9,7 @@ their real dtype in ``dtypes`` so ``load_arrays`` can view them back.
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,12 +51,81 @@ def save_arrays(path: str | os.PathLike, leaves: Sequence[Any], prefix: str) -> 
     return dtypes
 
 
-def load_arrays(path: str | os.PathLike, dtypes: Sequence[str], prefix: str) -> list[np.ndarray]:
-    """Read the leaves written by ``save_arrays``, restoring their real dtypes."""
-    with np.load(path, allow_pickle=False) as data:
+#: Largest reference npz read, and the largest expansion of its compressed members.
+MAX_REFERENCE_BYTES = int(os.environ.get("JAXEXP_MAX_REFERENCE_BYTES", 1 << 30))
+MAX_EXPANSION = 64
+_MAX_MEMBERS = 100_000
+
+
+def _checked_members(z: zipfile.ZipFile, on_disk: int, what: str) -> dict[str, zipfile.ZipInfo]:
+    """The npz members, after checking their declared sizes against the bytes on disk."""
+    from jaxexp_mlflow.codec.files import fail
+
+    infos = z.infolist()
+    declared = sum(i.file_size for i in infos)
+    limit = min(MAX_REFERENCE_BYTES, MAX_EXPANSION * max(on_disk, 1))
+    if (
+        len(infos) > _MAX_MEMBERS
+        or declared > limit
+        or any(
+            i.compress_type == zipfile.ZIP_STORED and i.file_size != i.compress_size for i in infos
+        )
+    ):
+        raise fail(
+            f"The model's {what} declares {declared} bytes in {len(infos)} members for "
+            f"{on_disk} bytes on disk: expected at most {limit} (a zip bomb or a damaged file). "
+            "Download the model again."
+        )
+    return {i.filename: i for i in infos}
+
+
+def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, what: str) -> np.ndarray:
+    """Read one ``.npy`` member whose header must declare exactly the bytes the member holds."""
+    from numpy.lib import format as npy
+
+    from jaxexp_mlflow.codec.files import fail
+
+    with z.open(info) as fp:
+        version = npy.read_magic(fp)
+        header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, fortran, dtype = header(fp, max_header_size=10_000)
+        count = int(np.prod(shape, dtype=object))  # Python ints: no overflow
+        if dtype.hasobject or count * dtype.itemsize != info.file_size - fp.tell():
+            raise fail(
+                f"The model's {what}: member {info.filename[:100]!r} declares {dtype}"
+                f"{list(shape)[:8]} but holds {info.file_size - fp.tell()} bytes of data. The "
+                "file is damaged; download the model again."
+            )
+        arr = np.empty(count, dtype=dtype)
+        view, got = memoryview(arr.reshape(-1).view(np.uint8)), 0
+        while got < len(view):
+            n = fp.readinto(view[got:])
+            if not n:
+                raise EOFError(f"{info.filename[:100]!r} ends early")
+            got += n
+    return arr.reshape(shape, order="F" if fortran else "C")
+
+
+def load_arrays(
+    path: str | os.PathLike, dtypes: Sequence[str], prefix: str, *, what: str = "reference file"
+) -> list[np.ndarray]:
+    """Read the leaves written by ``save_arrays``, restoring their real dtypes.
+
+    The file must be a regular file (opened without following links); the members' declared
+    sizes are checked against the file's size and their headers against their sizes before
+    anything is decompressed or allocated. No pickle.
+    """
+    from jaxexp_mlflow.codec.files import open_regular
+
+    fd, size = open_regular(path, what=what, max_bytes=MAX_REFERENCE_BYTES)
+    with os.fdopen(fd, "rb") as f, zipfile.ZipFile(f) as z:
+        members = _checked_members(z, size, what)
         out = []
         for i, name in enumerate(dtypes):
-            arr = data[f"{prefix}_{i}"]
+            info = members.get(f"{prefix}_{i}.npy")
+            if info is None:
+                raise KeyError(f"{prefix}_{i}")
+            arr = _read_member(z, info, what)
             want = resolve_dtype(name)
             out.append(arr.view(want) if arr.dtype != want else arr)
         return out

@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 
 __all__ = [
     "MAX_BLOB_BYTES",
+    "check_relative",
     "MAX_MLMODEL_BYTES",
     "MAX_SMALL_FILE_BYTES",
     "fail",
@@ -70,12 +71,8 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def resolve_inside(root: str | os.PathLike, rel: object, *, what: str) -> Path:
-    """The real path of ``rel`` (a path written in the model) under ``root``; refuse escapes.
-
-    Raises ``ArtifactError`` for a non-string or empty name, an absolute path, a ``..``
-    component, or a path whose symbolic links lead outside ``root``. Nothing is opened.
-    """
+def check_relative(rel: object, *, what: str) -> str:
+    """``rel`` if it is a non-empty relative path without ``..``; ``ArtifactError`` otherwise."""
     if not isinstance(rel, str) or not rel or "\x00" in rel:
         raise fail(
             f"The model's {what}: expected a relative path inside the model directory, found "
@@ -88,6 +85,16 @@ def resolve_inside(root: str | os.PathLike, rel: object, *, what: str) -> Path:
             "found an absolute path or a '..' escape. A model may only refer to its own files; "
             "the model was altered or built by hand: do not load it."
         )
+    return rel
+
+
+def resolve_inside(root: str | os.PathLike, rel: object, *, what: str) -> Path:
+    """The real path of ``rel`` (a path written in the model) under ``root``; refuse escapes.
+
+    Raises ``ArtifactError`` for a non-string or empty name, an absolute path, a ``..``
+    component, or a path whose symbolic links lead outside ``root``. Nothing is opened.
+    """
+    check_relative(rel, what=what)
     base = os.path.realpath(root)
     full = os.path.realpath(os.path.join(base, rel))
     if full != base and os.path.commonpath([base, full]) != base:
@@ -154,9 +161,7 @@ def read_file(path: str | os.PathLike, *, what: str, max_bytes: int | None) -> b
         os.close(fd)
 
 
-def read_bytes(
-    root: str | os.PathLike, rel: object, *, what: str, max_bytes: int | None
-) -> bytes:
+def read_bytes(root: str | os.PathLike, rel: object, *, what: str, max_bytes: int | None) -> bytes:
     """Read the model's file ``rel`` under ``root``: confined, regular, at most ``max_bytes``."""
     return read_file(resolve_inside(root, rel, what=what), what=what, max_bytes=max_bytes)
 

@@ -13,9 +13,9 @@ ARMv8 CRC) by ``google-crc32c`` at several GB/s, so checking costs a fraction of
 can rewrite the manifest (see docs/security.md).
 
 Manifests written before checksums existed (``{"files": {name: size}}``) are accepted with a
-warning (sizes checked); a checkpoint without a manifest is refused. Only the stdlib, numpy-free
-``google_crc32c`` (plus numpy for buffer addresses) and :mod:`jaxexp_mlflow.codec.files` are used, so readers without JAX (the
-IREE backend) call :func:`verify_checkpoint` too.
+warning (sizes checked); a checkpoint without a manifest is refused. Only the stdlib, numpy (for
+buffer addresses), ``google_crc32c`` and :mod:`jaxexp_mlflow.codec.files` are used, so readers
+without JAX (the IREE backend) call :func:`verify_checkpoint` too.
 """
 
 from __future__ import annotations
@@ -269,7 +269,8 @@ def verify_checkpoint(
         )
         raise fail(
             f"The params checkpoint is incomplete ({len(problems)} of "
-            f"{len(manifest.files)} files):\n  {shown}\nThe download or copy lost or altered files: download the model again. "
+            f"{len(manifest.files)} files):\n  {shown}\nThe download or copy lost or altered "
+            "files: download the model again. "
             "If files keep missing, the artifact store drops them: re-log the model with this "
             "version of jaxexp-mlflow, which stores array chunks as flat files."
         )
@@ -284,7 +285,7 @@ def write_manifest(directory: str | os.PathLike) -> dict:
     """Write the version-2 manifest of the checkpoint at ``directory``; return its content."""
     path = Path(directory)
     entries = {}
-    for rel, st in files.walk_files(path, ".", what="params checkpoint"):
+    for rel, _ in files.walk_files(path, ".", what="params checkpoint"):
         if rel == MANIFEST_FILE:
             continue
         fd, size = files.open_regular(path / rel, what=f"params file {rel!r}", max_bytes=None)

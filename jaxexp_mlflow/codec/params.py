@@ -593,8 +593,9 @@ def _fast_read_leaf(root: Path, rel_dir: str, sds: Any, manifest: Any) -> Any:
                         f"The params array file {rel} is damaged: chunk {c_idx} lies past its "
                         f"end ({offset + nb} > {size} bytes). Download the model again."
                     )
+                first = start_row * row_bytes
                 valid = min(inner0, rows - start_row) * row_bytes
-                regions.append((offset, flat[start_row * row_bytes : start_row * row_bytes + valid]))
+                regions.append((offset, flat[first : first + valid]))
             crc, pos = 0, 0
             for offset, dst in sorted(regions, key=lambda r: r[0]):
                 if offset < pos:  # overlapping chunks: checksum the file on its own

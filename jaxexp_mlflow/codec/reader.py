@@ -234,15 +234,14 @@ def read_blob(data: bytes | bytearray | memoryview) -> BlobDescription:
 
 
 def read_blob_file(path: str | os.PathLike[str]) -> BlobDescription:
-    """:func:`read_blob` on a file's bytes (``OSError`` if it cannot be read)."""
-    size = os.path.getsize(path)
-    if size > MAX_BLOB_FILE_BYTES:
-        raise BlobFormatError(
-            f"{os.fspath(path)}: {size} bytes is larger than the {MAX_BLOB_FILE_BYTES}-byte limit "
-            "for a jax.export blob"
-        )
-    with open(path, "rb") as f:
-        return read_blob(f.read())
+    """:func:`read_blob` on a file's bytes: a regular file (no link, FIFO or device followed),
+    at most ``MAX_BLOB_FILE_BYTES`` (``FileNotFoundError`` if it is missing)."""
+    from jaxexp_mlflow.codec import files
+
+    if not os.path.lexists(path):
+        raise FileNotFoundError(os.fspath(path))
+    data = files.read_file(path, what="serialized function", max_bytes=MAX_BLOB_FILE_BYTES)
+    return read_blob(data)
 
 
 # -- internals ------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from mlflow.utils.environment import (
 from mlflow.utils.file_utils import get_total_file_size, write_to
 from mlflow.utils.model_utils import (
     _add_code_from_conf_to_system_path,
-    _get_flavor_configuration,
     _validate_and_copy_code_paths,
     _validate_and_prepare_target_save_path,
 )
@@ -312,8 +311,10 @@ def load_model(
     from jaxexp_mlflow.runtime.loader import load_directory
 
     cache.configure()
+    from jaxexp_mlflow.codec import mlmodel
+
     local_path = _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path)
-    flavor_conf = _get_flavor_configuration(model_path=local_path, flavor_name=FLAVOR_NAME)
+    flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
     _add_code_from_conf_to_system_path(local_path, flavor_conf)
     return load_directory(local_path, flavor_conf, allow_incompatible=allow_incompatible, **options)
 
@@ -334,8 +335,10 @@ def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
     model_dir = Path(path)
     if model_dir.is_file():
         model_dir = model_dir.parent
-    meta = Model.load(str(model_dir / MLMODEL_FILE_NAME))
-    flavor_conf = meta.flavors[FLAVOR_NAME]
+    from jaxexp_mlflow.codec import mlmodel
+
+    meta = mlmodel.read_mlmodel(model_dir)
+    flavor_conf = mlmodel.flavor_section(meta, FLAVOR_NAME)
     saved = dict(flavor_conf.get("serving") or {})
     cache.configure(config.get("compilation_cache", saved.get("compilation_cache")))
     load_options = {k: config[k] for k in ("allow_other_platform", "data_parallel") if k in config}
@@ -355,6 +358,6 @@ def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
         saved_config=saved,
         classifier=flavor_conf.get("classifier"),
     )
-    pyfunc_impl.register(meta.model_uuid, impl)
+    pyfunc_impl.register(meta.get("model_uuid"), impl)
     pyfunc_impl.install_serving_guard()
     return impl

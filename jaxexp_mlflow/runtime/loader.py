@@ -9,6 +9,8 @@ from typing import Any
 
 from jaxexp_mlflow import artifact
 from jaxexp_mlflow.codec import blob
+from jaxexp_mlflow.codec.files import resolve_inside
+from jaxexp_mlflow.codec.mlmodel import validate_flavor
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
 from jaxexp_mlflow.runtime import compat, devices
 from jaxexp_mlflow.runtime.model import JaxExpModel
@@ -44,9 +46,17 @@ def load_directory(
     (``compat.assess``) is reached before JAX deserializes or compiles anything. ``options`` go
     to ``devices.plan`` (``allow_other_platform``, ``data_parallel``, ``devices``).
     """
+    meta = validate_flavor(meta)
     data = artifact.read_blob(path, meta)
-    source = str(Path(path, meta.get("exported_file", artifact.EXPORTED_FILE)))
+    source = str(Path(path, artifact.blob_name(meta)))
     description = blob.describe(data, source=source)
+    if not meta.get("params") and int(meta.get("n_param_leaves") or 0):
+        raise ArtifactError(
+            f"The model's MLmodel has params: {meta.get('params')!r:.40} but records "
+            f"{meta['n_param_leaves']} param leaves for the exported function: expected the "
+            "path of its params checkpoint. The MLmodel file was altered; download the model "
+            "again."
+        )
     verdict = compat.assess(
         meta,
         description=description,
@@ -61,11 +71,12 @@ def load_directory(
     if meta.get("params"):
         from jaxexp_mlflow.codec.params import restore_params
 
-        ckpt = Path(path, meta["params"])
-        if not ckpt.exists():
+        ckpt = resolve_inside(path, meta["params"], what="params checkpoint")
+        if not ckpt.is_dir():
             raise ArtifactError(
-                f"The model's params checkpoint {ckpt} is missing. Download the complete model "
-                "directory (exported.bin, params/, MLmodel) again."
+                f"The model's params checkpoint ({meta['params']!s:.100}) is missing: expected "
+                "a directory. Download the complete model directory (exported.bin, params/, "
+                "MLmodel) again."
             )
         target = artifact.params_target(placement.exported, placement.in_shardings, meta)
         params = restore_params(ckpt, target=target)
