@@ -1,0 +1,282 @@
+"""Attacks on a model directory: each test damages a copy of a real saved model, then loads it.
+
+A model directory is untrusted input (docs/security.md): nothing outside it is read, wrong
+weights never load, no file hangs or blows up the process, and every refusal is a typed
+``ArtifactError`` that quotes neither outside content nor outside listings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import zipfile
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import jaxexp_mlflow  # noqa: F401 - installs mlflow.jaxexp
+from jaxexp_mlflow.cli import main
+from jaxexp_mlflow.codec import manifest as M
+from jaxexp_mlflow.codec import mlmodel
+from jaxexp_mlflow.codec import params as P
+from jaxexp_mlflow.errors import ArtifactError
+from tests.models import batch, export_mlp, mlp_apply, mlp_params
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A saved MLP (params, reference) and a second one with other weights beside it."""
+    root = tmp_path_factory.mktemp("sec")
+    params = mlp_params()
+    mlflow.jaxexp.save_model(
+        export_mlp(params),
+        root / "model",
+        params=params,
+        input_example=batch(3),
+        include_package=False,
+    )
+    other = mlp_params(seed=7)
+    mlflow.jaxexp.save_model(export_mlp(other), root / "other", params=other, include_package=False)
+    return root, params
+
+
+@pytest.fixture
+def model(base, tmp_path):
+    """A fresh copy of the model, with the other model beside it (``../other``)."""
+    root, _ = base
+    shutil.copytree(root / "model", tmp_path / "model", symlinks=True)
+    shutil.copytree(root / "other", tmp_path / "other", symlinks=True)
+    return tmp_path / "model"
+
+
+def edit_flavor(model: Path, **changes) -> None:
+    doc = yaml.safe_load((model / "MLmodel").read_text())
+    for key, value in changes.items():
+        if value is _DROP:
+            doc["flavors"]["jaxexp"].pop(key)
+        else:
+            doc["flavors"]["jaxexp"][key] = value
+    (model / "MLmodel").write_text(yaml.safe_dump(doc))
+
+
+_DROP = object()
+
+
+def refused(model: Path, match: str) -> str:
+    with pytest.raises(ArtifactError, match=match) as err:
+        mlflow.jaxexp.load_model(str(model))
+    return str(err.value)
+
+
+def chunk(model: Path) -> Path:
+    return next(p for p in sorted((model / "params" / "w1").iterdir()) if p.name != "zarr.json")
+
+
+def test_the_undamaged_copy_loads(model, base):
+    got = mlflow.jaxexp.load_model(str(model))(batch(3))
+    np.testing.assert_allclose(got, mlp_apply(base[1], batch(3)), rtol=1e-6)
+
+
+# -- 1. confinement ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["absolute", "dotdot"])
+def test_params_outside_the_model_are_refused(model, where):
+    other = str(model.parent / "other" / "params")
+    edit_flavor(model, params=other if where == "absolute" else "../other/params")
+    refused(model, "absolute path or a '..' escape")
+
+
+def test_blob_path_to_an_outside_file_leaks_nothing(model, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET-CONTENT\n" * 10)
+    edit_flavor(model, exported_file=str(secret))
+    msg = refused(model, "absolute path")
+    assert "TOPSECRET" not in msg
+    edit_flavor(model, params=str(tmp_path))  # a directory: its listing must not appear
+    assert "secret.txt" not in refused(model, "absolute path")
+
+
+@pytest.mark.parametrize("what", ["blob", "params_dir", "array_dir", "chunk_file"])
+def test_symlinks_leading_outside_are_refused(model, what):
+    other = model.parent / "other"
+    link = {
+        "blob": (model / "exported.bin", other / "exported.bin"),
+        "params_dir": (model / "params", other / "params"),
+        "array_dir": (model / "params" / "w1", other / "params" / "w1"),
+        "chunk_file": (chunk(model), other / "params" / "w1" / chunk(model).name),
+    }[what]
+    if link[0].is_dir():
+        shutil.rmtree(link[0])
+    else:
+        link[0].unlink()
+    link[0].symlink_to(link[1])
+    refused(model, "symbolic link .*outside")
+
+
+def test_manifest_entries_cannot_reach_outside(model):
+    mf = model / "params" / M.MANIFEST_FILE
+    doc = json.loads(mf.read_text())
+    doc["files"]["../../other/exported.bin"] = {"size": 1, "crc32c": "00000000"}
+    mf.write_text(json.dumps(doc))
+    msg = refused(model, "manifest .* damaged")
+    assert str((model.parent / "other" / "exported.bin").stat().st_size) not in msg
+
+
+def test_fifo_and_device_are_refused_without_blocking(model):
+    (model / "exported.bin").unlink()
+    os.mkfifo(model / "exported.bin")
+    signal.alarm(20)  # a blocking open would hang the test: fail it instead
+    try:
+        refused(model, "expected a regular file, found a FIFO")
+    finally:
+        signal.alarm(0)
+    (model / "exported.bin").unlink()
+    (model / "exported.bin").symlink_to("/dev/zero")
+    refused(model, "symbolic link")
+
+
+def test_log_params_refuses_links_leaving_the_checkpoint(base, tmp_path):
+    root, _ = base
+    src = tmp_path / "ckpt"
+    shutil.copytree(root / "model" / "params", src)
+    target = chunk(root / "model")
+    c = src / "w1" / target.name
+    c.unlink()
+    c.symlink_to(root / "other" / "params" / "w1" / target.name)
+    with pytest.raises(ArtifactError, match="symbolic link .*outside"):
+        P.copy_checkpoint(src, tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+
+
+# -- 2. integrity --------------------------------------------------------------------------------
+
+
+def test_sixteen_altered_bytes_are_detected(model):
+    c = chunk(model)
+    with open(c, "r+b") as f:
+        f.seek(8)
+        f.write(b"\x7f" * 16)  # same size: only the checksum sees it
+    refused(model, r"w1/c[.0]+' does not match its checksum")
+
+
+def test_a_chunk_deleted_with_its_manifest_entry_is_not_zeros(model):
+    c = chunk(model)
+    mf = model / "params" / M.MANIFEST_FILE
+    doc = json.loads(mf.read_text())
+    del doc["files"][f"w1/{c.name}"]
+    mf.write_text(json.dumps(doc))
+    c.unlink()
+    refused(model, "lacks its chunk file")
+
+
+def test_missing_manifest_and_missing_blob_checksum_are_errors(model):
+    edit_flavor(model, exported_sha256=_DROP)
+    refused(model, "exported_sha256")
+    edit_flavor(model, exported_sha256="0" * 64)
+    refused(model, "does not match its recorded checksum")
+
+
+def test_missing_manifest_is_an_error_and_a_legacy_one_warns(model, base, caplog):
+    mf = model / "params" / M.MANIFEST_FILE
+    doc = json.loads(mf.read_text())
+    mf.unlink()
+    refused(model, "has no jaxexp_manifest.json")
+    mf.write_text(json.dumps({"files": {k: v["size"] for k, v in doc["files"].items()}}))
+    got = mlflow.jaxexp.load_model(str(model))(batch(3))  # saved by an older main: loads
+    np.testing.assert_allclose(got, mlp_apply(base[1], batch(3)), rtol=1e-6)
+    assert "without checksums" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["[" * 100_000, '{"files": [1, 2]}', '{"files": {"w1/zarr.json": "big"}}', "\xff\xfe"],
+)
+def test_malformed_manifests_are_typed_errors(model, content):
+    (model / "params" / M.MANIFEST_FILE).write_text(content, errors="surrogateescape")
+    refused(model, "manifest")
+
+
+def test_a_consistent_forgery_cannot_claim_more_bytes_than_on_disk(model):
+    c = chunk(model)
+    os.truncate(c, 64)
+    M.write_manifest(model / "params")  # the attacker rewrites the manifest too
+    refused(model, "Truncated|claims|damaged")
+
+
+# -- 4./5. bounded MLmodel, typed errors ---------------------------------------------------------
+
+
+def test_yaml_alias_bomb_is_refused(model):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    (model / "MLmodel").write_text("\n".join(lines) + "\nflavors: {jaxexp: *a8}\n")
+    with pytest.raises(ArtifactError, match="reading budget"):
+        mlmodel.read_mlmodel(model)
+    result = CliRunner().invoke(main, ["inspect", str(model), "--json"])
+    assert result.exit_code == 2 and "reading budget" in result.output
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"serving": {"max_batch": 2**40}}, "serving.max_batch"),
+        ({"serving": {"buckets": list(range(1, 500))}}, "serving.buckets"),
+        ({"serving": {"compilation_cache": "/tmp/evil"}}, "compilation_cache"),
+        ({"n_param_leaves": "four"}, "n_param_leaves"),
+        ({"params": None}, "params: None"),
+        ({"params": ["params"]}, "jaxexp.params"),
+        ({"pytree_node_types": "flax"}, "pytree_node_types"),
+    ],
+)
+def test_bad_flavor_fields_are_typed_errors(model, changes, match):
+    edit_flavor(model, **changes)
+    refused(model, match)
+
+
+def test_io_shapes_are_bounded(model):
+    doc = yaml.safe_load((model / "MLmodel").read_text())
+    doc["flavors"]["jaxexp"]["io"]["inputs"][0]["shape"] = [-1, 2**40]
+    (model / "MLmodel").write_text(yaml.safe_dump(doc))
+    with pytest.raises(ArtifactError, match=r"io.inputs\[0\].shape"):
+        mlflow.pyfunc.load_model(str(model))
+
+
+def test_a_jaxexp_section_that_is_a_list(model):
+    doc = yaml.safe_load((model / "MLmodel").read_text())
+    doc["flavors"]["jaxexp"] = [1, 2, 3]
+    (model / "MLmodel").write_text(yaml.safe_dump(doc))
+    refused(model, "expected a mapping")
+
+
+# -- reference arrays ----------------------------------------------------------------------------
+
+
+def test_zip_bomb_reference_is_refused_before_decompressing(model):
+    ref = model / "reference" / "outputs.npz"
+    with zipfile.ZipFile(ref, "w", zipfile.ZIP_DEFLATED) as z, z.open("out_0.npy", "w") as f:
+        header = {"descr": "<f8", "fortran_order": False, "shape": (32 << 20,)}
+        np.lib.format.write_array_header_1_0(f, header)
+        block = bytes(1 << 20)
+        for _ in range(256):  # 256 MiB of zeros: about 250 kB compressed
+            f.write(block)
+    result = CliRunner().invoke(main, ["verify", str(model)])
+    assert result.exit_code == 2, result.output
+    assert "zip bomb" in result.output and "damaged" in result.output
+
+
+def test_reference_member_claiming_more_than_it_holds(model):
+    ref = model / "reference" / "outputs.npz"
+    with zipfile.ZipFile(ref, "w") as z, z.open("out_0.npy", "w") as f:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": "<f4", "fortran_order": False, "shape": (10**9,)}
+        )
+        f.write(b"\0" * 64)
+    result = CliRunner().invoke(main, ["verify", str(model)])
+    assert result.exit_code == 2 and "declares float32[1000000000]" in result.output
