@@ -101,11 +101,17 @@ def check(uri: str, allow_other_platform: bool, as_json: bool, debug: bool) -> N
     Compares what the model needs (platforms, device count, calling convention, custom calls,
     serialization schema) with the running JAX, jaxlib and devices. Prints "ok", "warn" or
     "incompatible" with one reason and what to do per finding. Exits 0 for ok and warn, 1 for
-    incompatible. Only MLmodel and the blob are downloaded.
+    incompatible. Only MLmodel and the blob are downloaded. JAX deserializes the blob in an
+    isolated child process (memory cap, timeout): a blob that crashes it exits 2.
     """
     setup_logging(debug)
     target = resolve(uri, parts=())
     verdict, payload = assess_target(target, allow_other_platform=allow_other_platform)
+    if verdict.status != "incompatible":  # can JAX read it? in a capped child: a crash is a "no"
+        from jaxexp_mlflow.runtime.isolate import probe_file
+
+        with step("Deserializing in an isolated process"):
+            probe_file(target.blob_path, node_types=target.flavor.get("pytree_node_types"))
     from jaxexp_mlflow.cli.loading import environment, environment_line
 
     env = environment()

@@ -8,20 +8,27 @@ from jaxexp_mlflow.cli._common import step
 from jaxexp_mlflow.cli.uri import Target
 
 
-def load(target: Target, *, allow_incompatible: bool = False, **options: Any) -> Any:
+def load(
+    target: Target, *, allow_incompatible: bool = False, isolate: bool = False, **options: Any
+) -> Any:
     """The model (params bound) or, for a bare blob, the export alone (no params).
 
-    ``options`` go to the device placement (``allow_other_platform``...)."""
+    ``isolate`` has JAX deserialize the blob in a capped child process first (see
+    ``runtime.isolate``); ``options`` go to the device placement (``allow_other_platform``...)."""
     if target.kind == "blob":
         from jaxexp_mlflow.cli.check import blob_meta
+        from jaxexp_mlflow.codec import files
         from jaxexp_mlflow.codec.blob import describe, deserialize_checked
         from jaxexp_mlflow.runtime import compat, devices
+        from jaxexp_mlflow.runtime.isolate import probe
         from jaxexp_mlflow.runtime.loader import enforce
         from jaxexp_mlflow.runtime.model import JaxExpModel
 
         with step("Checking and deserializing the blob"):
             source = str(target.blob_path)
-            data = target.blob_path.read_bytes()
+            data = files.read_file(
+                target.blob_path, what="serialized function", max_bytes=files.MAX_BLOB_BYTES
+            )
             desc = describe(data, source=source)
             verdict = compat.assess(
                 blob_meta(desc),
@@ -29,6 +36,8 @@ def load(target: Target, *, allow_incompatible: bool = False, **options: Any) ->
                 allow_other_platform=bool(options.get("allow_other_platform")),
             )
             enforce(verdict, allow_incompatible=allow_incompatible)
+            if isolate:  # JAX's deserializer, in a capped child first
+                probe(data, source=source)
             exported = deserialize_checked(data, source=source, description=desc)
             placement = devices.plan(exported, **options)
         return JaxExpModel(placement.exported, None, {}, placement=placement)
@@ -41,7 +50,11 @@ def load(target: Target, *, allow_incompatible: bool = False, **options: Any) ->
     label += ", restore params)" if target.flavor.get("params") else ")"
     with step(label):
         return load_directory(
-            target.path, target.flavor, allow_incompatible=allow_incompatible, **options
+            target.path,
+            target.flavor,
+            allow_incompatible=allow_incompatible,
+            isolate=isolate,
+            **options,
         )
 
 

@@ -97,6 +97,7 @@ def verify(
         target,
         allow_incompatible=allow_incompatible,
         allow_other_platform=allow_other_platform,
+        isolate=True,  # a blob that crashes JAX's deserializer is refused, not fatal
     )
     env = environment()
     try:

@@ -306,6 +306,12 @@ def load_model(
     the platform and devices at hand, and raises a clear error where it cannot run.
     ``allow_incompatible=True`` tries anyway after an "incompatible" verdict; ``options`` go to
     the device placement (see ``runtime.devices.plan``).
+
+    Every file is read confined to the model directory, bounded, and checked (blob sha256,
+    params CRC-32C; docs/security.md). Limit: JAX's own deserializer is native code that trusts
+    the StableHLO module it is given; a damaged module with a consistent checksum can crash
+    this process. ``isolate=True`` has JAX deserialize it in a capped child process first
+    (about a second more), as ``jaxexp check`` and ``jaxexp verify`` always do.
     """
     from jaxexp_mlflow.runtime import cache
     from jaxexp_mlflow.runtime.loader import load_directory

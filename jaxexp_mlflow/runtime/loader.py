@@ -38,6 +38,7 @@ def load_directory(
     meta: dict[str, Any],
     *,
     allow_incompatible: bool = False,
+    isolate: bool = False,
     **options: Any,
 ) -> JaxExpModel:
     """Verify, judge, deserialize and bind params for the model stored at ``path``.
@@ -45,6 +46,8 @@ def load_directory(
     Order matters: the blob's checksum and structure are verified and the compatibility verdict
     (``compat.assess``) is reached before JAX deserializes or compiles anything. ``options`` go
     to ``devices.plan`` (``allow_other_platform``, ``data_parallel``, ``devices``).
+    ``isolate=True`` has JAX deserialize the blob in a capped child process first
+    (``runtime.isolate``), so that a blob crashing JAX's native deserializer is refused.
     """
     meta = validate_flavor(meta)
     data = artifact.read_blob(path, meta)
@@ -63,6 +66,10 @@ def load_directory(
         allow_other_platform=bool(options.get("allow_other_platform", False)),
     )
     enforce(verdict, allow_incompatible=allow_incompatible)
+    if isolate:
+        from jaxexp_mlflow.runtime.isolate import probe
+
+        probe(data, source=source, node_types=meta.get("pytree_node_types"))
     exported = blob.deserialize_checked(
         data, source=source, node_types=meta.get("pytree_node_types"), description=description
     )

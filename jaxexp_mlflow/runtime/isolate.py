@@ -1,0 +1,108 @@
+"""Run JAX's deserialization of an untrusted blob in a child process first.
+
+``jax.export.deserialize`` and the MLIR reader behind ``Exported.mlir_module()`` are native code
+that trusts its input: a damaged StableHLO module (with a consistent sha256, e.g. logged from
+such bytes) can crash the process (SIGSEGV, SIGABRT), allocate without bound or hang. The
+jax-free reader (``codec.reader``, ``codec.mlir_bytecode``) validates the flatbuffer and the
+bytecode's framing first, but only JAX parses the module for real. ``probe`` does exactly that
+in a fresh interpreter with an address-space cap (``resource.setrlimit(RLIMIT_AS)``) and a
+timeout, so a crash, a runaway allocation or a hang becomes an ``ArtifactError`` here.
+
+``jaxexp check`` and ``jaxexp verify`` always probe; ``load_model(..., isolate=True)`` does too
+(about one second: the child imports JAX). Without it, ``load_model`` trusts a blob that passed
+the checksum and the jax-free checks (see docs/security.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from jaxexp_mlflow.errors import ArtifactError
+
+#: Address-space cap of the child (JAX alone reserves about 1 GiB of virtual memory).
+DEFAULT_MEMORY_BYTES = int(os.environ.get("JAXEXP_ISOLATE_MEMORY_BYTES", 4 << 30))
+DEFAULT_TIMEOUT_S = float(os.environ.get("JAXEXP_ISOLATE_TIMEOUT_S", 120))
+
+_CHILD = """
+import os, resource, sys
+cap = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+data = sys.stdin.buffer.read()
+import jax
+import jax.export
+from jaxexp_mlflow.pytrees import register_for_load
+register_for_load([t for t in sys.argv[2:] if t])
+try:
+    exported = jax.export.deserialize(bytearray(data))
+    exported.mlir_module()
+except MemoryError:
+    os._exit(3)
+except Exception as err:
+    sys.stdout.write(f"REFUSED {type(err).__name__}: {err}"[:400])
+    sys.stdout.flush()
+    os._exit(4)
+os._exit(0)
+"""
+
+
+def probe(
+    data: bytes | bytearray | memoryview,
+    *,
+    source: str,
+    node_types: list[str] | None = None,
+    memory_bytes: int | None = None,
+    timeout_s: float | None = None,
+) -> None:
+    """Deserialize ``data`` (and parse its MLIR module) in a capped child; raise if it fails.
+
+    Raises ``ArtifactError`` naming how the child ended: killed by a signal (a crash inside
+    JAX), out of memory under the cap, past the timeout, or a Python error from JAX.
+    """
+    cap = int(memory_bytes or DEFAULT_MEMORY_BYTES)
+    timeout = float(timeout_s or DEFAULT_TIMEOUT_S)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-c", _CHILD, str(cap), *(node_types or [])]
+    try:
+        proc = subprocess.run(
+            cmd, input=bytes(data), capture_output=True, timeout=timeout, env=env, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise ArtifactError(
+            f"JAX did not finish deserializing {source} within {timeout:g} s (in an isolated "
+            "child process): the serialized function is damaged or hostile. Do not load it; "
+            "re-log the model from its source."
+        ) from None
+    code = proc.returncode
+    if code == 0:
+        return
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code
+        found = f"JAX crashed ({name})"
+    elif code == 3:
+        found = f"JAX ran out of the {cap >> 20} MiB memory cap"
+    elif code == 4:
+        detail = proc.stdout.decode("utf-8", "replace").removeprefix("REFUSED ")
+        found = f"JAX refused it ({' '.join(detail.split())[:300]})"
+    else:
+        tail = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["?"]
+        found = f"the child exited with status {code} ({tail[0][:200]})"
+    raise ArtifactError(
+        f"{source} cannot be deserialized safely: {found} while reading it in an isolated child "
+        "process. The serialized function is damaged or not meant for this JAX; do not load "
+        "it, re-log the model from its source (or check it with `jaxexp check`)."
+    )
+
+
+def probe_file(path: Any, *, node_types: list[str] | None = None) -> None:
+    """:func:`probe` on a blob file (read as a bounded regular file)."""
+    from jaxexp_mlflow.codec import files
+
+    data = files.read_file(path, what="serialized function", max_bytes=files.MAX_BLOB_BYTES)
+    probe(data, source=os.path.basename(path), node_types=node_types)
