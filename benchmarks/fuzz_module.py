@@ -101,18 +101,23 @@ def classify(paths: list[str], *, cap: int, timeout: int = 20) -> dict[str, str]
     return {p: seen.get(p, "harness-died") for p in paths}
 
 
+def mutations(n: int, *, seed: int = 0) -> list[bytes]:
+    """The first ``n`` mutations of the 0.10.2 corpus blobs (deterministic for a seed)."""
+    corpus = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))
+    blobs = [p.read_bytes() for p in sorted(corpus.glob("jax-0.10.2/*/exported.bin"))]
+    rng = random.Random(seed)
+    return [mutate(blobs[i % len(blobs)], rng) for i in range(n)]
+
+
 def run(n: int, workdir: Path, *, seed: int = 0, cap: int = 2 << 30) -> dict:
     """Generate ``n`` mutations over the 0.10.2 corpus, classify them, probe the dangerous ones."""
     from jaxexp_mlflow.errors import ArtifactError
     from jaxexp_mlflow.runtime.isolate import probe
 
-    corpus = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))
-    blobs = [p.read_bytes() for p in sorted(corpus.glob("jax-0.10.2/*/exported.bin"))]
-    rng = random.Random(seed)
     paths = []
-    for i in range(n):
+    for i, data in enumerate(mutations(n, seed=seed)):
         path = workdir / f"m{i:05d}.bin"
-        path.write_bytes(mutate(blobs[i % len(blobs)], rng))
+        path.write_bytes(data)
         paths.append(str(path))
     outcomes = classify(paths, cap=cap)
     counts: dict[str, int] = {}
