@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -321,3 +322,74 @@ def test_serve_in_fresh_virtualenv(tmp_path):
         assert found.stdout.strip() == "None", found
     finally:
         stop_server(proc)
+
+
+# -- hostile requests (issue 11) ------------------------------------------------------------------
+
+HOSTILE_JSON = {
+    "5000-digit integer": '{"inputs": {"x": [[1,2,3,4,5,6,7,8]], "ids": [' + "9" * 5000 + "]}}",
+    "1000-deep nesting": '{"inputs": {"x": ' + "[" * 1000 + "]" * 1000 + ', "ids": [1]}}',
+    "Infinity": '{"inputs": {"x": [[Infinity,0,0,0,0,0,0,0]], "ids": [1]}}',
+    "1e400": '{"inputs": {"x": [[1e400,0,0,0,0,0,0,0]], "ids": [1]}}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_JSON))
+def test_hostile_json_gets_400(served, case):
+    url, _, _, proc = served
+    r = post(url, HOSTILE_JSON[case], raw=True)
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    assert len(r.json()["message"]) < 700 and "9999999999" not in r.text
+    assert proc.poll() is None
+
+
+def _raw_request(port: int, head_extra: bytes = b"") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(
+        b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + head_extra
+        + b"\r\n"
+    )
+    return s
+
+
+def _status(s: socket.socket) -> int:
+    head = b""
+    while b"\r\n" not in head:
+        part = s.recv(4096)
+        if not part:
+            break
+        head += part
+    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+
+
+def test_streamed_body_refused_while_it_streams(served):
+    url, _, _, proc = served
+    port = int(url.rsplit(":", 1)[1])
+    before = _tree_rss(proc.pid)
+    s = _raw_request(port, b"Transfer-Encoding: chunked\r\n")
+    chunk = b"%x\r\n%s\r\n" % (1 << 16, b"[" + b"1," * ((1 << 15) - 1) + b"1")
+    sent = 0
+    try:  # never finish the body: the answer must come while it streams (limit: 256 KiB)
+        for _ in range(64):
+            s.sendall(chunk)
+            sent += 1 << 16
+    except OSError:
+        pass  # the server answered and closed while we were still sending
+    assert _status(s) == 413
+    s.close()
+    assert sent < 64 << 16 or _tree_rss(proc.pid) - before < 32 << 20
+    # in flight: bodies together may hold 4x the limit; beyond, 503 with Retry-After
+    held = []
+    for _ in range(4):
+        h = _raw_request(port, b"Content-Length: %d\r\n" % (MAX_BODY - 10))
+        h.sendall(b" " * (MAX_BODY - 100))  # nearly all of it, never the end
+        held.append(h)
+    time.sleep(1.0)
+    extra = _raw_request(port, b"Content-Length: 200000\r\n")
+    extra.sendall(b" " * 150_000)
+    assert _status(extra) == 503
+    for h in [*held, extra]:
+        h.close()
+    time.sleep(0.5)
+    assert post(url, {"inputs": _good()}).status_code == 200

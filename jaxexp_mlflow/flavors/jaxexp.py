@@ -365,5 +365,5 @@ def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
         classifier=flavor_conf.get("classifier"),
     )
     pyfunc_impl.register(meta.get("model_uuid"), impl)
-    pyfunc_impl.install_serving_guard()
+    pyfunc_impl.install_serving_guard(impl)
     return impl

@@ -7,7 +7,6 @@ a numpy array for a single output leaf, a dict ``{output name: array}`` otherwis
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -17,6 +16,7 @@ import numpy as np
 from mlflow.exceptions import MlflowException
 
 from jaxexp_mlflow.errors import InputError
+from jaxexp_mlflow.flavors import serving_guard
 from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public name it had here
     ENV_ALLOW_NAN,
     InputContract,
@@ -244,14 +244,7 @@ def parse_request(impl: JaxExpPyfunc, body: Any) -> tuple[Any, dict | None]:
                 f'{{"inputs": ...}} with: {impl._expected()}.'
             ) from None
     if isinstance(body, str):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as err:
-            raise InputError(
-                f"The request body is not valid JSON ({err.msg} at line {err.lineno} column "
-                f"{err.colno}). Send a JSON object with one of the keys {list(_FORMATS)} for "
-                f"the inputs: {impl._expected()}."
-            ) from None
+        obj = serving_guard.loads(body, allow_nan=impl.allow_nan, expected=impl._expected())
     else:
         obj = body
     if not isinstance(obj, dict):
@@ -282,16 +275,19 @@ def _short(message: str, limit: int = 600) -> str:
     return message if len(message) <= limit else message[:limit] + " ..."
 
 
-def install_serving_guard() -> bool:
+def install_serving_guard(impl: JaxExpPyfunc | None = None) -> bool:
     """Wrap the scoring server's JSON parsing and invocations for jaxexp models (idempotent).
 
     Called by the pyfunc loader when it runs inside MLflow's scoring server or ``mlflow models
-    predict`` (``mlflow.pyfunc.scoring_server`` imported). Turn off with
-    ``JAXEXP_SERVING_GUARD=0``.
+    predict`` (``mlflow.pyfunc.scoring_server`` imported). With ``impl``, the app the server
+    builds next also limits request bodies while they stream in and the bytes in flight
+    (``flavors.serving_guard``). Turn off with ``JAXEXP_SERVING_GUARD=0``.
     """
     server = sys.modules.get("mlflow.pyfunc.scoring_server")
     if server is None or os.environ.get("JAXEXP_SERVING_GUARD", "1").lower() in ("0", "off"):
         return False
+    if impl is not None:  # 413 while the body streams in, bytes in flight bounded
+        serving_guard.install_body_limit(server, impl)
     if getattr(server, "_jaxexp_guarded", False):
         return True
     orig_parse = getattr(server, "_parse_json_data", None)
