@@ -132,6 +132,40 @@ def check_params(exported: Any, params: Any) -> int:
     return len(leaves)
 
 
+def _nbytes(tree: Any) -> int:
+    return sum(
+        int(np.size(x)) * np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype).itemsize
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def model_bytes(data: bytes, params: Any, input_example: Any) -> int:
+    """About how many bytes a model needs on disk (blob, params, reference in and out)."""
+    if isinstance(params, str | os.PathLike):  # an existing checkpoint: its size on disk
+        n_params = sum(
+            f.stat().st_size for f in Path(params).rglob("*") if f.is_file() and not f.is_symlink()
+        )
+    else:
+        n_params = _nbytes(params)
+    return len(data) + n_params + 2 * _nbytes(input_example) + (1 << 16)
+
+
+def check_free_space(path: str | os.PathLike, needed: int) -> None:
+    """Raise ``ArtifactError`` before writing anything when ``needed`` bytes do not fit."""
+    if files.free_bytes(path) < needed:
+        raise files.disk_full(path, needed)
+
+
+def write_blob(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``exported.bin``; a full disk is an ``ArtifactError`` saying how much was needed."""
+    try:
+        Path(path, EXPORTED_FILE).write_bytes(data)
+    except OSError as err:
+        if files.is_disk_full(err):
+            raise files.disk_full(path, len(data), err) from None
+        raise
+
+
 def write_reference(path: str | os.PathLike, inputs: tuple, outputs: Any) -> dict[str, list[str]]:
     """Store the input example and its outputs; return the dtype lists for MLmodel."""
     ref = Path(path, "reference")

@@ -325,3 +325,45 @@ def test_fuzzed_modules_crash_jax_but_not_verify(model, tmp_path):
         assert result.exit_code == 2 and "crashed (SIG" in result.output, result.output
     fig = fuzz_module.run(40, tmp_path)  # a small campaign: every dangerous one is refused
     assert fig["refused_by_probe"] == fig["dangerous"], fig
+
+
+# -- 5. disk full ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (skipped where mounting is not permitted)."""
+    import subprocess
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]
+    if os.geteuid() != 0 or subprocess.run(cmd, capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_disk_full_is_an_artifact_error_saying_how_much(tiny_disk):
+    import jax.numpy as jnp
+
+    params = {**mlp_params(), "w1": jnp.ones((8, 16 * 4096), jnp.float32)}  # 2 MiB
+    with pytest.raises(ArtifactError, match=r"needs about \d+ bytes .* bytes free"):
+        mlflow.jaxexp.save_model(
+            export_mlp_wide(params), tiny_disk / "m", params=params, include_package=False
+        )
+    with pytest.raises(ArtifactError, match="No space left on device"):  # past the pre-check
+        P.save_params({"w": np.ones(1 << 19, np.float32)}, tiny_disk / "ck")
+
+
+def export_mlp_wide(params):
+    import jax
+    import jax.numpy as jnp
+
+    def apply(p, x):
+        return jnp.tanh(x @ p["w1"][:, :16] + p["b1"]) @ p["w2"] + p["b2"]
+
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    return jax.export.export(jax.jit(apply))(spec, jax.ShapeDtypeStruct((2, 8), jnp.float32))

@@ -52,6 +52,33 @@ def fail(message: str) -> Exception:
     return ArtifactError(message)
 
 
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes on the filesystem that holds (or will hold) ``path``."""
+    import shutil
+
+    probe = Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether an error (OSError, or Orbax/TensorStore's wrapped ones) means the disk is full."""
+    import errno
+
+    return getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err)
+
+
+def disk_full(path: str | os.PathLike, needed: int, err: BaseException | None = None) -> Exception:
+    """The ``ArtifactError`` for a model that does not fit on the disk at ``path``."""
+    return fail(
+        f"Not enough disk space to save the model at {path}: it needs about {needed} bytes "
+        f"({needed / 2**20:.1f} MiB), the filesystem has {free_bytes(path)} bytes free"
+        f"{'' if err is None else ' (No space left on device)'}. Free some space or save the "
+        "model elsewhere."
+    )
+
+
 def _shown(name: object) -> str:
     text = repr(name)
     return text if len(text) <= 120 else text[:117] + "..."

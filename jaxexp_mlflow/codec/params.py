@@ -247,6 +247,13 @@ def save_params(
     checkpointer = ocp.Checkpointer(checkpoint_handler(use_compression=compression is not None))
     try:
         checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
+    except Exception as e:
+        from jaxexp_mlflow.codec import files
+
+        if files.is_disk_full(e):  # TensorStore wraps ENOSPC in its own error types
+            nbytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
+            raise files.disk_full(path, nbytes, e) from None
+        raise
     finally:
         checkpointer.close()
     _flatten_chunk_keys(path)

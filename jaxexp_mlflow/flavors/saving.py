@@ -130,6 +130,7 @@ def write_model_files(
         batch_polymorphic=batch_polymorphic,
         platforms=platforms,
     )
+    artifact.check_free_space(path, artifact.model_bytes(data, params, input_example))
     n_params = 0
     params_path = None
     params_conf: dict[str, Any] | None = None
@@ -169,7 +170,7 @@ def write_model_files(
             params_conf = params_codec.save_params(arrays, target, **kw)
         if not names_conf["param_keys"]:
             del names_conf["param_keys"]
-    Path(path, artifact.EXPORTED_FILE).write_bytes(data)
+    artifact.write_blob(path, data)
 
     node_types = sorted({*register_for_save(exp.in_tree), *register_for_save(exp.out_tree)})
     conf = exported_metadata(
