@@ -443,21 +443,48 @@ def _aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = 64) -> Any:
     return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, crc: int) -> int:
-    """Fill ``view`` from ``offset``; return the CRC-32C continued over the bytes read."""
-    from jaxexp_mlflow.codec.manifest import crc32c
+class _Crc:
+    """A CRC-32C computed on a helper thread while the next block is read (ctypes releases the
+    GIL): checking costs no wall time as long as the checksum is faster than the disk."""
 
+    _pool: Any = None
+
+    def __init__(self, value: int = 0) -> None:
+        import concurrent.futures
+
+        if _Crc._pool is None:
+            _Crc._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxexp-crc32c")
+        self.value = value
+        self._last: Any = None
+
+    def _extend(self, block: memoryview) -> None:
+        from jaxexp_mlflow.codec.manifest import crc32c
+
+        self.value = crc32c(block, self.value)
+
+    def add(self, block: memoryview) -> None:
+        """Queue ``block`` (it must stay unchanged until :meth:`result`)."""
+        self._last = self._pool.submit(self._extend, block)  # one worker: blocks stay in order
+
+    def result(self) -> int:
+        if self._last is not None:
+            self._last.result()
+        return self.value
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, crc: _Crc | None) -> None:
+    """Fill ``view`` from ``offset``; queue the bytes read on ``crc`` (if any)."""
     while len(view):
-        n = os.preadv(fd, [view[: 8 << 20]], offset)  # checksum each block while it is cached
+        n = os.preadv(fd, [view[: 8 << 20]], offset)  # blocks of 8 MiB: checksummed while cached
         if n <= 0:
             raise ArtifactError(
                 f"Truncated params array file: expected {len(view)} more bytes at offset "
                 f"{offset}, found end of file. The artifact is damaged; re-log the model."
             )
-        crc = crc32c(view[:n], crc)
+        if crc is not None:
+            crc.add(view[:n])
         view = view[n:]
         offset += n
-    return crc
 
 
 def _fast_read_leaf(root: Path, rel_dir: str, sds: Any, manifest: Any) -> Any:
@@ -603,21 +630,22 @@ def _fast_read_leaf(root: Path, rel_dir: str, sds: Any, manifest: Any) -> Any:
                 first = start_row * row_bytes
                 valid = min(inner0, rows - start_row) * row_bytes
                 regions.append((offset, flat[first : first + valid]))
-            crc, pos = 0, 0
+            crc, pos = _Crc(), 0
             for offset, dst in sorted(regions, key=lambda r: r[0]):
                 if offset < pos:  # overlapping chunks: checksum the file on its own
                     crc, pos = None, size
                     break
-                crc = file_crc32c(fd, offset - pos, pos, crc)
-                crc = _pread_into(fd, memoryview(dst), offset, crc)
+                if offset > pos:  # bytes between chunks (padding of a partial chunk)
+                    crc = _Crc(file_crc32c(fd, offset - pos, pos, crc.result()))
+                _pread_into(fd, memoryview(dst), offset, crc)
                 pos = offset + len(dst)
             if crc is None:
                 for offset, dst in regions:
-                    _pread_into(fd, memoryview(dst), offset, 0)
-                crc = file_crc32c(fd, size)
+                    _pread_into(fd, memoryview(dst), offset, None)
+                value = file_crc32c(fd, size)
             else:
-                crc = file_crc32c(fd, size - pos, pos, crc)
-            manifest.check(rel, crc)
+                value = file_crc32c(fd, size - pos, pos, crc.result())
+            manifest.check(rel, value)
         finally:
             os.close(fd)
     return out
