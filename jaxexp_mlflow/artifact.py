@@ -202,6 +202,20 @@ def read_reference(path: str | os.PathLike, meta: dict[str, Any]) -> tuple[list,
     return loaded[0], loaded[1]
 
 
+def params_dir(path: str | os.PathLike, meta: dict[str, Any]) -> Path | None:
+    """The model's params checkpoint directory (confined to the model), or None without params."""
+    if not meta.get("params"):
+        return None
+    ckpt = files.resolve_inside(path, meta["params"], what="params checkpoint")
+    if not ckpt.is_dir():
+        raise ArtifactError(
+            f"The model's params checkpoint ({meta['params']!s:.100}) is missing: expected a "
+            "directory. Download the complete model directory (exported.bin, params/, MLmodel) "
+            "again."
+        )
+    return ckpt
+
+
 def blob_name(meta: dict[str, Any]) -> str:
     """The blob's path inside the model directory, as MLmodel records it."""
     name = meta.get("exported_file", EXPORTED_FILE)

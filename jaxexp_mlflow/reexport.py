@@ -104,11 +104,12 @@ def _bind(exported: Any, local: Path, meta: dict, placement: Any) -> Any:
     from jaxexp_mlflow.runtime.model import JaxExpModel
 
     params = None
-    if meta.get("params"):
+    ckpt = artifact.params_dir(local, meta)
+    if ckpt is not None:
         from jaxexp_mlflow.codec.params import restore_params
 
         target = artifact.params_target(exported, placement.in_shardings, meta)
-        params = restore_params(Path(local, meta["params"]), target=target)
+        params = restore_params(ckpt, target=target)
     return JaxExpModel(exported, params, meta, placement=placement)
 
 
@@ -182,15 +183,14 @@ def refresh(
     from mlflow.models import Model
     from mlflow.models.model import MLMODEL_FILE_NAME
     from mlflow.tracking.artifact_utils import _download_artifact_from_uri
-    from mlflow.utils.model_utils import _get_flavor_configuration
 
     from jaxexp_mlflow import artifact
-    from jaxexp_mlflow.codec import blob
+    from jaxexp_mlflow.codec import blob, mlmodel
     from jaxexp_mlflow.codec.metadata import package_version
     from jaxexp_mlflow.flavors import jaxexp as flavor
 
     local = Path(_download_artifact_from_uri(artifact_uri=model_uri))
-    meta = _get_flavor_configuration(model_path=str(local), flavor_name=flavor.FLAVOR_NAME)
+    meta = mlmodel.flavor_section(mlmodel.read_mlmodel(local), flavor.FLAVOR_NAME)
     source_model = Model.load(os.path.join(local, MLMODEL_FILE_NAME))
     data = artifact.read_blob(local, meta)
     source = str(Path(local, meta.get("exported_file", artifact.EXPORTED_FILE)))
@@ -272,7 +272,7 @@ def refresh(
         return flavor.log_model(
             new_exp,
             name=name,
-            params=str(Path(local, meta["params"])) if meta.get("params") else None,
+            params=str(artifact.params_dir(local, meta)) if meta.get("params") else None,
             vjp_order=int(meta.get("vjp_order") or 0),
             signature=source_model.signature,
             input_example=example,

@@ -9,7 +9,6 @@ from typing import Any
 
 from jaxexp_mlflow import artifact
 from jaxexp_mlflow.codec import blob
-from jaxexp_mlflow.codec.files import resolve_inside
 from jaxexp_mlflow.codec.mlmodel import validate_flavor
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
 from jaxexp_mlflow.runtime import compat, devices
@@ -75,16 +74,10 @@ def load_directory(
     )
     placement = devices.plan(exported, **options)
     params = None
-    if meta.get("params"):
+    ckpt = artifact.params_dir(path, meta)
+    if ckpt is not None:
         from jaxexp_mlflow.codec.params import restore_params
 
-        ckpt = resolve_inside(path, meta["params"], what="params checkpoint")
-        if not ckpt.is_dir():
-            raise ArtifactError(
-                f"The model's params checkpoint ({meta['params']!s:.100}) is missing: expected "
-                "a directory. Download the complete model directory (exported.bin, params/, "
-                "MLmodel) again."
-            )
         target = artifact.params_target(placement.exported, placement.in_shardings, meta)
         params = restore_params(ckpt, target=target)
     model = JaxExpModel(placement.exported, params, meta, placement=placement)
