@@ -367,3 +367,18 @@ def export_mlp_wide(params):
 
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     return jax.export.export(jax.jit(apply))(spec, jax.ShapeDtypeStruct((2, 8), jnp.float32))
+
+
+def test_manifest_verification_needs_no_jax(base):
+    # the IREE reader calls verify_checkpoint without JAX: it must not import it
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from jaxexp_mlflow.codec.manifest import verify_checkpoint; "
+        f"m = verify_checkpoint({str(base[0] / 'model' / 'params')!r}); "
+        "assert m.verified == set(m.files) and not m.legacy; "
+        "assert 'jax' not in sys.modules, 'jax imported'; print('OK', len(m.files))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr[-2000:]

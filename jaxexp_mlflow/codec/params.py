@@ -152,9 +152,19 @@ def _require_item_dir(directory: str | os.PathLike) -> Path:
 
 
 def _read_internal_metadata(path: Path) -> dict:
+    from jaxexp_mlflow.codec import files
+
+    raw = files.read_file(
+        path / _PYTREE_METADATA_FILE,
+        what=f"params metadata {_PYTREE_METADATA_FILE}",
+        max_bytes=files.MAX_SMALL_FILE_BYTES,
+    )
     try:
-        return json.loads((path / _PYTREE_METADATA_FILE).read_text())
-    except (OSError, ValueError) as e:
+        meta = json.loads(raw)
+        if not isinstance(meta, dict):
+            raise ValueError(f"a JSON {type(meta).__name__}")
+        return meta
+    except (ValueError, RecursionError) as e:
         raise ArtifactError(
             f"Corrupt Orbax checkpoint at {path}: expected '{_PYTREE_METADATA_FILE}' to be JSON, "
             f"found an unreadable file ({e}). Re-log the model with its params."
