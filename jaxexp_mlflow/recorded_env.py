@@ -12,6 +12,7 @@ stored reference and the current environment side by side.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import tempfile
 from dataclasses import dataclass, field
@@ -54,10 +55,14 @@ class RecordedRun:
 
 def requirements(local_path: str | Path) -> list[str]:
     """The model's recorded pip requirements (``requirements.txt``), comments dropped."""
-    path = Path(local_path, "requirements.txt")
-    if not path.is_file():
+    from jaxexp_mlflow.codec import files
+
+    if not os.path.lexists(Path(local_path, "requirements.txt")):
         return []
-    lines = (ln.split("#")[0].strip() for ln in path.read_text().splitlines())
+    text = files.read_bytes(
+        local_path, "requirements.txt", what="requirements.txt", max_bytes=1 << 20
+    ).decode("utf-8", "replace")
+    lines = (ln.split("#")[0].strip() for ln in text.splitlines())
     return [ln for ln in lines if ln]
 
 

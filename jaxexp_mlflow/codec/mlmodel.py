@@ -236,6 +236,7 @@ def validate_flavor(conf: Any) -> dict[str, Any]:
     _int(conf, "n_param_leaves", 0, MAX_LEAVES)
     _int(conf, "nr_devices", 0, MAX_DEVICES)
     _int(conf, "vjp_order", 0, 64)
+    _int(conf, "exported_nbytes", 0, files.MAX_BLOB_BYTES)
     for key in ("platforms", "in_avals", "out_avals", "pytree_node_types"):
         _str_list(conf, key)
     for key in ("in_shardings", "out_shardings", "custom_call_targets"):
