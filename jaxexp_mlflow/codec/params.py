@@ -671,11 +671,12 @@ def _check_leaf_names(target: Any) -> None:
 
     for kp, _ in jax.tree_util.tree_flatten_with_path(target)[0]:
         name = _param_dir_name(tuple(_key_token(k) for k in kp))
-        if "/" in name or "\\" in name or "\x00" in name or name in ("", ".", ".."):
+        parts = name.split("/")
+        if "\\" in name or "\x00" in name or any(p in ("", ".", "..") for p in parts):
             raise ArtifactError(
-                f"params{jax.tree_util.keystr(kp)}: expected a key usable as a file name inside "
-                "the checkpoint, found one with a path separator or '..'. The exported "
-                "function's params tree was forged or damaged; do not load this model."
+                f"params{jax.tree_util.keystr(kp)}: expected a key usable as a directory name "
+                "inside the checkpoint, found one with an empty, '.' or '..' path segment. The "
+                "exported function's params tree was forged or damaged; do not load this model."
             )
 
 
