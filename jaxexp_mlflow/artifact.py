@@ -133,10 +133,15 @@ def check_params(exported: Any, params: Any) -> int:
 
 
 def _nbytes(tree: Any) -> int:
-    return sum(
-        int(np.size(x)) * np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype).itemsize
-        for x in jax.tree.leaves(tree)
-    )
+    def leaf(x: Any) -> int:
+        for get in (lambda: x.nbytes, lambda: np.asarray(x).nbytes):
+            try:
+                return int(get())
+            except Exception:  # noqa: BLE001 - typed PRNG keys and other opaque leaves
+                continue
+        return 0
+
+    return sum(leaf(x) for x in jax.tree.leaves(tree))
 
 
 def model_bytes(data: bytes, params: Any, input_example: Any) -> int:
