@@ -61,6 +61,7 @@ def verify(
     env_manager: str | None,
     allow_incompatible: bool,
     allow_other_platform: bool,
+    backend: str,
     as_json: bool,
     debug: bool,
 ) -> None:
@@ -97,8 +98,9 @@ def verify(
         target,
         allow_incompatible=allow_incompatible,
         allow_other_platform=allow_other_platform,
+        backend=backend,
     )
-    env = environment()
+    env = environment(backend)
     try:
         with step("Running the reference input (compile + run)"):
             checks = verify_directory(model, target.path, rtol=rtol, atol=atol)
