@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -96,14 +97,24 @@ def _param_leaf_names(exported: Any, n_param_leaves: int) -> list[str] | None:
     return [_param_dir_name(tuple(_key_token(k) for k in path)) for path, _ in paths]
 
 
+_CONSTRAINT_MESSAGE = re.compile(r"the symbolic shape constraint (.+?)\. Expected ")
+
+
 def _shape_constraints(exported: Any) -> list[str]:
-    """The exporter's explicit symbolic constraints (``b >= 4``), from the avals' scope."""
+    """The exporter's explicit symbolic constraints (``b >= 4``).
+
+    From the avals' symbolic scope, or (for a deserialized blob, whose scope has lost them) from
+    the messages of the module's ``shape_assertion`` calls, which name each constraint.
+    """
     for aval in exported.in_avals:
         for dim in aval.shape:
             scope = getattr(dim, "scope", None)
-            if scope is not None:
-                return [str(c.debug_str) for c in getattr(scope, "_explicit_constraints", ())]
-    return []
+            explicit = getattr(scope, "_explicit_constraints", None)
+            if explicit:
+                return [str(c.debug_str) for c in explicit]
+    if not any(not isinstance(d, int) for a in exported.in_avals for d in a.shape):
+        return []
+    return sorted(set(_CONSTRAINT_MESSAGE.findall(exported.mlir_module())))
 
 
 def prepare(

@@ -45,9 +45,15 @@ class Aval:
         m = _AVAL.match(text.replace(" ", ""))
         if m is None:
             raise ValueError(f"not an aval: {text!r}")
-        dims = m["dims"]
-        parsed = tuple(int(d) if d.isdigit() else d for d in dims.split(",")) if dims else ()
-        return cls(m["dtype"], parsed)
+        parts, depth, start, dims = [], 0, 0, m["dims"]
+        for i, ch in enumerate(dims):  # split at the commas outside parentheses
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if ch == "," and depth == 0:
+                parts.append(dims[start:i])
+                start = i + 1
+        if dims:
+            parts.append(dims[start:])
+        return cls(m["dtype"], tuple(int(d) if d.isdigit() else d for d in parts))
 
     @property
     def symbolic(self) -> bool:
