@@ -229,3 +229,19 @@ def test_shape_checks_match_jax_assertions(avals, shapes_, constraints, problem)
     else:
         with pytest.raises(InputError, match=problem):
             shapes.bind_dims(parsed, shapes_, names, constraints)
+
+
+def test_dynamic_broadcasts_are_made_explicit_at_save(tmp_path):
+    """log_softmax over a symbolic batch lowers to chained dynamic_broadcast_in_dim ops, which
+    IREE cannot compile as exported; the prepared module compiles once and serves any batch."""
+    (b,) = jax.export.symbolic_shape("b")
+    exp = jax.export.export(jax.jit(jax.nn.log_softmax))(jax.ShapeDtypeStruct((b, 8), jnp.float32))
+    data = exp.serialize()
+    with pytest.raises(IncompatibleError, match="dynamic_broadcast_in_dim"):
+        loader.build(data, {}, source="bare")
+    flavor.save_model(data, tmp_path / "m")
+    model = flavor.load_model(str(tmp_path / "m"), backend="iree")
+    assert model.metadata["iree"]["changes"] == ["dynamic broadcasts made explicit"]
+    for n in (1, 7):
+        x = np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
+        np.testing.assert_allclose(model(x), np.asarray(exp.call(x)), rtol=1e-5, atol=1e-6)

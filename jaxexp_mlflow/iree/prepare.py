@@ -7,6 +7,9 @@ Stores beside the original blob (kept byte-for-byte) what IREE needs and only JA
   ``sdy.sharding_constraint``/``sdy.reshard`` replaced by their operand. Only for single-device
   exports, where shardings carry no computation. Written as a StableHLO portable artifact at the
   original's StableHLO version (``iree/module.mlirbc``), so it lasts as long as the original;
+* shapes made explicit where IREE needs it: ``dynamic_broadcast_in_dim`` ops of symbolic-batch
+  exports get ``known_nonexpanding_dimensions`` (IREE refuses to lower them otherwise; JAX never
+  expands a dimension of unknown size), so one compiled module still serves every batch size;
 * the calling-convention facts: the Orbax directory names of the params leaves (custom pytree
   nodes such as Flax's ``FrozenDict`` have key paths only JAX can compute), the exporter's
   symbolic shape constraints (checked before each call, since IREE drops shape assertions), the
@@ -23,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from jaxexp_mlflow.codec import mlir_bytecode, reader
+from jaxexp_mlflow.codec import reader
 
 _logger = logging.getLogger(__name__)
 
@@ -52,7 +55,44 @@ def _strip_attrs(op: Any, ir: Any) -> None:
         attrs[key] = ir.ArrayAttr.get(dicts)
 
 
-def _strip_op(op: Any, ir: Any) -> None:
+def _explicit_broadcast(op: Any, ir: Any) -> bool:
+    """Make a ``dynamic_broadcast_in_dim`` of a dynamic operand say which dimensions expand.
+
+    IREE lowers the op only when it knows which dimensions broadcast, and folds a broadcast of a
+    broadcast into one op without that knowledge; so chains are composed here first. JAX never
+    broadcasts a dimension of unknown size: only static 1s expand, symbolic sizes must match.
+    """
+    attrs = op.attributes
+    if "known_nonexpanding_dimensions" in attrs or "known_expanding_dimensions" in attrs:
+        return False
+    dims = list(ir.DenseI64ArrayAttr(attrs["broadcast_dimensions"]))
+    changed = False
+    inner = op.operands[0].owner
+    if getattr(inner, "name", None) == "stablehlo.dynamic_broadcast_in_dim":
+        inner_dims = list(ir.DenseI64ArrayAttr(inner.attributes["broadcast_dimensions"]))
+        dims = [dims[d] for d in inner_dims]
+        op.operands[0] = inner.operands[0]
+        attrs["broadcast_dimensions"] = ir.DenseI64ArrayAttr.get(dims)
+        changed = True
+    operand = ir.RankedTensorType(op.operands[0].type)
+    result = ir.RankedTensorType(op.result.type)
+    if not any(operand.is_dynamic_dim(i) for i in range(operand.rank)):
+        return changed
+    expanding = [
+        i
+        for i in range(operand.rank)
+        if not operand.is_dynamic_dim(i)
+        and operand.get_dim_size(i) == 1
+        and (result.is_dynamic_dim(dims[i]) or result.get_dim_size(dims[i]) != 1)
+    ]
+    attrs["known_expanding_dimensions"] = ir.DenseI64ArrayAttr.get(expanding)
+    attrs["known_nonexpanding_dimensions"] = ir.DenseI64ArrayAttr.get(
+        [i for i in range(operand.rank) if i not in expanding]
+    )
+    return True
+
+
+def _rewrite_op(op: Any, ir: Any, changes: set[str]) -> None:
     for region in op.regions:
         for block in region.blocks:
             for child in list(block.operations):
@@ -60,28 +100,43 @@ def _strip_op(op: Any, ir: Any) -> None:
                 name = child.name
                 if name == "sdy.mesh":
                     child.erase()
+                    changes.add("sdy stripped")
                 elif name in _PASS_THROUGH:
                     child.results[0].replace_all_uses_with(child.operands[0])
                     child.erase()
+                    changes.add("sdy stripped")
                 elif name.startswith("sdy."):
                     raise _CannotStrip(name)
                 else:
+                    if any(
+                        child.attributes[i].name.startswith("sdy.")
+                        for i in range(len(child.attributes))
+                    ):
+                        changes.add("sdy stripped")
                     _strip_attrs(child, ir)
-                    _strip_op(child, ir)
+                    if name == "stablehlo.dynamic_broadcast_in_dim" and _explicit_broadcast(
+                        child, ir
+                    ):
+                        changes.add("dynamic broadcasts made explicit")
+                    _rewrite_op(child, ir, changes)
 
 
-def strip_sdy(module: bytes, target_version: str) -> bytes:
-    """The portable artifact ``module`` without the Shardy dialect, at ``target_version``."""
+def rewrite(module: bytes, target_version: str) -> tuple[bytes, list[str]]:
+    """The portable artifact ``module`` as IREE needs it, at ``target_version``, and the changes:
+    the Shardy dialect stripped, dynamic broadcasts' expanding dimensions made explicit."""
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import _jax
     from jax._src.lib.mlir import ir
 
+    changes: set[str] = set()
     with jax_mlir.make_ir_context():
         parsed = _jax.mlir.deserialize_portable_artifact(module)
         _strip_attrs(parsed.operation, ir)
-        _strip_op(parsed.operation, ir)
+        _rewrite_op(parsed.operation, ir, changes)
+        if not changes:
+            return module, []
         out = _jax.mlir.serialize_portable_artifact(parsed, target_version)
-    return bytes(out)
+    return bytes(out), sorted(changes)
 
 
 def _param_leaf_names(exported: Any, n_param_leaves: int) -> list[str] | None:
@@ -139,23 +194,23 @@ def prepare(
         "shape_constraints": _shape_constraints(exported),
         "prepared_with": {"jax": jax.__version__, "jaxlib": package_version("jaxlib")},
     }
-    dialects = mlir_bytecode.module_dialects(module) or ()
-    if "sdy" in dialects and description.nr_devices == 1:
+    if description.nr_devices == 1:
         producer = description.stablehlo_producer or ""
         target = producer.rsplit("_v", 1)[-1] if "_v" in producer else "1.0.0"
         try:
-            stripped = strip_sdy(module, target)
+            rewritten, changes = rewrite(module, target)
         except _CannotStrip as err:
             section["problem"] = f"the module uses {err}, which carries computation"
-        except Exception as err:  # jaxlib raises assorted types on modules it cannot rewrite
-            section["problem"] = f"stripping sdy failed: {type(err).__name__}: {err}"[:500]
-        else:
-            path = Path(model_dir, PREPARED_MODULE)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(stripped)
-            section["module"] = PREPARED_MODULE
-            section["module_sha256"] = hashlib.sha256(stripped).hexdigest()
-            section["changes"] = ["sdy stripped"]
-        if "problem" in section:
             _logger.warning("jaxexp: IREE preparation: %s", section["problem"])
+        except Exception as err:  # jaxlib raises assorted types on modules it cannot rewrite
+            section["problem"] = f"rewriting the module failed: {type(err).__name__}: {err}"[:500]
+            _logger.warning("jaxexp: IREE preparation: %s", section["problem"])
+        else:
+            if changes:
+                path = Path(model_dir, PREPARED_MODULE)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(rewritten)
+                section["module"] = PREPARED_MODULE
+                section["module_sha256"] = hashlib.sha256(rewritten).hexdigest()
+                section["changes"] = changes
     return section

@@ -1,0 +1,209 @@
+"""IREE backend beside the JAX path: fresh process to first prediction, and steady-state calls.
+
+One model (an MLP with params, saved by ``mlflow.jaxexp.save_model``), measured in the same run:
+
+* **fresh process to first prediction**, timed by the parent from spawn to the child's report,
+  each child a new interpreter with warm caches (the ``.vmfb`` cache for IREE, JAX's persistent
+  compilation cache for JAX; both filled by an untimed run first):
+  - ``iree``: ``jaxexp_mlflow.iree.loader.load_directory`` + ``model(x)``; the child checks that
+    neither jax nor the IREE compiler was imported (the precompiled module from the cache, the
+    IREE runtime only);
+  - ``jax``: ``mlflow.jaxexp.load_model`` + ``model(x)`` (the baseline).
+* **steady-state call** at batch 1 and 1024 in this process: ``IreeModel(x)`` vs ``JaxExpModel(x)``
+  (numpy in, numpy out for both), interleaved rounds, median of the per-call times.
+
+    python benchmarks/bench_iree.py             # 5 rounds
+    python benchmarks/bench_iree.py --quick     # 1 round, seconds
+    python benchmarks/bench_iree.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, os, sys, time
+backend, path = sys.argv[1], sys.argv[2]
+import numpy as np
+x = np.load(os.path.join(path, "x.npy"))
+t = time.time()
+if backend == "iree":
+    from jaxexp_mlflow.iree.loader import load_directory
+    import yaml
+    with open(os.path.join(path, "model", "MLmodel")) as f:
+        meta = yaml.safe_load(f)["flavors"]["jaxexp"]
+    model = load_directory(os.path.join(path, "model"), meta)
+else:
+    import mlflow
+    model = mlflow.jaxexp.load_model(os.path.join(path, "model"))
+t_loaded = time.time()
+y = np.asarray(model(x))
+t_first = time.time()
+print("BENCH " + json.dumps({
+    "load_s": t_loaded - t, "first_call_s": t_first - t_loaded,
+    "checksum": float(np.abs(y).sum()),
+    "jax_imported": "jax" in sys.modules, "compiler_imported": "iree.compiler" in sys.modules,
+}))
+"""
+
+
+def build_model(directory: Path, depth: int, width: int) -> None:
+    """An MLP of ``depth`` layers, saved with its params and a batch of 1 to predict."""
+    import jax
+    import jax.numpy as jnp
+    import mlflow  # noqa: F401
+    import numpy as np
+
+    import jaxexp_mlflow  # noqa: F401
+
+    keys = jax.random.split(jax.random.key(0), depth)
+    params = [
+        {
+            "w": jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width),
+            "b": jnp.zeros((width,), jnp.float32),
+        }
+        for k in keys
+    ]
+
+    def apply(params, x):
+        for i, layer in enumerate(params):
+            x = x @ layer["w"] + layer["b"]
+            x = jnp.tanh(x) if i % 2 else jax.nn.gelu(x)
+        return jax.nn.log_softmax(x)
+
+    x = np.asarray(jax.random.normal(jax.random.key(1), (8, width)), np.float32)
+    mlflow.jaxexp.save_model(jax.jit(apply), directory / "model", params=params, input_example=x)
+    np.save(directory / "x.npy", x[:1])
+
+
+def run_child(backend: str, work: Path, env: dict) -> dict:
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, backend, str(work)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    wall = time.time() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"child failed ({backend}):\n{proc.stderr[-3000:]}")
+    res = json.loads(lines[-1][6:])
+    res["process_s"] = wall
+    return res
+
+
+def per_call(fn, x, n: int) -> float:
+    import numpy as np
+
+    np.asarray(fn(x))  # warm (compiles the JAX path for this shape)
+    t = time.perf_counter()
+    for _ in range(n):
+        np.asarray(fn(x))
+    return (time.perf_counter() - t) / n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 round, a smaller model")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 5)
+    depth = args.depth or (4 if args.quick else 12)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        build_model(work, depth, args.width)
+        env = {
+            **os.environ,
+            "JAXEXP_IREE_CACHE": str(work / "iree-cache"),
+            "JAXEXP_COMPILATION_CACHE": str(work / "xla-cache"),
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        }
+        env.pop("XLA_FLAGS", None)
+        for backend in ("iree", "jax"):  # fill both caches, untimed
+            run_child(backend, work, env)
+        fresh: dict[str, list[dict]] = {"iree": [], "jax": []}
+        for _ in range(rounds):  # interleaved
+            for backend in ("iree", "jax"):
+                fresh[backend].append(run_child(backend, work, env))
+
+        os.environ["JAXEXP_IREE_CACHE"] = env["JAXEXP_IREE_CACHE"]
+        import mlflow
+        import numpy as np
+        import yaml
+
+        from jaxexp_mlflow.iree.loader import load_directory
+
+        path = work / "model"
+        meta = yaml.safe_load((path / "MLmodel").read_text())["flavors"]["jaxexp"]
+        iree_model = load_directory(path, meta)
+        jax_model = mlflow.jaxexp.load_model(str(path))
+        x1 = np.load(work / "x.npy")
+        rng = np.random.default_rng(0)
+        steady: dict[str, list[float]] = {}
+        for _ in range(rounds):
+            for batch, n in ((1, 300 if args.quick else 2000), (1024, 5 if args.quick else 50)):
+                x = x1 if batch == 1 else rng.standard_normal((batch, args.width), np.float32)
+                for name, model in (("iree", iree_model), ("jax", jax_model)):
+                    steady.setdefault(f"{name}/{batch}", []).append(per_call(model, x, n))
+        agree = float(np.abs(np.asarray(iree_model(x1)) - np.asarray(jax_model(x1))).max())
+
+    med = {k: statistics.median(v) for k, v in steady.items()}
+    proc = {b: statistics.median(r["process_s"] for r in rs) for b, rs in fresh.items()}
+    first = {b: statistics.median(r["load_s"] + r["first_call_s"] for r in rs) for b, rs in fresh.items()}
+    clean = all(not r["jax_imported"] and not r["compiler_imported"] for r in fresh["iree"])
+    rows = [
+        _row("fresh process to first prediction, IREE, precompiled (s)", proc["iree"],
+             "JAX path, warm compilation cache", proc["jax"], "< 1"),
+        _row("load + first call in that process, IREE (s)", first["iree"],
+             "JAX path", first["jax"], "< 1"),
+        _row("steady-state call, batch 1, IREE (us)", med["iree/1"] * 1e6,
+             "JAX path, same model", med["jax/1"] * 1e6, "(reported)"),
+        _row("steady-state call, batch 1024, IREE (ms)", med["iree/1024"] * 1e3,
+             "JAX path, same model", med["jax/1024"] * 1e3, "(reported)"),
+    ]  # fmt: skip
+    print(f"IREE vs JAX, MLP depth {depth} width {args.width}, {rounds} round(s), median")
+    for r in rows:
+        print(
+            f"{r['figure']:58s} {r['value']:10.3f} {r['baseline']:10.3f} "
+            f"{r['ratio']:7.3f}  ({r['baseline_name']})"
+        )
+    print(f"IREE child imported neither jax nor the IREE compiler: {clean}")
+    print(f"max |IREE - JAX| on the batch-1 input: {agree:.3g}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"rows": rows, "fresh": fresh, "steady": steady, "clean": clean, "agree": agree},
+                indent=1,
+            )
+        )
+    return 0
+
+
+def _row(figure: str, value: float, base_name: str, base: float, goal: str) -> dict:
+    return {
+        "figure": figure,
+        "value": round(value, 3),
+        "baseline_name": base_name,
+        "baseline": round(base, 3),
+        "ratio": round(value / base, 3),
+        "goal": goal,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
