@@ -9,8 +9,9 @@ One model (an MLP with params, saved by ``mlflow.jaxexp.save_model``), measured 
     neither jax nor the IREE compiler was imported (the precompiled module from the cache, the
     IREE runtime only);
   - ``jax``: ``mlflow.jaxexp.load_model`` + ``model(x)`` (the baseline).
-* **steady-state call** at batch 1 and 1024 in this process: ``IreeModel(x)`` vs ``JaxExpModel(x)``
-  (numpy in, numpy out for both), interleaved rounds, median of the per-call times.
+* **steady-state call** at batch 1 and 1024 in this process: ``IreeModel(x)`` (both IREE CPU
+  drivers) vs ``JaxExpModel(x)``, numpy in and out for all, interleaved rounds, median of the
+  per-call times.
 
     python benchmarks/bench_iree.py             # 5 rounds
     python benchmarks/bench_iree.py --quick     # 1 round, seconds
@@ -28,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+DRIVERS = ("local-task", "local-sync")  # IREE's thread-pool and calling-thread CPU drivers
 
 CHILD = r"""
 import json, os, sys, time
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
         path = work / "model"
         meta = yaml.safe_load((path / "MLmodel").read_text())["flavors"]["jaxexp"]
-        iree_model = load_directory(path, meta)
+        iree_models = {d: load_directory(path, meta, iree_driver=d) for d in DRIVERS}
         jax_model = mlflow.jaxexp.load_model(str(path))
         x1 = np.load(work / "x.npy")
         rng = np.random.default_rng(0)
@@ -158,24 +161,33 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(rounds):
             for batch, n in ((1, 300 if args.quick else 2000), (1024, 5 if args.quick else 50)):
                 x = x1 if batch == 1 else rng.standard_normal((batch, args.width), np.float32)
-                for name, model in (("iree", iree_model), ("jax", jax_model)):
+                for name, model in (*iree_models.items(), ("jax", jax_model)):
                     steady.setdefault(f"{name}/{batch}", []).append(per_call(model, x, n))
-        agree = float(np.abs(np.asarray(iree_model(x1)) - np.asarray(jax_model(x1))).max())
+        agree = max(
+            float(np.abs(np.asarray(m(x1)) - np.asarray(jax_model(x1))).max())
+            for m in iree_models.values()
+        )
 
     med = {k: statistics.median(v) for k, v in steady.items()}
     proc = {b: statistics.median(r["process_s"] for r in rs) for b, rs in fresh.items()}
-    first = {b: statistics.median(r["load_s"] + r["first_call_s"] for r in rs) for b, rs in fresh.items()}
+    first = {
+        b: statistics.median(r["load_s"] + r["first_call_s"] for r in rs) for b, rs in fresh.items()
+    }
     clean = all(not r["jax_imported"] and not r["compiler_imported"] for r in fresh["iree"])
     rows = [
         _row("fresh process to first prediction, IREE, precompiled (s)", proc["iree"],
              "JAX path, warm compilation cache", proc["jax"], "< 1"),
         _row("load + first call in that process, IREE (s)", first["iree"],
              "JAX path", first["jax"], "< 1"),
-        _row("steady-state call, batch 1, IREE (us)", med["iree/1"] * 1e6,
-             "JAX path, same model", med["jax/1"] * 1e6, "(reported)"),
-        _row("steady-state call, batch 1024, IREE (ms)", med["iree/1024"] * 1e3,
-             "JAX path, same model", med["jax/1024"] * 1e3, "(reported)"),
     ]  # fmt: skip
+    for driver in DRIVERS:
+        rows += [
+            _row(f"steady-state call, batch 1, IREE {driver} (us)", med[f"{driver}/1"] * 1e6,
+                 "JAX path, same model", med["jax/1"] * 1e6, "(reported)"),
+            _row(f"steady-state call, batch 1024, IREE {driver} (ms)",
+                 med[f"{driver}/1024"] * 1e3, "JAX path, same model", med["jax/1024"] * 1e3,
+                 "(reported)"),
+        ]  # fmt: skip
     print(f"IREE vs JAX, MLP depth {depth} width {args.width}, {rounds} round(s), median")
     for r in rows:
         print(

@@ -138,9 +138,7 @@ def test_fresh_process_never_imports_jax(mlp_dir):
 
 
 def test_verify_backend_iree_reproduces_the_reference(mlp_dir):
-    result = CliRunner().invoke(
-        cli_main, ["verify", str(mlp_dir), "--backend", "iree", "--json"]
-    )
+    result = CliRunner().invoke(cli_main, ["verify", str(mlp_dir), "--backend", "iree", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["ok"] and report["environment"]["iree_runtime_version"].startswith("3.13")

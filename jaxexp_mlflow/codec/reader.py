@@ -235,7 +235,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> BlobDescription:
 
 
 def read_module(data: bytes | bytearray | memoryview) -> bytes:
-    """The ``mlir_module_serialized`` bytes of a blob (the StableHLO portable artifact), without JAX.
+    """The ``mlir_module_serialized`` bytes of a blob (a StableHLO portable artifact), no JAX.
 
     Call :func:`read_blob` first to validate the whole blob; this only walks to the one field.
     """

@@ -56,6 +56,7 @@ PYFUNC_CONFIG_KEYS = (
     "data_parallel",
     "backend",
     "iree_cache",
+    "iree_driver",
 )
 
 #: Backends ``load_model``/pyfunc can run a model on: JAX, or IREE without importing JAX
@@ -368,13 +369,13 @@ def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
     load_options = {k: config[k] for k in ("allow_other_platform", "data_parallel") if k in config}
     if backend == "iree":
         from jaxexp_mlflow.iree.loader import load_directory
+
+        load_options.update({k: config[k] for k in ("iree_cache", "iree_driver") if k in config})
     else:
         from jaxexp_mlflow.runtime import cache
         from jaxexp_mlflow.runtime.loader import load_directory
 
         cache.configure(config.get("compilation_cache", saved.get("compilation_cache")))
-    if "iree_cache" in config:
-        load_options["iree_cache"] = config["iree_cache"]
     model = load_directory(
         model_dir,
         flavor_conf,

@@ -54,6 +54,7 @@ def build(
     allow_incompatible: bool = False,
     allow_other_platform: bool = False,
     iree_cache: Any = None,
+    iree_driver: str | None = None,
 ) -> IreeModel:
     """Judge, compile and bind the blob ``data`` described by the MLmodel section ``meta``.
 
@@ -87,6 +88,7 @@ def build(
         params,
         platform_index=platform_index(description.platforms),
         constraints=tuple((prepared or {}).get("shape_constraints") or ()),
+        driver=iree_driver,
     )
     model.verdict = verdict
     return model
@@ -99,6 +101,7 @@ def load_directory(
     allow_incompatible: bool = False,
     allow_other_platform: bool = False,
     iree_cache: Any = None,
+    iree_driver: str | None = None,
     **_ignored: Any,
 ) -> IreeModel:
     """Load the model directory ``path`` (MLmodel ``jaxexp`` section ``meta``) onto IREE."""
@@ -113,4 +116,5 @@ def load_directory(
         allow_incompatible=allow_incompatible,
         allow_other_platform=allow_other_platform,
         iree_cache=iree_cache,
+        iree_driver=iree_driver,
     )

@@ -10,6 +10,7 @@ JAX's shape assertions. Nothing here imports JAX.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,12 @@ import numpy as np
 
 from jaxexp_mlflow.errors import InputError
 from jaxexp_mlflow.iree import shapes, trees
+
+#: IREE's CPU drivers: ``local-task`` runs dispatches on a thread pool (IREE's default),
+#: ``local-sync`` on the calling thread (no thread hand-off: steadier small-batch latency on a
+#: busy machine). ``iree_driver=`` / the pyfunc key / ``JAXEXP_IREE_DRIVER`` choose.
+DEFAULT_DRIVER = "local-task"
+ENV_DRIVER = "JAXEXP_IREE_DRIVER"
 
 #: numpy dtype name -> IREE HAL element type name (the runtime's own map lacks the ml_dtypes).
 _ELEMENT_TYPES = {
@@ -61,7 +68,7 @@ class IreeModel:
         *,
         platform_index: int | None = None,
         constraints: tuple[str, ...] = (),
-        driver: str = "local-task",
+        driver: str | None = None,
     ) -> None:
         import iree.runtime as rt
 
@@ -71,7 +78,7 @@ class IreeModel:
         self.description = description
         self.verdict: Any = None
         self._rt = rt
-        self._config = rt.Config(driver)
+        self._config = rt.Config(driver or os.environ.get(ENV_DRIVER) or DEFAULT_DRIVER)
         instance = self._config.vm_instance
         if isinstance(vmfb, Path):
             module = rt.VmModule.mmap(instance, str(vmfb))
@@ -173,4 +180,3 @@ class IreeModel:
     def __repr__(self) -> str:
         d = self.description
         return f"IreeModel({d.fun_name!r}, in={list(d.in_avals)}, out={list(d.out_avals)})"
-

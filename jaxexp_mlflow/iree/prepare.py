@@ -125,8 +125,14 @@ def rewrite(module: bytes, target_version: str) -> tuple[bytes, list[str]]:
     """The portable artifact ``module`` as IREE needs it, at ``target_version``, and the changes:
     the Shardy dialect stripped, dynamic broadcasts' expanding dimensions made explicit."""
     from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib import _jax
     from jax._src.lib.mlir import ir
+
+    try:
+        from jax._src.lib import _jax
+    except ImportError:  # jaxlib < 0.7 names the extension xla_extension
+        from jax._src.lib import xla_client
+
+        _jax = xla_client._xla
 
     changes: set[str] = set()
     with jax_mlir.make_ir_context():
