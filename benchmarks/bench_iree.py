@@ -24,11 +24,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_cold_start import build_model, spawn  # the same MLP, the same child runner
 
 DRIVERS = ("local-task", "local-sync")  # IREE's thread-pool and calling-thread CPU drivers
 
@@ -36,7 +37,7 @@ CHILD = r"""
 import json, os, sys, time
 backend, path = sys.argv[1], sys.argv[2]
 import numpy as np
-x = np.load(os.path.join(path, "x.npy"))
+x = np.load(os.path.join(path, "x.npy"))[:1]
 t = time.time()
 if backend == "iree":
     from jaxexp_mlflow.iree.loader import load_directory
@@ -58,51 +59,8 @@ print("BENCH " + json.dumps({
 """
 
 
-def build_model(directory: Path, depth: int, width: int) -> None:
-    """An MLP of ``depth`` layers, saved with its params and a batch of 1 to predict."""
-    import jax
-    import jax.numpy as jnp
-    import mlflow  # noqa: F401
-    import numpy as np
-
-    import jaxexp_mlflow  # noqa: F401
-
-    keys = jax.random.split(jax.random.key(0), depth)
-    params = [
-        {
-            "w": jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width),
-            "b": jnp.zeros((width,), jnp.float32),
-        }
-        for k in keys
-    ]
-
-    def apply(params, x):
-        for i, layer in enumerate(params):
-            x = x @ layer["w"] + layer["b"]
-            x = jnp.tanh(x) if i % 2 else jax.nn.gelu(x)
-        return jax.nn.log_softmax(x)
-
-    x = np.asarray(jax.random.normal(jax.random.key(1), (8, width)), np.float32)
-    mlflow.jaxexp.save_model(jax.jit(apply), directory / "model", params=params, input_example=x)
-    np.save(directory / "x.npy", x[:1])
-
-
 def run_child(backend: str, work: Path, env: dict) -> dict:
-    t0 = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, backend, str(work)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    wall = time.time() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"child failed ({backend}):\n{proc.stderr[-3000:]}")
-    res = json.loads(lines[-1][6:])
-    res["process_s"] = wall
-    return res
+    return spawn(CHILD, [backend, str(work)], env)
 
 
 def per_call(fn, x, n: int) -> float:
@@ -155,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = yaml.safe_load((path / "MLmodel").read_text())["flavors"]["jaxexp"]
         iree_models = {d: load_directory(path, meta, iree_driver=d) for d in DRIVERS}
         jax_model = mlflow.jaxexp.load_model(str(path))
-        x1 = np.load(work / "x.npy")
+        x1 = np.load(work / "x.npy")[:1]
         rng = np.random.default_rng(0)
         steady: dict[str, list[float]] = {}
         for _ in range(rounds):

@@ -146,15 +146,12 @@ def read_reference(path: str | os.PathLike, meta: dict[str, Any]) -> tuple[list,
     ref = meta.get("reference")
     if not ref:
         return None
-    try:
-        inputs = arrays.load_arrays(Path(path, REFERENCE_INPUTS), ref["input_dtypes"], "in")
-        outputs = arrays.load_arrays(Path(path, REFERENCE_OUTPUTS), ref["output_dtypes"], "out")
-    except (OSError, KeyError, ValueError) as err:
-        raise ArtifactError(
-            f"The model's reference arrays under {Path(path, 'reference')} are missing or "
-            f"damaged ({err}). Download the model again."
-        ) from err
-    return inputs, outputs
+    return arrays.load_reference(
+        Path(path, REFERENCE_INPUTS),
+        Path(path, REFERENCE_OUTPUTS),
+        ref,
+        str(Path(path, "reference")),
+    )
 
 
 def read_blob(path: str | os.PathLike, meta: dict[str, Any]) -> bytes:

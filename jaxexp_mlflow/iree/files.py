@@ -120,17 +120,14 @@ def read_params(
 
 def read_reference(model_dir: str | os.PathLike, meta: dict[str, Any]) -> tuple[list, list] | None:
     """The stored reference (flat input leaves after the params, flat outputs), or None."""
-    from jaxexp_mlflow.codec.arrays import load_arrays
+    from jaxexp_mlflow.codec.arrays import load_reference
 
     ref = meta.get("reference")
     if not ref:
         return None
-    try:
-        inputs = load_arrays(inside(model_dir, REFERENCE_INPUTS), ref["input_dtypes"], "in")
-        outputs = load_arrays(inside(model_dir, REFERENCE_OUTPUTS), ref["output_dtypes"], "out")
-    except (OSError, KeyError, ValueError) as err:
-        raise ArtifactError(
-            f"The model's reference arrays under {Path(model_dir, 'reference')} are missing or "
-            f"damaged ({err}). Download the model again."
-        ) from err
-    return inputs, outputs
+    return load_reference(
+        inside(model_dir, REFERENCE_INPUTS),
+        inside(model_dir, REFERENCE_OUTPUTS),
+        ref,
+        str(Path(model_dir, "reference")),
+    )
