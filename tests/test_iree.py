@@ -243,3 +243,33 @@ def test_dynamic_broadcasts_are_made_explicit_at_save(tmp_path):
     for n in (1, 7):
         x = np.random.default_rng(n).standard_normal((n, 8)).astype(np.float32)
         np.testing.assert_allclose(model(x), np.asarray(exp.call(x)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_with_backend_iree_maps_no_jaxlib(mlp_dir, tmp_path):
+    """`mlflow models serve` with the pyfunc key backend=iree answers over HTTP, and no process
+    of the server has jaxlib mapped."""
+    import psutil
+    import requests
+
+    from tests.test_serving import server_env, start_server, stop_server
+
+    env = server_env(tmp_path)
+    env["MLFLOW_PYFUNC_INFERENCE_CONFIG"] = json.dumps({"backend": "iree"})
+    proc, url = start_server(str(mlp_dir), "local", env, tmp_path / "server.log")
+    try:
+        x = np.load(mlp_dir / "reference" / "inputs.npz")["in_0"]
+        want = np.load(mlp_dir / "reference" / "outputs.npz")["out_0"]
+        resp = requests.post(f"{url}/invocations", json={"inputs": x.tolist()}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        np.testing.assert_allclose(np.asarray(resp.json()["predictions"]), want, atol=1e-5)
+        bad = requests.post(f"{url}/invocations", json={"inputs": x[:, :3].tolist()}, timeout=60)
+        assert bad.status_code == 400
+        server = psutil.Process(proc.pid)
+        mapped = {
+            m.path for p in (server, *server.children(recursive=True)) for m in p.memory_maps()
+        }
+        assert any("iree" in m for m in mapped)
+        assert not any("jaxlib" in m for m in mapped), sorted(m for m in mapped if "jaxlib" in m)
+    finally:
+        stop_server(proc)
