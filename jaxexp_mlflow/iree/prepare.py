@@ -137,11 +137,16 @@ def rewrite(module: bytes, target_version: str) -> tuple[bytes, list[str]]:
     changes: set[str] = set()
     with jax_mlir.make_ir_context():
         parsed = _jax.mlir.deserialize_portable_artifact(module)
+        text_api = isinstance(parsed, str)  # jaxlib < 0.7 passes modules as text
+        if text_api:
+            parsed = ir.Module.parse(parsed)
         _strip_attrs(parsed.operation, ir)
         _rewrite_op(parsed.operation, ir, changes)
         if not changes:
             return module, []
-        out = _jax.mlir.serialize_portable_artifact(parsed, target_version)
+        out = _jax.mlir.serialize_portable_artifact(
+            str(parsed) if text_api else parsed, target_version
+        )
     return bytes(out), sorted(changes)
 
 
