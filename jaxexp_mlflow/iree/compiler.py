@@ -34,8 +34,15 @@ from jaxexp_mlflow.runtime import cache as cache_settings
 _logger = logging.getLogger(__name__)
 
 ENV_VAR = "JAXEXP_IREE_CACHE"
+#: Extra compiler flags, space-separated (e.g. ``--iree-opt-data-tiling``: see docs/longevity.md).
+ENV_FLAGS = "JAXEXP_IREE_FLAGS"
 TARGET = "llvm-cpu"
 FLAGS = ("--iree-input-demote-f64-to-f32=false", "--iree-llvmcpu-target-cpu=host")
+
+
+def active_flags() -> tuple[str, ...]:
+    """The compiler flags in force: :data:`FLAGS` plus those of ``JAXEXP_IREE_FLAGS``."""
+    return FLAGS + tuple(os.environ.get(ENV_FLAGS, "").split())
 
 
 def versions() -> dict[str, str | None]:
@@ -97,11 +104,15 @@ def compile_module(module: bytes, flags: tuple[str, ...] = FLAGS) -> bytes:
         ) from None
 
 
-def compiled(module: bytes, *, cache: Any = None, flags: tuple[str, ...] = FLAGS) -> bytes | Path:
+def compiled(
+    module: bytes, *, cache: Any = None, flags: tuple[str, ...] | None = None
+) -> bytes | Path:
     """The ``.vmfb`` for ``module``: a cache file path on a hit or after storing, else bytes.
 
-    ``cache`` is the setting described in the module docstring (None: env var, then default).
+    ``cache`` is the setting described in the module docstring (None: env var, then default);
+    ``flags`` default to :func:`active_flags`.
     """
+    flags = active_flags() if flags is None else flags
     directory = cache_settings.resolve(cache, env_var=ENV_VAR, kind="iree")
     path = None if directory is None else directory / f"{cache_key(module, flags)}.vmfb"
     if path is not None and path.is_file():
