@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxexp_mlflow.errors import InputError
+from jaxexp_mlflow.errors import IncompatibleError, InputError
 from jaxexp_mlflow.iree import shapes, trees
 
 #: IREE's CPU drivers: ``local-task`` runs dispatches on a thread pool (IREE's default),
@@ -95,6 +95,12 @@ class IreeModel:
         # outputs are read by their bits where numpy's own dtype is not the stored one
         self._out_dtypes = [(_bits(d), d) for d in out_dtypes]
         self._shapes_seen: set[tuple] = set()  # input shapes already checked (bounded)
+        unknown = sorted({a.dtype for a in (*self.in_avals, *self.out_avals)} - set(_ELEMENT_TYPES))
+        if unknown:
+            raise IncompatibleError(
+                f"The model uses dtypes {unknown}, which the IREE backend does not pass: "
+                f"expected some of {sorted(_ELEMENT_TYPES)}. Load it with the JAX backend."
+            )
         self._element_types = [
             getattr(rt.HalElementType, _ELEMENT_TYPES[a.dtype]) for a in self.in_avals
         ]
