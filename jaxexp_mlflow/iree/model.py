@@ -49,6 +49,18 @@ _ELEMENT_TYPES = {
 }
 
 
+DTYPES_HINT = (
+    f"which the IREE backend does not pass: expected some of {sorted(_ELEMENT_TYPES)}. Load it "
+    "with the JAX backend."
+)
+
+
+def unsupported_dtypes(description: Any) -> list[str]:
+    """The dtypes of the blob's inputs and outputs IREE's runtime cannot take or return."""
+    avals = (*description.in_avals, *description.out_avals)
+    return sorted({a.split("[", 1)[0] for a in avals} - set(_ELEMENT_TYPES))
+
+
 class IreeModel:
     """An archived ``jax.export`` function compiled by IREE, with its params bound.
 
@@ -95,12 +107,8 @@ class IreeModel:
         # outputs are read by their bits where numpy's own dtype is not the stored one
         self._out_dtypes = [(_bits(d), d) for d in out_dtypes]
         self._shapes_seen: set[tuple] = set()  # input shapes already checked (bounded)
-        unknown = sorted({a.dtype for a in (*self.in_avals, *self.out_avals)} - set(_ELEMENT_TYPES))
-        if unknown:
-            raise IncompatibleError(
-                f"The model uses dtypes {unknown}, which the IREE backend does not pass: "
-                f"expected some of {sorted(_ELEMENT_TYPES)}. Load it with the JAX backend."
-            )
+        if unknown := unsupported_dtypes(description):
+            raise IncompatibleError(f"The model uses dtypes {unknown}, {DTYPES_HINT}")
         self._element_types = [
             getattr(rt.HalElementType, _ELEMENT_TYPES[a.dtype]) for a in self.in_avals
         ]

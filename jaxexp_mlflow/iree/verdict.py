@@ -9,6 +9,7 @@ anything is compiled. Reasons (codes):
 ``iree_effects``       ordered/unordered effects (tokens, callbacks) JAX's runtime implements
 ``iree_custom_calls``  custom calls other than ``shape_assertion`` (LAPACK, host callbacks...)
 ``iree_module``        the module cannot be read as MLIR bytecode
+``iree_dtypes``        dtypes the IREE runtime cannot pass (e.g. int4, float4)
 ``iree_sdy``           the module carries Shardy (``sdy``), which IREE cannot parse, and the model
                        has no prepared module (saved before preparation existed or without JAX)
 """
@@ -19,6 +20,7 @@ import importlib.util
 from typing import Any
 
 from jaxexp_mlflow.errors import IncompatibleError
+from jaxexp_mlflow.iree.model import DTYPES_HINT, unsupported_dtypes
 from jaxexp_mlflow.runtime.compat import INCOMPATIBLE, OK, WARN, Reason, Verdict
 
 #: Custom calls the IREE path handles itself: shape assertions are checked before the call.
@@ -111,6 +113,8 @@ def assess(
                 f"The module calls {foreign}, kernels that exist only inside jaxlib.",
                 use_jax + " Or export the function without them (e.g. no jnp.linalg).",
             )
+    if unknown := unsupported_dtypes(description):
+        add("iree_dtypes", INCOMPATIBLE, f"The model uses dtypes {unknown},", DTYPES_HINT)
     if dialects and "sdy" in dialects and not (prepared and prepared.get("module")):
         add(
             "iree_sdy",
