@@ -107,6 +107,26 @@ def build_model(directory: Path, depth: int, width: int) -> None:
     np.savez(directory / "params.npz", **{f"p_{i}": np.asarray(a) for i, a in enumerate(flat)})
 
 
+def spawn(code: str, args: list[str], env: dict) -> dict:
+    """Run ``code`` in a fresh interpreter; its last ``BENCH <json>`` line plus ``process_s``,
+    the wall time from spawn to exit (``BENCH_T0`` in the child's env is the spawn time)."""
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env={**env, "BENCH_T0": repr(t0)},
+        check=False,
+    )
+    wall = time.time() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"child failed ({' '.join(args)}):\n{proc.stderr[-3000:]}")
+    res = json.loads(lines[-1][6:])
+    res["process_s"] = wall
+    return res
+
+
 def run_child(mode: str, model_dir: Path, cache_dir: Path) -> dict:
     env = {
         **os.environ,
@@ -116,21 +136,7 @@ def run_child(mode: str, model_dir: Path, cache_dir: Path) -> dict:
         "JAX_PLATFORMS": "cpu",
     }
     env.pop("XLA_FLAGS", None)
-    t0 = time.time()
-    env["BENCH_T0"] = repr(t0)
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(model_dir)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    wall = time.time() - t0
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"child failed ({mode}):\n{proc.stderr[-3000:]}")
-    res = json.loads(lines[-1][6:])
-    res["process_s"] = wall
+    res = spawn(CHILD, [mode, str(model_dir)], env)
     res["cache_files"] = sum(1 for _ in cache_dir.rglob("*") if _.is_file())
     return res
 

@@ -29,6 +29,7 @@ SUITE = [
     ("pyfunc", "bench_pyfunc.py"),
     ("rest", "bench_rest.py"),
     ("cold_start", "bench_cold_start.py"),
+    ("iree", "bench_iree.py"),
     ("params", "bench_params.py"),
     ("spark", "bench_spark.py"),  # needs the spark extra and Java; minutes
 ]

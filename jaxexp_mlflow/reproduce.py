@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxexp_mlflow import artifact
 from jaxexp_mlflow.errors import ArtifactError
 
 #: Default tolerances per dtype width: a newer XLA may differ in the last bits.
@@ -67,10 +66,14 @@ def compare_outputs(
 def verify_directory(
     model: Any, path: str | os.PathLike, *, rtol: float | None = None, atol: float | None = None
 ) -> list[OutputCheck]:
-    """Run ``model`` (a loaded ``JaxExpModel``) on its stored reference input and compare."""
-    from jaxexp_mlflow.probes import call_flat
-
-    ref = artifact.read_reference(path, model.metadata)
+    """Run ``model`` (a loaded ``JaxExpModel`` or ``IreeModel``) on its stored reference input
+    and compare."""
+    iree = getattr(model, "backend", "jax") == "iree"
+    if iree:
+        from jaxexp_mlflow.iree.files import read_reference
+    else:
+        from jaxexp_mlflow.artifact import read_reference
+    ref = read_reference(path, model.metadata)
     if ref is None:
         raise ArtifactError(
             f"The model at {path} carries no reference input/outputs (it was saved without "
@@ -80,6 +83,10 @@ def verify_directory(
         )
     inputs, outputs = ref
     # the reference holds the inputs after the params
+    if iree:
+        return compare_outputs(model.call_flat(inputs), outputs, rtol=rtol, atol=atol)
+    from jaxexp_mlflow.probes import call_flat
+
     return compare_outputs(call_flat(model, inputs), outputs, rtol=rtol, atol=atol)
 
 

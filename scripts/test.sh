@@ -14,7 +14,7 @@ setup() {  # setup <venv> <pip args...>
   "$venv/bin/python" -m pip install -q "$@"
 }
 
-setup .venv -e ".[test]" "jax==0.10.2" "jaxlib==0.10.2" "mlflow==3.17.2"
+setup .venv -e ".[test,iree]" "jax==0.10.2" "jaxlib==0.10.2" "mlflow==3.17.2"
 export PATH="$PWD/.venv/bin:$PATH"  # `mlflow models serve` and `jaxexp` come from the venv
 .venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts
 .venv/bin/pytest -q "$@"

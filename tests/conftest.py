@@ -83,6 +83,8 @@ def result_of(proc: subprocess.CompletedProcess) -> dict:
 def _compilation_cache_in_tmp(tmp_path_factory):
     """Keep JAX's persistent compilation cache (on by default at load) out of the user's home."""
     os.environ.setdefault("JAXEXP_COMPILATION_CACHE", str(tmp_path_factory.mktemp("xla-cache")))
+    # one IREE .vmfb cache for the whole session (and the subprocesses the tests start)
+    os.environ.setdefault("JAXEXP_IREE_CACHE", str(tmp_path_factory.mktemp("iree-cache")))
 
 
 @pytest.fixture

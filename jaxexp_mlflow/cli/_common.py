@@ -106,7 +106,16 @@ def common_options(fn: Callable) -> Callable:
 
 
 def run_options(fn: Callable) -> Callable:
-    """``--allow-incompatible`` and ``--allow-other-platform``, on the commands that run a model."""
+    """``--allow-incompatible``, ``--allow-other-platform`` and ``--backend``, on the commands
+    that run a model."""
+    fn = click.option(
+        "--backend",
+        type=click.Choice(["jax", "iree"]),
+        default="jax",
+        show_default=True,
+        help="Run with JAX, or compile with IREE and run without importing JAX "
+        "(pip install 'jaxexp-mlflow[iree]').",
+    )(fn)
     fn = click.option(
         "--allow-other-platform",
         is_flag=True,

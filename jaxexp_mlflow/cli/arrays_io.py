@@ -74,6 +74,24 @@ def input_leaves(payload: Any, specs: list) -> list[np.ndarray]:
     return contract.leaves(named)
 
 
+def iree_input_specs(model: Any, flavor: dict | None) -> list:
+    """The input ``LeafSpec`` list of an ``IreeModel``, without JAX: the names stored in the
+    MLmodel, else (a bare blob) the blob's avals named by position (``in_0``, ...)."""
+    from jaxexp_mlflow.codec.arrays import resolve_dtype
+    from jaxexp_mlflow.flavors.signature import LeafSpec, specs_from_conf, wire_dtype
+
+    stored = specs_from_conf(flavor or {})
+    if stored is not None:
+        return stored[0]
+    specs = []
+    for i, aval in enumerate(model.in_avals[model.n_param_leaves :]):
+        dtype = np.dtype(resolve_dtype(aval.dtype))
+        shape = tuple(d if isinstance(d, int) else None for d in aval.dims)
+        symbols = tuple(None if isinstance(d, int) else d for d in aval.dims)
+        specs.append(LeafSpec(f"in_{i}", dtype, wire_dtype(dtype), shape, symbols))
+    return specs
+
+
 def call_args(exported: Any, has_params: bool, leaves: list[np.ndarray]) -> tuple[tuple, dict]:
     """``(args, kwargs)`` to call the model with (params excluded) from its input leaves."""
     from jaxexp_mlflow.flavors.signature import input_structure

@@ -9,12 +9,20 @@ from jaxexp_mlflow.cli.uri import Target
 
 
 def load(
-    target: Target, *, allow_incompatible: bool = False, isolate: bool = False, **options: Any
+    target: Target,
+    *,
+    allow_incompatible: bool = False,
+    isolate: bool = False,
+    backend: str = "jax",
+    **options: Any,
 ) -> Any:
     """The model (params bound) or, for a bare blob, the export alone (no params).
 
     ``isolate`` has JAX deserialize the blob in a capped child process first (see
-    ``runtime.isolate``); ``options`` go to the device placement (``allow_other_platform``...)."""
+    ``runtime.isolate``); ``options`` go to the device placement (``allow_other_platform``...).
+    ``backend="iree"`` loads an ``IreeModel`` without importing JAX."""
+    if backend == "iree":
+        return _load_iree(target, allow_incompatible=allow_incompatible, **options)
     if target.kind == "blob":
         from jaxexp_mlflow.cli.check import blob_meta
         from jaxexp_mlflow.codec import files
@@ -58,8 +66,45 @@ def load(
         )
 
 
-def environment() -> dict[str, Any]:
-    """The JAX environment running the model here."""
+def _load_iree(target: Target, *, allow_incompatible: bool, **options: Any) -> Any:
+    from jaxexp_mlflow.iree import loader
+
+    if target.kind == "blob":
+        with step("Checking the blob, compiling it with IREE"):
+            from jaxexp_mlflow.codec import files
+
+            data = files.read_file(
+                target.blob_path, what="serialized function", max_bytes=files.MAX_BLOB_BYTES
+            )
+            return loader.build(
+                data,
+                {},
+                source=str(target.blob_path),
+                allow_incompatible=allow_incompatible,
+                allow_other_platform=bool(options.get("allow_other_platform")),
+            )
+    label = "Loading the model on IREE (checks, params, compile or cache)"
+    with step(label):
+        return loader.load_directory(
+            target.path, target.flavor, allow_incompatible=allow_incompatible, **options
+        )
+
+
+def environment(backend: str = "jax") -> dict[str, Any]:
+    """The environment running the model here (JAX's, or IREE's for ``backend="iree"``)."""
+    if backend == "iree":
+        from jaxexp_mlflow.iree.compiler import TARGET, versions
+
+        v = versions()
+        return {
+            "jax_version": None,
+            "jaxlib_version": None,
+            "iree_compiler_version": v["iree-base-compiler"],
+            "iree_runtime_version": v["iree-base-runtime"],
+            "backend": f"iree/{TARGET}",
+            "device_kind": "local-task",
+            "device_count": 1,
+        }
     import jax
     import jaxlib
 
@@ -76,6 +121,8 @@ def environment() -> dict[str, Any]:
 def environment_line(env: dict[str, Any]) -> str:
     """``jax 0.10.2 / jaxlib 0.10.2 on cpu (1 device: cpu)``."""
     n = env["device_count"]
+    if env.get("iree_runtime_version"):
+        return f"IREE {env['iree_runtime_version']} on {env['backend']} (no JAX)"
     return (
         f"jax {env['jax_version']} / jaxlib {env['jaxlib_version']} on {env['backend']} "
         f"({n} device{'s' if n != 1 else ''}: {env['device_kind']})"

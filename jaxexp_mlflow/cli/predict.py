@@ -66,6 +66,7 @@ def predict(
     output_file: Path | None,
     allow_incompatible: bool,
     allow_other_platform: bool,
+    backend: str,
     as_json: bool,
     debug: bool,
 ) -> None:
@@ -97,19 +98,27 @@ def predict(
         target,
         allow_incompatible=allow_incompatible,
         allow_other_platform=allow_other_platform,
+        backend=backend,
     )
-    has_params = bool(model._n_param_leaves)
-    specs = input_specs(
-        model.exported, has_params, target.flavor if target.kind != "blob" else None
-    )
-    args, kwargs = call_args(model.exported, has_params, input_leaves(payload, specs))
-    import jax
     import numpy as np
 
+    flavor = target.flavor if target.kind != "blob" else None
     try:
-        with step("Running (compile + run)"):
-            out = model(*args, **kwargs)
-            leaves = [np.asarray(x) for x in jax.tree.leaves(out)]
+        if backend == "iree":
+            from jaxexp_mlflow.cli.arrays_io import iree_input_specs
+
+            leaves_in = input_leaves(payload, iree_input_specs(model, flavor))
+            with step("Running"):
+                leaves = model.call_flat(leaves_in)
+        else:
+            import jax
+
+            has_params = bool(model._n_param_leaves)
+            specs = input_specs(model.exported, has_params, flavor)
+            args, kwargs = call_args(model.exported, has_params, input_leaves(payload, specs))
+            with step("Running (compile + run)"):
+                out = model(*args, **kwargs)
+                leaves = [np.asarray(x) for x in jax.tree.leaves(out)]
     except Exception as err:
         if "JaxExpError" in {c.__name__ for c in type(err).__mro__}:
             raise

@@ -61,6 +61,7 @@ def verify(
     env_manager: str | None,
     allow_incompatible: bool,
     allow_other_platform: bool,
+    backend: str,
     as_json: bool,
     debug: bool,
 ) -> None:
@@ -98,8 +99,9 @@ def verify(
         allow_incompatible=allow_incompatible,
         allow_other_platform=allow_other_platform,
         isolate=True,  # a blob that crashes JAX's deserializer is refused, not fatal
+        backend=backend,
     )
-    env = environment()
+    env = environment(backend)
     try:
         with step("Running the reference input (compile + run)"):
             checks = verify_directory(model, target.path, rtol=rtol, atol=atol)

@@ -129,3 +129,24 @@ def load_arrays(
             want = resolve_dtype(name)
             out.append(arr.view(want) if arr.dtype != want else arr)
         return out
+
+
+def load_reference(
+    inputs: str | os.PathLike, outputs: str | os.PathLike, ref: dict[str, Any], where: str
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The reference input and output leaves MLmodel's ``reference`` entry describes.
+
+    Raises ``ArtifactError`` naming ``where`` when the files are missing or damaged.
+    """
+    from jaxexp_mlflow.errors import ArtifactError
+
+    try:
+        return (
+            load_arrays(inputs, ref["input_dtypes"], "in"),
+            load_arrays(outputs, ref["output_dtypes"], "out"),
+        )
+    except (OSError, KeyError, ValueError) as err:
+        raise ArtifactError(
+            f"The model's reference arrays under {where} are missing or damaged ({err}). "
+            "Download the model again."
+        ) from err

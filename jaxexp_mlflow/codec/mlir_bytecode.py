@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MlirBytecodeError", "MlirModuleInfo", "scan_module", "read_header"]
+__all__ = ["MlirBytecodeError", "MlirModuleInfo", "scan_module", "read_header", "module_dialects"]
 
 MAGIC = b"ML\xefR"
 MAX_REGION_DEPTH = 100  # 3 Python frames per level: stays far below the recursion limit
@@ -172,6 +172,16 @@ def scan_module(data: bytes) -> MlirModuleInfo:
         # it must not make the blob unreadable. Reported, never raised.
         return MlirModuleInfo(version, producer, None, f"unreadable module ({e!r})")
     return MlirModuleInfo(version, producer, targets, None, tuple(sorted(set(scanner.calls))))
+
+
+def module_dialects(data: bytes) -> tuple[str, ...] | None:
+    """Names of the dialects a MLIR bytecode module uses (e.g. ``("builtin", "sdy", "vhlo")``),
+    sorted; ``None`` when the module cannot be read. Never raises."""
+    try:
+        version, _, r = read_header(data)
+        return tuple(sorted(set(_Scanner(data, version, r).dialect_names)))
+    except (MlirBytecodeError, IndexError, ValueError, KeyError, TypeError, RecursionError):
+        return None
 
 
 class _Scanner:

@@ -49,6 +49,7 @@ __all__ = [
     "TreeNode",
     "read_blob",
     "read_blob_file",
+    "read_module",
     "MAX_BLOB_FILE_BYTES",
 ]
 
@@ -231,6 +232,19 @@ def read_blob(data: bytes | bytearray | memoryview) -> BlobDescription:
         size=len(buf),
         sha256=hashlib.sha256(buf).hexdigest(),
     )
+
+
+def read_module(data: bytes | bytearray | memoryview) -> bytes:
+    """The ``mlir_module_serialized`` bytes of a blob (a StableHLO portable artifact), no JAX.
+
+    Call :func:`read_blob` first to validate the whole blob; this only walks to the one field.
+    """
+    buf = bytes(data)
+    root = root_table(buf, "Exported", Budget(len(buf) // 2 + 1024))
+    module = root.bytes_(ExportedSlots.mlir_module_serialized, "mlir_module_serialized")
+    if module is None:
+        raise BlobFormatError("Exported.mlir_module_serialized: missing")
+    return module
 
 
 def read_blob_file(path: str | os.PathLike[str]) -> BlobDescription:

@@ -53,7 +53,16 @@ PYFUNC_CONFIG_KEYS = (
     "allow_incompatible",
     "allow_other_platform",
     "data_parallel",
+    "backend",
+    "iree_cache",
+    "iree_driver",
 )
+
+#: Backends ``load_model``/pyfunc can run a model on: JAX, or IREE without importing JAX
+#: (``pip install 'jaxexp-mlflow[iree]'``, see docs/longevity.md).
+BACKENDS = ("jax", "iree")
+#: Environment variable choosing the pyfunc backend when ``model_config`` does not.
+ENV_BACKEND = "JAXEXP_BACKEND"
 
 install_mlflow_module()
 
@@ -293,11 +302,23 @@ def log_model(
     return info
 
 
+def _check_backend(backend: Any) -> str:
+    name = str(backend or "jax").lower()
+    if name not in BACKENDS:
+        from jaxexp_mlflow.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"backend={backend!r} is not supported: expected one of {list(BACKENDS)}."
+        )
+    return name
+
+
 def load_model(
     model_uri: str,
     dst_path: str | None = None,
     *,
     allow_incompatible: bool = False,
+    backend: str = "jax",
     **options: Any,
 ) -> Any:
     """Load a jaxexp model as a callable ``JaxExpModel`` with its params bound.
@@ -305,7 +326,9 @@ def load_model(
     The model is checked (checksum, format, compatibility verdict) before JAX sees it, placed on
     the platform and devices at hand, and raises a clear error where it cannot run.
     ``allow_incompatible=True`` tries anyway after an "incompatible" verdict; ``options`` go to
-    the device placement (see ``runtime.devices.plan``).
+    the device placement (see ``runtime.devices.plan``). ``backend="iree"`` compiles the
+    StableHLO module with IREE and runs it without importing JAX (an ``IreeModel``: numpy in and
+    out, not differentiable; ``options``: ``allow_other_platform``, ``iree_cache``).
 
     Every file is read confined to the model directory, bounded, and checked (blob sha256,
     params CRC-32C; docs/security.md). Limit: JAX's own deserializer is native code that trusts
@@ -313,15 +336,20 @@ def load_model(
     this process. ``isolate=True`` has JAX deserialize it in a capped child process first
     (about a second more), as ``jaxexp check`` and ``jaxexp verify`` always do.
     """
+    from jaxexp_mlflow.codec import mlmodel
+
+    backend = _check_backend(backend)
+    local_path = _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path)
+    flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
+    _add_code_from_conf_to_system_path(local_path, flavor_conf)
+    if backend == "iree":
+        from jaxexp_mlflow.iree.loader import load_directory as load_iree
+
+        return load_iree(local_path, flavor_conf, allow_incompatible=allow_incompatible, **options)
     from jaxexp_mlflow.runtime import cache
     from jaxexp_mlflow.runtime.loader import load_directory
 
     cache.configure()
-    from jaxexp_mlflow.codec import mlmodel
-
-    local_path = _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path)
-    flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
-    _add_code_from_conf_to_system_path(local_path, flavor_conf)
     return load_directory(local_path, flavor_conf, allow_incompatible=allow_incompatible, **options)
 
 
@@ -334,8 +362,6 @@ def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
     """
     from jaxexp_mlflow.flavors import pyfunc as pyfunc_impl
     from jaxexp_mlflow.flavors import signature as sig
-    from jaxexp_mlflow.runtime import cache
-    from jaxexp_mlflow.runtime.loader import load_directory
 
     config = {k: v for k, v in (model_config or {}).items() if v is not None}
     model_dir = Path(path)
@@ -346,8 +372,19 @@ def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
     meta = mlmodel.read_mlmodel(model_dir)
     flavor_conf = mlmodel.flavor_section(meta, FLAVOR_NAME)
     saved = dict(flavor_conf.get("serving") or {})
-    cache.configure(config.get("compilation_cache", saved.get("compilation_cache")))
+    backend = _check_backend(
+        config.get("backend", os.environ.get(ENV_BACKEND, saved.get("backend")))
+    )
     load_options = {k: config[k] for k in ("allow_other_platform", "data_parallel") if k in config}
+    if backend == "iree":
+        from jaxexp_mlflow.iree.loader import load_directory
+
+        load_options.update({k: config[k] for k in ("iree_cache", "iree_driver") if k in config})
+    else:
+        from jaxexp_mlflow.runtime import cache
+        from jaxexp_mlflow.runtime.loader import load_directory
+
+        cache.configure(config.get("compilation_cache", saved.get("compilation_cache")))
     model = load_directory(
         model_dir,
         flavor_conf,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from mlflow.exceptions import MlflowException
 
-from jaxexp_mlflow.errors import InputError
+from jaxexp_mlflow.errors import ArtifactError, InputError
 from jaxexp_mlflow.flavors import serving_guard
 from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public name it had here
     ENV_ALLOW_NAN,
@@ -47,15 +47,20 @@ class JaxExpPyfunc:
         saved_config: dict[str, Any] | None = None,
         classifier: dict[str, Any] | None = None,
     ) -> None:
-        import jax
-
         from jaxexp_mlflow.flavors import signature
 
         self.model = model
         self.classifier = classifier
         self.model_config = dict(model_config or {})
         saved = dict(saved_config or {})
+        iree = getattr(model, "backend", "jax") == "iree"
         if inputs is None or outputs is None:
+            if iree:
+                raise ArtifactError(
+                    "This model records no input/output specs (MLmodel 'io', written by "
+                    "save_model since jaxexp-mlflow 0.1), which the IREE backend needs. Run "
+                    "`jaxexp refresh` on it once, or serve it with the JAX backend."
+                )
             inputs, outputs = signature.leaf_specs(model.exported, has_params=model.has_params)
         self.inputs = inputs
         self.outputs = outputs
@@ -77,7 +82,16 @@ class JaxExpPyfunc:
         self.batch_symbol = buckets_mod.batch_symbol(
             [s.symbols for s in inputs], [s.symbols for s in outputs]
         )
-        self._bucketed = self.policy.enabled and self.batch_symbol is not None
+        # IREE runs every batch size with one compiled module: no padding to buckets
+        self._bucketed = self.policy.enabled and self.batch_symbol is not None and not iree
+        self._out_wire = [None if s.wire_dtype == s.dtype else s.wire_dtype for s in self.outputs]
+        if iree:
+            call_flat = model.call_flat
+            self._flat = lambda _params, *leaves: call_flat(list(leaves))
+            self.predict = self._fast_predict()
+            return
+        import jax
+
         treedef, _, _ = signature.input_structure(model.exported, model.has_params)
         self._in_treedef = treedef
         placement = getattr(model, "placement", None)
@@ -100,7 +114,6 @@ class JaxExpPyfunc:
                 return jax.tree.leaves(exported.call(*args, **kwargs))
 
             self._flat = jax.jit(flat_call)
-        self._out_wire = [None if s.wire_dtype == s.dtype else s.wire_dtype for s in self.outputs]
         if self._bucketed and self.policy.precompile and self._only_batch_symbolic():
             self.precompile(self.policy.precompile)
         self.predict = self._fast_predict()

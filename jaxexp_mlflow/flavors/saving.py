@@ -104,6 +104,16 @@ def _refuse_if_it_cannot_run_here(conf: dict[str, Any], description: Any) -> Non
         )
 
 
+def _prepare_for_iree(exp: Any, data: bytes, path: str | os.PathLike, n_params: int) -> Any:
+    """The IREE backend's save-time preparation (``iree.prepare``); never fails a save."""
+    from jaxexp_mlflow.iree.prepare import prepare
+
+    try:
+        return prepare(exp, data, path, n_param_leaves=n_params)
+    except Exception as err:  # a model that IREE cannot run is still a good JAX model
+        return {"problem": f"preparation failed: {type(err).__name__}: {err}"[:500]}
+
+
 def write_model_files(
     exported: Any,
     path: str | os.PathLike,
@@ -192,6 +202,7 @@ def write_model_files(
     conf["params_format"] = params_conf
     conf.update(names_conf)
     conf["schema_generation"] = description.schema_generation
+    conf["iree"] = _prepare_for_iree(exp, data, path, n_params)
     if input_example is not None:
         _refuse_if_it_cannot_run_here(conf, description)
         bound = arrays

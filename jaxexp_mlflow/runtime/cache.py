@@ -32,25 +32,25 @@ _ON = {"1", "on", "true", "yes"}
 _configured: str | None = None  # the directory we set up, "" when disabled, None not yet
 
 
-def default_cache_dir() -> Path:
-    """The per-user default directory of the compilation cache."""
+def default_cache_dir(kind: str = "xla") -> Path:
+    """The per-user default directory of a compilation cache (``xla``, ``iree``)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base, "jaxexp-mlflow", "xla")
+    return Path(base, "jaxexp-mlflow", kind)
 
 
-def resolve(setting: Any = None) -> Path | None:
+def resolve(setting: Any = None, *, env_var: str = ENV_VAR, kind: str = "xla") -> Path | None:
     """The cache directory to use (None when off) for a model_config value and the env."""
     if setting is None:
-        setting = os.environ.get(ENV_VAR)
+        setting = os.environ.get(env_var)
     if setting is None or setting is True:
-        return default_cache_dir()
+        return default_cache_dir(kind)
     if setting is False:
         return None
     text = str(setting).strip()
     if text.lower() in _OFF:
         return None
     if text.lower() in _ON:
-        return default_cache_dir()
+        return default_cache_dir(kind)
     return Path(os.path.expanduser(text))
 
 

@@ -1,0 +1,13 @@
+"""The IREE backend: run archived ``jax.export`` models without importing JAX.
+
+``mlflow.jaxexp.load_model(uri, backend="iree")``, the pyfunc ``model_config`` key ``backend``
+and ``jaxexp predict/verify --backend iree`` load a model through this package: the blob is read
+by the jax-free codec (``codec.reader``), the params by the jax-free zarr3 reader
+(``codec.params``), the StableHLO module is compiled by the IREE compiler (``compiler``, with a
+per-user ``.vmfb`` cache) and run by the IREE runtime (``model``). Install with
+``pip install 'jaxexp-mlflow[iree]'``. See docs/longevity.md.
+
+Modules: ``files`` (every file read), ``shapes`` (the shape assertions IREE drops), ``trees``
+(pytrees without JAX), ``verdict`` (what IREE cannot run), ``compiler`` (compile + cache),
+``model`` (the callable), ``loader`` (directory -> model), ``prepare`` (save time, with JAX).
+"""
