@@ -31,6 +31,7 @@ SUITE = [
     ("cold_start", "bench_cold_start.py"),
     ("params", "bench_params.py"),
     ("spark", "bench_spark.py"),  # needs the spark extra and Java; minutes
+    ("mlserver", "bench_mlserver.py"),  # needs .venv-mlserver (scripts/mlserver_env.sh)
 ]
 
 
