@@ -32,16 +32,19 @@ from bench_rest import free_port, start, stop  # noqa: E402
 WIDTHS = (64, 256, 256, 10)
 MLSERVER_BIN = Path(__file__).resolve().parents[1] / ".venv-mlserver" / "bin"
 NAME = "jaxexp-model"
+RUNTIME = "jaxexp_mlflow.mlserver_runtime.JaxExpRuntime"
 
 
-def start_mlserver(model_dir: Path, workdir: Path, env: dict) -> tuple[subprocess.Popen, str]:
-    """``mlserver start`` on free ports; (process, base url)."""
+def start_mlserver(
+    model_dir: Path, workdir: Path, env: dict, runtime: str = RUNTIME
+) -> tuple[subprocess.Popen, str]:
+    """``mlserver start`` with ``runtime`` on free ports of 127.0.0.1; (process, base url)."""
     workdir.mkdir(parents=True, exist_ok=True)
     http = free_port()
     settings = {"host": "127.0.0.1", "http_port": http, "grpc_port": free_port()}
     settings.update(metrics_port=free_port(), parallel_workers=0)
     (workdir / "settings.json").write_text(json.dumps(settings))
-    model = {"name": NAME, "implementation": "jaxexp_mlflow.mlserver_runtime.JaxExpRuntime"}
+    model = {"name": NAME, "implementation": runtime}
     model["parameters"] = {"uri": str(model_dir)}
     (workdir / "model-settings.json").write_text(json.dumps(model))
     log = workdir / "mlserver.log"

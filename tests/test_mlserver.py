@@ -10,10 +10,9 @@ protobuf and ml_dtypes than the project's environment, so they live in their own
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import time
+import sys
 from pathlib import Path
 
 import jax
@@ -23,7 +22,6 @@ import pytest
 import requests
 
 import jaxexp_mlflow  # noqa: F401
-from tests.conftest import free_port
 from tests.models import mlp_params
 from tests.test_pyfunc import two_input_example, two_input_fn
 from tests.test_serving import stop_server
@@ -31,7 +29,10 @@ from tests.test_serving import stop_server
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-MLSERVER_BIN = REPO / ".venv-mlserver" / "bin"
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_mlserver  # noqa: E402
+
+MLSERVER_BIN = bench_mlserver.MLSERVER_BIN
 MODEL_NAME = "jaxexp-model"
 
 
@@ -39,56 +40,12 @@ STOCK = "mlserver_mlflow.MLflowRuntime"
 OURS = "jaxexp_mlflow.mlserver_runtime.JaxExpRuntime"
 
 
-def start_mlserver(
-    model_dir: Path, workdir: Path, runtime: str = OURS
-) -> tuple[subprocess.Popen, str]:
-    """``mlserver start`` with an MLflow runtime on free ports of 127.0.0.1; (process, url)."""
+def start_mlserver(model_dir: Path, workdir: Path, runtime: str) -> tuple[subprocess.Popen, str]:
+    """``mlserver start`` (benchmarks/bench_mlserver.py) or skip without ``.venv-mlserver``."""
     if not (MLSERVER_BIN / "mlserver").exists():
         pytest.skip("no .venv-mlserver (bash scripts/mlserver_env.sh)")
-    workdir.mkdir(parents=True, exist_ok=True)
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    (workdir / "settings.json").write_text(
-        json.dumps(
-            {
-                "host": "127.0.0.1",
-                "http_port": http,
-                "grpc_port": grpc,
-                "metrics_port": metrics,
-                "parallel_workers": 0,
-            }
-        )
-    )
-    (workdir / "model-settings.json").write_text(
-        json.dumps(
-            {
-                "name": MODEL_NAME,
-                "implementation": runtime,
-                "parameters": {"uri": str(model_dir)},
-            }
-        )
-    )
-    env = {**os.environ, "PATH": f"{MLSERVER_BIN}{os.pathsep}{os.environ['PATH']}"}
-    env["JAXEXP_COMPILATION_CACHE"] = str(workdir / "xla")
-    proc = subprocess.Popen(
-        [str(MLSERVER_BIN / "mlserver"), "start", str(workdir)],
-        env=env,
-        stdout=(workdir / "mlserver.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{http}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            if requests.get(f"{url}/v2/models/{MODEL_NAME}/ready", timeout=5).status_code == 200:
-                return proc, url
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise RuntimeError((workdir / "mlserver.log").read_text()[-3000:])
+    env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(workdir / "xla")}
+    return bench_mlserver.start_mlserver(model_dir, workdir, env, runtime)
 
 
 def v2_body(data: dict) -> dict:
