@@ -32,6 +32,7 @@ SUITE = [
     ("iree", "bench_iree.py"),
     ("params", "bench_params.py"),
     ("spark", "bench_spark.py"),  # needs the spark extra and Java; minutes
+    ("mlserver", "bench_mlserver.py"),  # needs .venv-mlserver (scripts/mlserver_env.sh)
 ]
 
 

@@ -205,6 +205,7 @@ def test_rest_csv_door(served):
     _check_message(bad.json()["message"], "x: float32[-1,8]", "csv")
 
 
+@pytest.mark.slow  # two `mlflow models predict` processes; test_pyfunc covers the door by default
 def test_mlflow_models_predict_door(logged, tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
@@ -306,6 +307,7 @@ def test_evaluate_classifier_and_regressor_on_feature_columns(tracking_uri):
             reg.model_uri, data, targets="y", model_type="regressor", evaluator_config=config
         )
         assert abs(res.metrics["mean_absolute_error"] - 0.5) < 1e-5
+    _check_jax_facts(clf)
     model = mlflow.pyfunc.load_model(clf.model_uri)
     assert list(model.predict(frame[:3])) == [names[i] for i in logits[:3].argmax(1)]
     probs = model.predict(frame[:3], params={"predict_method": "predict_proba"})
@@ -317,11 +319,8 @@ def test_evaluate_classifier_and_regressor_on_feature_columns(tracking_uri):
         model.predict(frame[:3], params={"predict_method": "nope"})
 
 
-def test_logged_model_carries_the_jax_facts(tracking_uri):
-    with mlflow.start_run():
-        info = mlflow.jaxexp.log_model(
-            jax.jit(mlp_apply), name="m", params=mlp_params(), input_example=batch(2)
-        )
+def _check_jax_facts(info) -> None:
+    """The logged model carries the JAX facts as params (what the MLflow UI shows)."""
     logged = mlflow.get_logged_model(info.model_id)
     assert logged.params["jax.version"] == jax.__version__
     assert logged.params["jax.platforms"] == "cpu"

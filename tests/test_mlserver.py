@@ -1,0 +1,95 @@
+"""MLServer (the V2 inference protocol of KServe / Seldon) serves a jaxexp model (issue 12).
+
+MLflow 3.17 no longer has ``mlflow models serve --enable-mlserver``; what that flag ran is
+MLServer with the ``mlserver_mlflow.MLflowRuntime`` runtime, which is what KServe and Seldon
+run for MLflow models, so the test starts exactly that: ``mlserver start`` on a model-settings
+file pointing at the model directory. mlserver/mlserver-mlflow pin older fastapi, starlette,
+protobuf and ml_dtypes than the project's environment, so they live in their own venv
+``.venv-mlserver`` (``bash scripts/mlserver_env.sh``); the test is skipped without it. Slow.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import mlflow
+import numpy as np
+import pytest
+import requests
+
+import jaxexp_mlflow  # noqa: F401
+from tests.models import mlp_params
+from tests.test_pyfunc import two_input_example, two_input_fn
+from tests.test_serving import stop_server
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_mlserver  # noqa: E402
+
+MLSERVER_BIN = bench_mlserver.MLSERVER_BIN
+MODEL_NAME = "jaxexp-model"
+
+
+STOCK = "mlserver_mlflow.MLflowRuntime"
+OURS = "jaxexp_mlflow.mlserver_runtime.JaxExpRuntime"
+
+
+def start_mlserver(model_dir: Path, workdir: Path, runtime: str) -> tuple[subprocess.Popen, str]:
+    """``mlserver start`` (benchmarks/bench_mlserver.py) or skip without ``.venv-mlserver``."""
+    if not (MLSERVER_BIN / "mlserver").exists():
+        pytest.skip("no .venv-mlserver (bash scripts/mlserver_env.sh)")
+    env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(workdir / "xla")}
+    return bench_mlserver.start_mlserver(model_dir, workdir, env, runtime)
+
+
+def v2_body(data: dict) -> dict:
+    """A V2 inference request with one tensor per input (numpy's default dtypes)."""
+    kinds = {"i": "INT64", "f": "FP64"}
+    inputs = []
+    for name, value in data.items():
+        arr = np.asarray(value)
+        arr = arr.astype(np.int64 if arr.dtype.kind == "i" else np.float64)
+        inputs.append(
+            {
+                "name": name,
+                "shape": list(arr.shape),
+                "datatype": kinds[arr.dtype.kind],
+                "data": arr.reshape(-1).tolist(),
+            }
+        )
+    return {"inputs": inputs}
+
+
+@pytest.mark.parametrize("runtime", [STOCK, OURS])
+def test_v2_inference_on_mlserver(tmp_path, runtime):
+    params = mlp_params()
+    model_dir = tmp_path / "model"
+    mlflow.jaxexp.save_model(
+        jax.jit(two_input_fn), model_dir, params=params, input_example=two_input_example()
+    )
+    proc, url = start_mlserver(model_dir, tmp_path / "mlserver", runtime)
+    try:
+        inp = two_input_example(4)
+        want = jax.tree.map(np.asarray, two_input_fn(params, inp))
+        r = requests.post(f"{url}/v2/models/{MODEL_NAME}/infer", json=v2_body(inp), timeout=60)
+        assert r.status_code == 200, r.text[:1000]
+        outs = {o["name"]: o for o in r.json()["outputs"]}
+        got = np.asarray(outs["logits"]["data"], np.float32).reshape(outs["logits"]["shape"])
+        np.testing.assert_allclose(got, want["logits"], rtol=1e-5, atol=1e-6)
+        got = np.asarray(outs["score"]["data"], np.float32).reshape(outs["score"]["shape"])
+        np.testing.assert_allclose(got.reshape(-1), want["score"], rtol=1e-5, atol=1e-5)
+        bad = {"ids": [1.5, 2.0, 3.0, 4.0], "x": inp["x"]}  # a float into the int32 input
+        r = requests.post(f"{url}/v2/models/{MODEL_NAME}/infer", json=v2_body(bad), timeout=60)
+        if runtime == STOCK:  # MLServer: 500 and its stack trace for non-MLServer errors
+            assert r.status_code == 500 and "Floats are not cast" in r.text, r.text[:1000]
+            return
+        assert r.status_code == 400, (r.status_code, r.text[:1000])
+        assert "Floats are not cast" in r.text and len(r.text) < 500, r.text[:1000]
+    finally:
+        stop_server(proc)
