@@ -35,7 +35,7 @@ def inside(model_dir: str | os.PathLike, relative: object, what: str = "file") -
 def read_verified(model_dir: str | os.PathLike, relative: str, sha256: str | None) -> bytes:
     """The bytes of ``model_dir/relative`` (confined, regular file, bounded), checked against
     ``sha256``, which is required: an unchecked file is never read."""
-    what = f"file {relative!s:.100}"
+    what = "file recorded in MLmodel"
     if not sha256:
         raise ArtifactError(
             f"The model's MLmodel records no sha256 for {relative!s:.100}: expected one, found "
