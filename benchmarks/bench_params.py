@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ import tempfile
 import time
 
 import numpy as np
+from report import print_rows, write_json
 
 GB = 1e9
 N_ARRAYS = 20
@@ -276,32 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_io(size, rounds, comps, workdir) + mem_rows
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    w = max(len(r["figure"]) for r in rows)
-    print(f"{'figure':<{w}}  {'value':>8}  {'baseline':>8}  {'ratio':>6}  goal  (baseline)")
-    for r in rows:
-        print(
-            f"{r['figure']:<{w}}  {r['value']:>8.3f}  {r['baseline']:>8.3f}  {r['ratio']:>6.2f}  "
-            f"{r['goal']}  ({r['baseline_name']})"
-        )
+    print_rows(rows)
     if a.json:
         import jax
         import orbax.checkpoint as ocp
 
-        doc = {
-            "benchmark": "params",
-            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "machine": {
-                "platform": platform.platform(),
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "jax": jax.__version__,
-                "orbax": ocp.__version__,
-            },
-            "rows": rows,
-        }
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(a.json, "params", rows, jax=jax.__version__, orbax=ocp.__version__)
     return 0
 
 

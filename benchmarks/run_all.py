@@ -31,6 +31,7 @@ SUITE = [
     ("cold_start", "bench_cold_start.py"),
     ("iree", "bench_iree.py"),
     ("params", "bench_params.py"),
+    ("remote", "bench_remote.py"),  # a real mlflow server; 1 GiB each way, a few minutes
     ("spark", "bench_spark.py"),  # needs the spark extra and Java; minutes
     ("mlserver", "bench_mlserver.py"),  # needs .venv-mlserver (scripts/mlserver_env.sh)
 ]

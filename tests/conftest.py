@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.servers import free_port  # noqa: F401 - the tests' one helper for ports
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))
@@ -44,13 +45,6 @@ def load_case(path: Path) -> tuple[dict, list[np.ndarray], list[np.ndarray]]:
             return out
 
     return meta, read("inputs.npz", meta["inputs"]), read("outputs.npz", meta["outputs"])
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for servers the tests start)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_on_devices(code: str, n_devices: int, *args: str) -> dict:

@@ -33,3 +33,20 @@ def export_mlp(params: dict, d_in: int = 8):
     return jax.export.export(jax.jit(mlp_apply))(
         specs, jax.ShapeDtypeStruct((b, d_in), jnp.float32)
     )
+
+
+def log_registered(fn, params, x, registered: str):
+    """``mlflow.jaxexp.log_model`` of ``jax.jit(fn)`` in a new run, registered as ``registered``."""
+    import jax
+    import mlflow
+
+    import jaxexp_mlflow  # noqa: F401
+
+    with mlflow.start_run():
+        return mlflow.jaxexp.log_model(
+            jax.jit(fn),
+            name="model",
+            params=params,
+            input_example=x,
+            registered_model_name=registered,
+        )

@@ -12,17 +12,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlflow
 import numpy as np
 import pytest
-import requests
 
 import jaxexp_mlflow  # noqa: F401
 from tests.conftest import free_port
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
+from tests.servers import mlflow_server
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -69,51 +68,9 @@ def server(request, tmp_path_factory):
     """A real ``mlflow server`` on 127.0.0.1 with a sqlite or PostgreSQL backend and proxied
     artifacts."""
     root = tmp_path_factory.mktemp("server")
-    backend = (
-        f"sqlite:///{root / 'db.sqlite'}"
-        if request.param == "sqlite"
-        else request.getfixturevalue("postgres")
-    )
-    port = free_port()
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            backend,
-            "--artifacts-destination",
-            str(root / "artifacts"),
-            "--workers",
-            "1",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=open(root / "server.log", "w"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=1).ok:
-                break
-        except requests.RequestException:
-            time.sleep(0.5)
-        if proc.poll() is not None:
-            pytest.fail(f"mlflow server exited: {(root / 'server.log').read_text()[-2000:]}")
-    else:
-        proc.kill()
-        pytest.fail("mlflow server did not answer /health within 90 s")
-    yield url, root / "artifacts"
-    proc.terminate()
-    proc.wait(timeout=20)
+    backend = None if request.param == "sqlite" else request.getfixturevalue("postgres")
+    with mlflow_server(root, backend=backend) as (url, _):
+        yield url, root / "artifacts"
 
 
 def test_log_and_load_through_a_remote_server(server, tmp_path, monkeypatch):

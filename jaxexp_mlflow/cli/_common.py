@@ -142,10 +142,10 @@ def setup_logging(debug: bool) -> None:
 
 
 def progress_enabled() -> bool:
-    """Progress lines go to stderr, and only when stderr is a terminal."""
-    if os.environ.get("JAXEXP_PROGRESS") == "1":  # forced on, e.g. to record the docs
-        return True
-    return sys.stderr.isatty()
+    """Progress lines go to stderr, and only when stderr is a terminal (see ``transfer``)."""
+    from jaxexp_mlflow.transfer import progress_enabled as enabled
+
+    return enabled()
 
 
 @contextlib.contextmanager

@@ -126,8 +126,10 @@ def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
     try:
         base = _underlying(uri)
         if parts is None:
+            from jaxexp_mlflow.transfer import download_model
+
             with step(f"Downloading {uri}"):
-                local = _download(base, dst)
+                local = Path(download_model(base, dst)[0])  # in parallel, with progress
             target = _local(uri, local)
         else:
             names = {os.path.basename(f.path): f for f in mlflow.artifacts.list_artifacts(base)}

@@ -234,6 +234,7 @@ def save_params(
     directory: str | os.PathLike,
     *,
     compression: str | None = DEFAULT_COMPRESSION,
+    durable: bool = True,
 ) -> dict:
     """Write the params pytree as an Orbax PyTree checkpoint at ``directory`` (must not exist).
 
@@ -241,6 +242,8 @@ def save_params(
     containers dicts, lists, tuples, None, Flax ``FrozenDict`` or ``nnx.State``. Arrays are
     streamed to disk one by one from their own buffers: no second copy of the tree is made.
     Returns the JSON-able description stored in MLmodel (see :func:`describe_checkpoint`).
+    ``durable=False`` skips the final fsync pass: for a staging directory that is uploaded
+    and deleted (``log_model``), where durability is the artifact store's job.
     """
     compression = _check_compression(compression)
     path = Path(directory)
@@ -268,7 +271,8 @@ def save_params(
         checkpointer.close()
     _flatten_chunk_keys(path)
     _write_manifest(path)
-    _fsync_tree(path)
+    if durable:
+        _fsync_tree(path)
     return describe_checkpoint(path)
 
 

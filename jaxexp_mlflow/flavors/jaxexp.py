@@ -17,7 +17,6 @@ from mlflow import pyfunc
 from mlflow.models import Model, ModelInputExample, ModelSignature
 from mlflow.models.model import MLMODEL_FILE_NAME, ModelInfo
 from mlflow.tracking._model_registry import DEFAULT_AWAIT_MAX_SLEEP_SECONDS
-from mlflow.tracking.artifact_utils import _download_artifact_from_uri
 from mlflow.utils.environment import (
     _CONDA_ENV_FILE_NAME,
     _CONSTRAINTS_FILE_NAME,
@@ -274,10 +273,14 @@ def log_model(
         warnings.warn(
             "artifact_path is deprecated; use name= instead.", FutureWarning, stacklevel=2
         )
+    # save_model already ran the model on input_example (the stored reference result); MLflow's
+    # second run through pyfunc would load a second copy of the params: on request only.
+    validate = bool(kwargs.pop("validate_serving_input", False))
     info = Model.log(
         artifact_path=artifact_path,
         name=name,
-        flavor=sys.modules[__name__],
+        flavor=sys.modules[__name__] if validate else _StagedFlavor,
+        validate_serving_input=validate,
         exported=exported,
         _jax_params=params,
         vjp_order=vjp_order,
@@ -313,6 +316,26 @@ def _check_backend(backend: Any) -> str:
     return name
 
 
+class _StagedFlavor:
+    """This flavor as ``Model.log`` sees it when the staging directory is only uploaded.
+
+    The params are written without the final fsync pass (the directory is deleted after the
+    upload), and the big subdirectories (params, code) go up in parallel right after
+    ``save_model`` (``transfer.stage_upload``); ``Model.log`` then uploads the small files,
+    ``MLmodel`` among them. See docs/remote.md.
+    """
+
+    __name__ = __name__
+
+    @staticmethod
+    def save_model(*, path: str, mlflow_model: Model, **kwargs: Any) -> None:
+        from jaxexp_mlflow import artifact, transfer
+
+        save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
+        if mlflow_model.artifact_path:
+            transfer.stage_upload(path, mlflow_model.artifact_path, [artifact.PARAMS_DIR, "code"])
+
+
 def load_model(
     model_uri: str,
     dst_path: str | None = None,
@@ -336,10 +359,14 @@ def load_model(
     this process. ``isolate=True`` has JAX deserialize it in a capped child process first
     (about a second more), as ``jaxexp check`` and ``jaxexp verify`` always do.
     """
+    from jaxexp_mlflow import transfer
     from jaxexp_mlflow.codec import mlmodel
 
     backend = _check_backend(backend)
-    local_path = _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path)
+    # Into a private temp dir (dst_path=None) the copy of this package in code/ is not needed:
+    # it is running.
+    skip = (f"code/{__name__.split('.')[0]}",) if dst_path is None else ()
+    local_path, _ = transfer.download_model(model_uri, dst_path, skip=skip)
     flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
     _add_code_from_conf_to_system_path(local_path, flavor_conf)
     if backend == "iree":

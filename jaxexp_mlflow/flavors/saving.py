@@ -124,8 +124,12 @@ def write_model_files(
     batch_polymorphic: bool = True,
     platforms: Any = None,
     compression: Any = "default",
+    durable: bool = True,
 ) -> tuple[dict[str, Any], Any]:
     """Write blob, params and reference into ``path``.
+
+    ``durable=False`` (``log_model``'s staging directory, uploaded then deleted) skips the
+    params' final fsync pass.
 
     Returns the MLmodel ``jaxexp`` section and the ``Exported`` (to infer the signature from).
     """
@@ -177,7 +181,7 @@ def write_model_files(
                 for n, leaf in zip(names, jax.tree.leaves(given), strict=True)
             }
             kw = {} if compression == "default" else {"compression": compression}
-            params_conf = params_codec.save_params(arrays, target, **kw)
+            params_conf = params_codec.save_params(arrays, target, durable=durable, **kw)
         if not names_conf["param_keys"]:
             del names_conf["param_keys"]
     artifact.write_blob(path, data)

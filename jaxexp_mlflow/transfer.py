@@ -1,0 +1,225 @@
+"""Move model directories to and from MLflow artifact stores: in parallel, with progress.
+
+MLflow's ``HttpArtifactRepository.log_artifacts`` (``mlflow server`` proxying artifacts) uploads
+one file after the other, and ``download_artifacts`` lists a directory tree one request per
+directory before it downloads. A jaxexp model is ~100 files (params arrays, the ``code/`` copy of
+this package), so both add up. Here the files go through the same repository objects MLflow
+uses (``log_artifact`` / ``_download_file``: MLflow's retries, auth, multipart uploads to S3),
+several at a time, biggest first, with a byte progress bar on a terminal (tqdm, what MLflow's
+own artifact progress bars use), silent otherwise. See docs/remote.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import sys
+from collections.abc import Iterator
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+#: Parallel transfers per model (files in flight). Override with ``JAXEXP_TRANSFER_WORKERS``.
+DEFAULT_WORKERS = 8
+
+
+def workers() -> int:
+    """Files transferred at once (``JAXEXP_TRANSFER_WORKERS``, default 8)."""
+    try:
+        return max(1, int(os.environ.get("JAXEXP_TRANSFER_WORKERS", DEFAULT_WORKERS)))
+    except ValueError:
+        return DEFAULT_WORKERS
+
+
+def progress_enabled() -> bool:
+    """Progress on stderr only when it is a terminal and MLflow's artifact progress bars are on
+    (``MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR``); ``JAXEXP_PROGRESS=1``/``0`` forces it."""
+    from mlflow.environment_variables import MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR
+
+    forced = os.environ.get("JAXEXP_PROGRESS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty()) and MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.get()
+
+
+class _Silent:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def progress(total_bytes: int, desc: str) -> Iterator[Any]:
+    """A tqdm byte bar (bytes, rate, ETA) on a terminal; an object whose ``update`` does
+    nothing otherwise. Thread-safe: tqdm locks its updates."""
+    if not progress_enabled() or total_bytes <= 0:
+        yield _Silent()
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(
+        total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False
+    ) as bar:
+        yield bar
+
+
+def _run_all(tasks: list[tuple[Any, ...]], fn: Any) -> None:
+    """Run ``fn(*task)`` for every task on a pool; the first failure cancels the rest and
+    is raised (MLflow's own retries happen inside each call)."""
+    if not tasks:
+        return
+    with ThreadPoolExecutor(min(workers(), len(tasks)), thread_name_prefix="jaxexp-xfer") as pool:
+        futures: list[Future] = [pool.submit(fn, *t) for t in tasks]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        for f in futures:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()
+
+
+# --------------------------------------------------------------------------------------------
+# upload
+
+
+def upload_dir(local_dir: str | os.PathLike, artifact_uri: str, artifact_path: str | None) -> int:
+    """Upload every file under ``local_dir`` to ``artifact_uri``/``artifact_path`` in parallel.
+
+    Uses the artifact repository MLflow picks for the URI (its ``log_artifact``: multipart for
+    big files where the store supports it). Returns the bytes uploaded.
+    """
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    repo = get_artifact_repository(artifact_uri)
+    root = Path(local_dir)
+    files = sorted(
+        (p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size, reverse=True
+    )
+    total = sum(p.stat().st_size for p in files)
+    with progress(total, f"Uploading {root.name}") as bar:
+
+        def one(path: Path) -> None:
+            rel = path.parent.relative_to(root).as_posix()
+            parts = [p for p in (artifact_path, rel if rel != "." else None) if p]
+            repo.log_artifact(str(path), posixpath.join(*parts) if parts else None)
+            bar.update(path.stat().st_size)
+
+        _run_all([(p,) for p in files], one)
+    return total
+
+
+def stage_upload(local_dir: str | os.PathLike, artifact_uri: str, subdirs: list[str]) -> None:
+    """Upload ``subdirs`` of a model staged in ``local_dir`` now, in parallel, and drop them
+    from the staging directory, so that MLflow's own (serial) upload of the directory that
+    follows only carries the small top-level files, ``MLmodel`` last among them.
+
+    A model whose upload breaks off has no ``MLmodel`` yet, or params whose manifest check
+    fails at load: it never loads wrong. Local artifact stores are left to MLflow (a copy).
+    """
+    import shutil
+
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+    from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
+
+    if isinstance(get_artifact_repository(artifact_uri), LocalArtifactRepository):
+        return
+    for sub in subdirs:
+        path = Path(local_dir, sub)
+        if path.is_dir():
+            upload_dir(path, artifact_uri, sub)
+            shutil.rmtree(path)
+
+
+# --------------------------------------------------------------------------------------------
+# download
+
+
+def resolve_repository(model_uri: str) -> tuple[Any, Any, str] | None:
+    """(the repository MLflow picks for ``model_uri``, the one holding its files, the path
+    inside it), or None where MLflow's own download is used: local paths, ``runs:/`` URIs
+    (MLflow looks them up among logged models too), Databricks and Unity Catalog stores."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+    from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
+    from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+    from mlflow.tracking.artifact_utils import _get_root_uri_and_artifact_path
+
+    if os.path.exists(model_uri):
+        return None
+    root_uri, artifact_path = _get_root_uri_and_artifact_path(model_uri)
+    outer = get_artifact_repository(root_uri)
+    if isinstance(outer, RunsArtifactRepository):
+        return None
+    repo = outer.repo if isinstance(outer, ModelsArtifactRepository) else outer
+    if isinstance(repo, LocalArtifactRepository | ModelsArtifactRepository) or (
+        "databricks" in type(repo).__module__ or "unity_catalog" in type(repo).__module__
+    ):
+        return None
+    return outer, repo, artifact_path or ""
+
+
+def list_files(repo: Any, path: str, skip: tuple[str, ...] = ()) -> list[Any]:
+    """Every file under ``path`` (``FileInfo``), listing the directories of one level at once;
+    directories whose path relative to ``path`` is in ``skip`` are left out."""
+
+    def keep(info: Any) -> bool:
+        return (posixpath.relpath(info.path, path) if path else info.path) not in skip
+
+    files, level = [], [path]
+    with ThreadPoolExecutor(min(workers(), 16), thread_name_prefix="jaxexp-list") as pool:
+        while level:
+            nxt = []
+            for listing in pool.map(lambda p: repo.list_artifacts(p or None), level):
+                for info in filter(keep, listing):
+                    (nxt if info.is_dir else files).append(info)
+            level = [d.path for d in nxt]
+    return files
+
+
+def download_model(
+    model_uri: str, dst_path: str | None = None, skip: tuple[str, ...] = ()
+) -> tuple[str, bool]:
+    """Download the model at ``model_uri`` into ``dst_path`` (a new temp dir if None), except
+    the directories in ``skip`` (paths relative to the model, e.g. ``code/jaxexp_mlflow``).
+
+    Returns the local model directory and whether this function downloaded it (False: MLflow's
+    own ``_download_artifact_from_uri`` handled it, e.g. a local path returned as it is).
+    Files go straight to their final place, several at a time."""
+    from mlflow.tracking.artifact_utils import _download_artifact_from_uri
+    from mlflow.utils.file_utils import create_tmp_dir
+
+    resolved = resolve_repository(model_uri)
+    if resolved is None:
+        return _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path), False
+    outer, repo, root = resolved
+    files = list_files(repo, root, skip)
+    if not files:  # a file URI, or nothing there: let MLflow say what it is
+        return _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path), False
+    dst = Path(dst_path or create_tmp_dir()).absolute()
+    local_root = dst / posixpath.basename(root.rstrip("/")) if root else dst
+    files.sort(key=lambda f: f.file_size or 0, reverse=True)
+    total = sum(f.file_size or 0 for f in files)
+    targets = []
+    for info in files:
+        rel = posixpath.relpath(info.path, root) if root else info.path
+        local = (local_root / rel).resolve()
+        if not local.is_relative_to(local_root.resolve()):
+            from jaxexp_mlflow.errors import ArtifactError
+
+            raise ArtifactError(
+                f"The artifact store listed {info.path!r} under {model_uri}: expected a path "
+                "inside the model directory. Refusing to write outside it."
+            )
+        targets.append((info, local))
+    with progress(total, f"Downloading {posixpath.basename(root) or model_uri}") as bar:
+
+        def one(info: Any, local: Path) -> None:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            repo._download_file(info.path, str(local))
+            bar.update(info.file_size or 0)
+
+        _run_all(targets, one)
+    if outer is not repo and (local_root / "MLmodel").is_file():
+        outer._add_registered_model_meta_file(str(local_root))  # as MLflow's download does
+    return str(local_root), True

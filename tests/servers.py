@@ -1,0 +1,146 @@
+"""Real servers the remote tests and benchmarks start on 127.0.0.1: `mlflow server`, moto's S3.
+
+Each is a context manager that starts the process, waits until it answers (bounded in time),
+yields its URL and stops it on exit. Used by tests/test_remote_*.py and benchmarks/bench_remote.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import requests
+
+#: Dummy credentials for moto's S3 (it accepts any); the region boto3 needs.
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for servers the tests start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, log: Path, what: str, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if requests.get(url, timeout=1).status_code < 500:
+                return
+        except requests.RequestException:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited: {log.read_text()[-2000:]}")
+    proc.kill()
+    raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.update(extra or {})
+    return env
+
+
+@contextlib.contextmanager
+def s3_server(root: Path, bucket: str = "mlflow") -> Iterator[str]:
+    """moto's S3-compatible server (``moto[server]``) with ``bucket`` created; yields its URL."""
+    import boto3
+
+    port = free_port()
+    log = root / "moto.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=_env(S3_ENV),
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "w"),  # noqa: SIM115 - the child owns it
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(f"{url}/moto-api/", proc, log, "moto server")
+        boto3.client("s3", endpoint_url=url, **_boto_kwargs()).create_bucket(Bucket=bucket)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def _boto_kwargs() -> dict[str, str]:
+    return {
+        "aws_access_key_id": S3_ENV["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+        "region_name": S3_ENV["AWS_DEFAULT_REGION"],
+    }
+
+
+@contextlib.contextmanager
+def mlflow_server(
+    root: Path,
+    *,
+    backend: str | None = None,
+    artifacts_destination: str | None = None,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real ``mlflow server`` proxying artifacts (sqlite backend unless ``backend``); yields
+    its URL and process. ``env`` adds variables (e.g. ``MLFLOW_S3_ENDPOINT_URL``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    log = root / "server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        backend or f"sqlite:///{root / 'db.sqlite'}",
+        "--artifacts-destination",
+        artifacts_destination or str(root / "artifacts"),
+        "--workers",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=_env(env),
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "a"),  # noqa: SIM115 - the child owns it
+        start_new_session=True,  # killed with its workers as a group
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(f"{url}/health", proc, log, "mlflow server")
+        yield url, proc
+    finally:
+        kill_group(proc, signal.SIGTERM)
+        _stop(proc)
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal ``proc`` and the workers it started (its own process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)

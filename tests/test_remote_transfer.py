@@ -1,0 +1,184 @@
+"""How models travel through a real ``mlflow server``: progress on a terminal only (the
+``jaxexp`` CLI and the API), and an upload cut by a killed server leaves nothing that loads."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import mlflow
+import numpy as np
+import pytest
+from mlflow.exceptions import MlflowException
+
+import jaxexp_mlflow  # noqa: F401
+from jaxexp_mlflow.codec.params import save_params
+from tests.conftest import REPO
+from tests.models import log_registered
+from tests.servers import free_port, kill_group, mlflow_server
+
+MiB = 2**20
+
+
+def apply(params, x):
+    return x @ params["w"][:4] + params["b"]
+
+
+def make_params(nbytes: int, n: int = 1) -> dict:
+    rng = np.random.default_rng(0)
+    rows = nbytes // n // 16
+    out = {f"w{i or ''}": rng.standard_normal((rows, 4), np.float32) for i in range(n)}
+    return {**{k: jnp.asarray(v) for k, v in out.items()}, "b": jnp.ones(4, jnp.float32)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with mlflow_server(tmp_path_factory.mktemp("server")) as (url, _):
+        yield url
+
+
+def _env(url: str, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": url, "PYTHONPATH": str(REPO), **extra}
+    for name in ("JAXEXP_PROGRESS", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
+        env.pop(name, None)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    return env
+
+
+def run_in_pty(cmd: list[str], env: dict[str, str], timeout: float = 300) -> tuple[int, str]:
+    """Run ``cmd`` with a pseudo-terminal as stdin/stdout/stderr; return (code, output)."""
+    master, slave = pty.openpty()
+    # a real terminal has a size; tqdm draws nothing on a 0-column one
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    out, deadline = b"", time.time() + timeout
+    try:
+        while time.time() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    return proc.wait(timeout=30), out.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def blob_and_params(tmp_path_factory):
+    """A serialized export, its params as an Orbax checkpoint (8 MiB) and an input example."""
+    root = tmp_path_factory.mktemp("cli")
+    params = make_params(8 * MiB)
+    x = np.ones((2, 4), np.float32)
+    sds = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    exp = jax.export.export(jax.jit(apply))(sds, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    (root / "exported.bin").write_bytes(exp.serialize())
+    save_params(params, root / "ckpt")
+    np.save(root / "x.npy", x)
+    return root
+
+
+def test_progress_on_a_terminal_and_silence_elsewhere(server, blob_and_params):
+    """``jaxexp log`` and ``jaxexp verify`` against the server show bytes, rate and ETA on a
+    terminal, and nothing of it when their output goes to a pipe."""
+    d = blob_and_params
+    log = ["jaxexp", "log", str(d / "exported.bin"), "--params", str(d / "ckpt")]
+    log += ["--input-example", str(d / "x.npy"), "--register", "progress"]
+    code, out = run_in_pty(log, _env(server))
+    assert code == 0, out
+    assert "Uploading params" in out and "B/s" in out, out
+    code, out = run_in_pty(["jaxexp", "verify", "models:/progress/1"], _env(server))
+    assert code == 0, out
+    assert "Downloading" in out and "B/s" in out and "PASS" in out.upper(), out
+
+    piped = subprocess.run(log, env=_env(server), capture_output=True, text=True)
+    assert piped.returncode == 0, piped.stderr
+    verify = ["jaxexp", "verify", "models:/progress/2"]
+    piped2 = subprocess.run(verify, env=_env(server), capture_output=True, text=True)
+    assert piped2.returncode == 0, piped2.stderr
+    for text in (piped.stderr, piped2.stderr):
+        assert "B/s" not in text and "Uploading" not in text and "Downloading" not in text
+
+
+_CHILD = """
+import mlflow, numpy as np
+from tests.models import log_registered
+from tests.test_remote_transfer import apply, make_params
+mlflow.set_experiment("retry")
+log_registered(apply, make_params(128 * 2**20, 16), np.ones((2, 4), np.float32), "retry")
+"""
+
+
+def test_upload_cut_by_a_killed_server_leaves_nothing_that_loads(tmp_path, monkeypatch):
+    """Kill the server (and its workers) while the params go up: what reached the store does not
+    load, nothing was registered, and logging again once the server is back succeeds."""
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # set_experiment sets it: undone
+    root, port = tmp_path / "server", free_port()
+    with mlflow_server(root, port=port) as (url, proc):
+        env = _env(url, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", JAXEXP_TRANSFER_WORKERS="1")
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        deadline, started = time.time() + 300, False
+        while time.time() < deadline and child.poll() is None and not started:
+            started = any((root / "artifacts").rglob("params/w*/c*"))
+            time.sleep(0.002)
+        kill_group(proc)
+        _, err = child.communicate(timeout=300)
+        assert started, err.decode()[-2000:]
+        assert child.returncode != 0, "the upload finished before the server was killed"
+    with mlflow_server(root, port=port) as (url, _):
+        mlflow.set_tracking_uri(url)
+        try:
+            client = mlflow.MlflowClient()
+            exp = client.get_experiment_by_name("retry")
+            cut = client.search_logged_models([exp.experiment_id])
+            assert len(cut) == 1
+            with pytest.raises(MlflowException):
+                mlflow.jaxexp.load_model(f"models:/{cut[0].model_id}")
+            assert not client.search_model_versions("name='retry'")
+            # the retry
+            mlflow.set_experiment("retry")
+            params = make_params(128 * MiB, 16)
+            x = np.ones((2, 4), np.float32)
+            log_registered(apply, params, x, "retry")
+            model = mlflow.jaxexp.load_model("models:/retry/1")
+            np.testing.assert_allclose(model(x), apply(params, x), rtol=1e-6)
+        finally:
+            mlflow.set_tracking_uri(None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gib", [4, 8])
+def test_big_params_through_the_server_in_bounded_memory(gib, tmp_path):
+    """4 and 8 GiB of params logged and loaded (every byte touched) through the server, each in
+    a fresh process: peak RSS above the interpreter stays below 1.25x the params size."""
+    psutil = pytest.importorskip("psutil")
+    if psutil.virtual_memory().available < 2.5 * gib * 2**30:
+        pytest.skip(f"needs ~{2.5 * gib:g} GiB of free memory")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_remote import bench_scale
+
+    with mlflow_server(tmp_path / "server") as (url, _):
+        rows = bench_scale(url, [float(gib)])
+    for row in rows:
+        print(row)  # the figures, with -s
+        assert row["ratio"] < 1.25, row
