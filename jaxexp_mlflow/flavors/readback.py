@@ -117,12 +117,14 @@ def read_back(
     flavor_name: str,
     params: Any = None,
     inputs: tuple | None = None,
+    target: str | os.PathLike | None = None,
 ) -> ReadBack:
     """Load the model at ``path`` as ``load_model`` would and run it on ``inputs`` if given.
 
     ``exported`` is the ``Exported`` that was saved; ``params`` the in-memory params given to
     ``save_model`` (None for none or for an on-disk checkpoint, which the model's copy is made
-    of). Returns the outputs for ``inputs`` computed with the params read back.
+    of). ``target`` is the path the model is being saved to (named in errors). Returns the
+    outputs for ``inputs`` computed with the params read back.
     """
     import jax
 
@@ -130,6 +132,7 @@ def read_back(
     from jaxexp_mlflow.runtime.loader import load_directory
 
     path = Path(path)
+    where = os.fspath(target if target is not None else path)
     t0 = time.perf_counter()
     conf = _flavor_conf(path, flavor_name)
     verdict = compat.assess(conf)
@@ -143,11 +146,11 @@ def read_back(
             loaded_exp, restored = _portable_load(path, conf)
     except JaxExpError as err:
         raise type(err)(
-            f"The model written to {path} does not load back, so it was not saved: {err.message}"
+            f"The model saved to {where} does not load back, so it was not saved: {err.message}"
         ) from err
     except Exception as err:  # noqa: BLE001 - a raw JAX/Orbax error: say what it was
         raise ArtifactError(
-            f"The model written to {path} does not load back, so it was not saved: "
+            f"The model saved to {where} does not load back, so it was not saved: "
             f"{type(err).__name__}: {err}. Check that params are arrays of the export's avals; "
             "report the issue with this message if they are."
         ) from err
