@@ -291,9 +291,12 @@ class TrainingHook:
         """Save ``params`` at ``step`` (all processes) unless the manager has it; its item dir."""
         import orbax.checkpoint as ocp
 
+        from jaxexp_mlflow.codec.params import quiet_ocdbt_merge
+
         manager = self._checkpoint_manager()
         if step not in manager.all_steps():
-            manager.save(step, args=ocp.args.PyTreeSave(params), force=True)
+            with quiet_ocdbt_merge():
+                manager.save(step, args=ocp.args.PyTreeSave(params), force=True)
         manager.wait_until_finished()
         root = Path(manager.directory)
         step_dir = root / str(step)
