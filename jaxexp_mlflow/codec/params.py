@@ -323,7 +323,7 @@ def save_params(
         checkpointer.close()
     _flatten_chunk_keys(path)
     _write_manifest(path)
-    _fsync_tree(path)
+    fsync_tree(path)
     return describe_checkpoint(path)
 
 
@@ -388,7 +388,7 @@ def verify_manifest(directory: str | os.PathLike) -> Any:
     return manifest.verify_checkpoint(directory, checksum=lambda rel: not _is_chunk_file(rel))
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
     """fsync every file and directory of the checkpoint: durable like a raw write + fsync.
 
     TensorStore already syncs what it writes, so this costs only the system calls; it makes the

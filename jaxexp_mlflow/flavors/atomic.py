@@ -62,17 +62,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_files(root: Path) -> None:
-    """fsync every regular file under ``root`` that is not already durable (params are)."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     """Rename the finished directory ``tmp`` to ``path`` (absent or empty), atomically.
 
@@ -110,7 +99,9 @@ def atomic_directory(path: str | os.PathLike, *, durable: bool = True) -> Iterat
     try:
         yield tmp
         if durable:
-            _fsync_files(tmp)
+            from jaxexp_mlflow.codec.params import fsync_tree
+
+            fsync_tree(tmp)
         publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
