@@ -39,6 +39,7 @@ class ReadBack:
 
     outputs: Any = None
     loaded_here: bool = False
+    model: Any = None  # the JaxExpModel loaded from the directory (None when not loadable here)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -154,6 +155,7 @@ def read_back(
             f"{type(err).__name__}: {err}. Check that params are arrays of the export's avals; "
             "report the issue with this message if they are."
         ) from err
+    result.model = model
     _same_export(exported, loaded_exp)
     result.seconds["load"] = time.perf_counter() - t0
     if inputs is not None and model is not None:
