@@ -83,7 +83,8 @@ def _portable_load(path: Path, conf: dict[str, Any]) -> Any:
     )
     params = None
     if conf.get("params"):
-        params = restore_params(Path(path, conf["params"]), target=artifact.params_target(exported))
+        target = artifact.params_target(exported, (), conf)
+        params = restore_params(Path(path, conf["params"]), target=target)
     return exported, params
 
 
@@ -122,10 +123,11 @@ def read_back(
 ) -> ReadBack:
     """Load the model at ``path`` as ``load_model`` would and run it on ``inputs`` if given.
 
-    ``exported`` is the ``Exported`` that was saved; ``params`` the in-memory params given to
-    ``save_model`` (None for none or for an on-disk checkpoint, which the model's copy is made
-    of). ``target`` is the path the model is being saved to (named in errors). Returns the
-    outputs for ``inputs`` computed with the params read back.
+    ``exported`` is the ``Exported`` that was saved; ``params`` the params as written
+    (``{name: array}``, see ``saving.write_model_files``; None for none or for an on-disk
+    checkpoint, which the model's copy is made of). ``target`` is the path the model is being
+    saved to (named in errors). Returns the outputs for ``inputs`` computed with the params read
+    back, and the loaded model.
     """
     import jax
 
@@ -163,7 +165,7 @@ def read_back(
         if model.has_params:
             outputs = model.call_with_params(model.params, *inputs)
             if params is not None:
-                given = _placed_like(params, restored)
+                given = _placed_like(_as_model_params(params, conf), restored)
                 expected = model.call_with_params(given, *inputs)
                 _assert_outputs_agree(
                     jax.tree.leaves(outputs),
@@ -180,6 +182,15 @@ def read_back(
     LAST_TIMINGS.clear()
     LAST_TIMINGS.update(result.seconds)
     return result
+
+
+def _as_model_params(params: Any, conf: dict[str, Any]) -> Any:
+    """The params as stored (``{name: array}``) in the form ``model.params`` has: typed keys."""
+    if conf.get("param_names") is None:
+        return params
+    from jaxexp_mlflow.named_params import wrap_keys
+
+    return wrap_keys(params, conf.get("param_keys"))
 
 
 def _placed_like(params: Any, restored: Any) -> Any:
