@@ -118,6 +118,8 @@ def bench_io(size_gib: float, rounds: int, compressions: list, workdir: str) -> 
     target = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params
     )
+    # the same bytes as numpy leaves (zero-copy views): Orbax's numpy path, which used to copy
+    np_params = jax.tree.map(np.asarray, params)
     times: dict[str, list[float]] = {}
 
     def rec(name: str, dt: float) -> None:
@@ -134,6 +136,11 @@ def bench_io(size_gib: float, rounds: int, compressions: list, workdir: str) -> 
         rec("raw_read_warm", raw_read(params, raw))
         rec("crc32c", crc_pass(params))
         shutil.rmtree(raw)
+        ck = os.path.join(workdir, f"ck_numpy{r}")
+        t = time.perf_counter()
+        P.save_params(np_params, ck, compression=None)
+        rec("save_numpy", time.perf_counter() - t)
+        shutil.rmtree(ck)
         for comp in compressions:
             tag = comp or "none"
             ck = os.path.join(workdir, f"ck_{tag}{r}")
@@ -166,7 +173,17 @@ def bench_io(size_gib: float, rounds: int, compressions: list, workdir: str) -> 
             "goal": "(restore verifies it)",
             "samples_s": [round(x, 4) for x in times["crc32c"]],
             "baseline_samples_s": [round(x, 4) for x in times["raw_read_warm"]],
-        }
+        },
+        {
+            "figure": f"save_none numpy leaves ({size_gib:g} GiB, {N_ARRAYS} arrays) GB/s",
+            "value": round(gbps("save_numpy"), 3),
+            "baseline_name": "raw write+fsync",
+            "baseline": round(gbps("raw_write"), 3),
+            "ratio": round(gbps("save_numpy") / gbps("raw_write"), 3),
+            "goal": ">= 0.8",
+            "samples_s": [round(x, 4) for x in times["save_numpy"]],
+            "baseline_samples_s": [round(x, 4) for x in times["raw_write"]],
+        },
     ]
     for comp in compressions:
         tag = comp or "none"
@@ -189,6 +206,52 @@ def bench_io(size_gib: float, rounds: int, compressions: list, workdir: str) -> 
                 }
             )
     return rows
+
+
+def bench_read_back(size_gib: float, rounds: int, workdir: str) -> list[dict]:
+    """What the read-back of ``save_model`` (issue 10: never publish what cannot load) adds.
+
+    Saves a model whose params are ``size_gib`` GiB with an input example; the read-back
+    (``flavors.readback``: MLmodel, blob, params restored, one compile, two runs) is timed
+    inside the same save and reported as a share of the whole ``save_model``.
+    """
+    import jax
+    import jax.numpy as jnp
+    import mlflow
+
+    import jaxexp_mlflow  # noqa: F401
+    from jaxexp_mlflow.flavors import readback
+
+    params = make_params(int(size_gib * 2**30))
+
+    def fn(p, x):
+        return sum(jnp.sum(x @ leaf[:8].T) for leaf in jax.tree.leaves(p))
+
+    x = np.ones((4, 1024), np.float32)
+    totals, loads, runs = [], [], []
+    for r in range(rounds + 1):
+        path = os.path.join(workdir, f"model{r}")
+        t = time.perf_counter()
+        mlflow.jaxexp.save_model(
+            jax.jit(fn), path, params=params, input_example=x, include_package=False
+        )
+        if r:  # round 0 warms imports and the compilation cache
+            totals.append(time.perf_counter() - t)
+            loads.append(readback.LAST_TIMINGS["load"])
+            runs.append(readback.LAST_TIMINGS["run"])
+        shutil.rmtree(path)
+    total, load, run = (statistics.median(v) for v in (totals, loads, runs))
+    return [
+        {
+            "figure": f"save_model read-back: load ({size_gib:g} GiB params) s",
+            "value": round(load, 3),
+            "baseline_name": "whole save_model",
+            "baseline": round(total, 3),
+            "ratio": round(load / total, 3),
+            "goal": "(cost of never publishing an unloadable model)",
+            "run_with_both_params_s": round(run, 3),
+        }
+    ]
 
 
 _CHILD = r"""
@@ -274,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mem_rows = bench_memory(mem, workdir)  # first, while this process is small
         rows = bench_io(size, rounds, comps, workdir) + mem_rows
+        rows += bench_read_back(size, rounds, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_rows(rows)

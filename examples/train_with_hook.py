@@ -2,8 +2,10 @@
 
 A plain-JAX MLP trained with optax on synthetic data. The hook logs the training loss every step,
 the validation loss every ``--eval-every`` steps, and the model (one ``jax.export``, params through
-an Orbax CheckpointManager) every ``--log-every`` steps and whenever the validation loss improves.
-Every logged model is registered as ``jaxexp-hook-mlp`` and the alias ``@best`` follows the best.
+an Orbax CheckpointManager) every ``--log-every`` steps and when the validation loss improves (at
+most once per ``--log-every`` steps; a sooner improvement waits in a checkpoint). The models
+logged on improvement are registered as ``jaxexp-hook-mlp`` and the alias ``@best`` follows the
+best.
 At the end the script loads ``models:/jaxexp-hook-mlp@best`` back and checks it computes what the
 best params compute.
 

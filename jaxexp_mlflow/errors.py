@@ -8,7 +8,11 @@ the right HTTP status: input errors become 400, the rest 500.
 from __future__ import annotations
 
 from mlflow.exceptions import MlflowException
-from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, INVALID_STATE
+from mlflow.protos.databricks_pb2 import (
+    INVALID_PARAMETER_VALUE,
+    INVALID_STATE,
+    RESOURCE_ALREADY_EXISTS,
+)
 
 
 class JaxExpError(MlflowException):
@@ -43,5 +47,17 @@ class IncompatibleError(JaxExpError):
 
 class InputError(JaxExpError):
     """A prediction input does not match the model's signature (shape, dtype, names)."""
+
+    default_code = INVALID_PARAMETER_VALUE
+
+
+class SaveConflictError(JaxExpError):
+    """Another save put a model at the target path first; this one was discarded whole."""
+
+    default_code = RESOURCE_ALREADY_EXISTS
+
+
+class UnsupportedTransformError(JaxExpError):
+    """A JAX transformation a loaded model cannot support (forward-mode, vmap, deeper grads)."""
 
     default_code = INVALID_PARAMETER_VALUE

@@ -37,6 +37,7 @@ from typing import Any
 __all__ = ["LoggedStep", "TrainingHook"]
 
 _MODES = ("min", "max")
+_REGISTER = ("best", "all")
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,19 @@ class TrainingHook:
     the params (a tuple for several), used to export it and stored with its outputs as the
     model's reference result (what ``jaxexp verify`` reproduces).
 
-    - ``log_every``: log the model every N steps (``step % N == 0``, step 0 excluded).
-    - ``monitor`` / ``mode`` / ``min_delta``: log the model when this metric improves (``"min"``
-      or ``"max"``) by more than ``min_delta``; the first value seen counts as an improvement.
-    - ``registered_model_name``: register every logged model; ``alias`` (default ``"best"``)
-      then follows the best one (with ``monitor``) or the latest one (without).
+    - ``log_every``: log the model every N steps (``step % N == 0``, step 0 excluded); with
+      ``monitor``, also the least number of steps between two logs made on improvement.
+    - ``monitor`` / ``mode`` / ``min_delta``: log the model when this metric beats the best logged
+      value (``"min"`` or ``"max"``) by more than ``min_delta``; the first value seen counts as an
+      improvement. An improvement fewer than ``log_every`` steps after the last improvement log is
+      not logged at once: its params are checkpointed (locally, cheap) and logged when the
+      spacing allows, or by :meth:`close`, unless a better one replaces it meanwhile. So the
+      model is logged on improvement at most once per ``log_every`` steps and ``@best`` still
+      ends on the best params seen.
+    - ``registered_model_name`` / ``register``: which logged models become registry versions:
+      ``"best"`` (default) those logged on improvement (every logged model when nothing is
+      monitored), ``"all"`` every logged model. ``alias`` (default ``"best"``) then follows the
+      best version (with ``monitor``) or the latest one (without).
     - ``checkpoint_manager``: your Orbax ``CheckpointManager`` (a single PyTree item, or
       composite with an item named ``params``); steps it already holds are reused as they are.
       Without one, the hook keeps its own under ``checkpoint_dir`` (a temporary directory by
@@ -107,6 +116,7 @@ class TrainingHook:
         mode: str = "min",
         min_delta: float = 0.0,
         registered_model_name: str | None = None,
+        register: str = "best",
         alias: str | None = "best",
         checkpoint_manager: Any = None,
         checkpoint_dir: str | os.PathLike | None = None,
@@ -126,6 +136,8 @@ class TrainingHook:
                 "The hook would never log the model: pass log_every=N (every N steps) and/or "
                 "monitor='<metric>' (when it improves)."
             )
+        if register not in _REGISTER:
+            raise ValueError(f"register={register!r}: expected one of {_REGISTER}")
         if log_every is not None and log_every < 1:
             raise ValueError(f"log_every={log_every}: expected a positive number of steps")
         if metrics_every < 1:
@@ -140,6 +152,7 @@ class TrainingHook:
         self.mode = mode
         self.min_delta = float(min_delta)
         self.registered_model_name = registered_model_name
+        self.register = register
         self.alias = alias
         self.metrics_every = metrics_every
         self.async_metrics = async_metrics
@@ -148,8 +161,10 @@ class TrainingHook:
         self.platforms = platforms
         self.log_model_kwargs = dict(log_model_kwargs or {})
         self.is_main = jax.process_index() == 0
-        self.best: float | None = None
+        self.best: float | None = None  # the best value seen (logged, or pending)
         self.best_step: int | None = None
+        self._last_improved_log: int | None = None  # step at which the last improvement logged
+        self._pending: tuple[int, float] | None = None  # an improvement not logged yet
         self.logged: list[LoggedStep] = []
         self.exported: Any = None
         self._run_id = run_id
@@ -170,10 +185,19 @@ class TrainingHook:
         if self.log_every and step > 0 and step % self.log_every == 0:
             reasons.append("every_n")
         value = values.get(self.monitor) if self.monitor else None
+        info = None
         if value is not None and math.isfinite(value) and self._improves(value):
             self.best, self.best_step = value, step
-            reasons.append("improved")
-        info = self._log(step, params, tuple(reasons), value) if reasons else None
+            if reasons or self._spaced(step):
+                reasons.append("improved")
+                self._pending = None  # superseded by this better one
+            else:  # too soon after the last improvement log: keep it for later
+                self._checkpoint(step, params)
+                self._pending = (step, value)
+        else:
+            info = self._flush_pending(step)
+        if reasons:
+            info = self._log(step, params, tuple(reasons), value)
         if self.is_main and values and (info is not None or step % self.metrics_every == 0):
             import mlflow
 
@@ -214,7 +238,9 @@ class TrainingHook:
         return None
 
     def close(self) -> None:
-        """Finish pending checkpoint writes, end the run the hook started, drop temp files."""
+        """Log a pending improvement, finish checkpoint writes, end the hook's run, drop temps."""
+        if self._pending is not None:
+            self._flush_pending(None)
         if self._manager is not None:
             self._manager.wait_until_finished()
             if self._own_manager:
@@ -242,6 +268,25 @@ class TrainingHook:
         self.close()
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _spaced(self, step: int) -> bool:
+        """Whether an improvement at ``step`` may be logged now (``log_every`` spacing)."""
+        last = self._last_improved_log
+        return self.log_every is None or last is None or step - last >= self.log_every
+
+    def _flush_pending(self, step: int | None) -> Any:
+        """Log the pending improvement from its checkpoint once spacing allows (always on close)."""
+        if self._pending is None or (step is not None and not self._spaced(step)):
+            return None
+        pending_step, value = self._pending
+        self._pending = None
+        item_dir = self._checkpoint(pending_step, None)
+        info = None
+        if self.is_main:
+            info = self._log_model(pending_step, self.exported, item_dir, ("improved",), value)
+        self._last_improved_log = pending_step if step is None else step
+        self.logged.append(LoggedStep(pending_step, ("improved",), value, info))
+        return info
 
     def _improves(self, value: float) -> bool:
         if self.best is None:
@@ -288,12 +333,23 @@ class TrainingHook:
         return self._manager
 
     def _checkpoint(self, step: int, params: Any) -> Path:
-        """Save ``params`` at ``step`` (all processes) unless the manager has it; its item dir."""
+        """Save ``params`` at ``step`` (all processes) unless the manager has it; its item dir.
+
+        ``params=None`` only looks the step up (a pending improvement saved earlier).
+        """
         import orbax.checkpoint as ocp
+
+        from jaxexp_mlflow.codec.params import quiet_ocdbt_merge
 
         manager = self._checkpoint_manager()
         if step not in manager.all_steps():
-            manager.save(step, args=ocp.args.PyTreeSave(params), force=True)
+            if params is None:
+                raise ValueError(
+                    f"The checkpoint of step {step} is gone from {manager.directory} (max_to_keep"
+                    "?). Keep at least 2 steps so that a pending best model can be logged."
+                )
+            with quiet_ocdbt_merge():
+                manager.save(step, args=ocp.args.PyTreeSave(params), force=True)
         manager.wait_until_finished()
         root = Path(manager.directory)
         step_dir = root / str(step)
@@ -321,8 +377,18 @@ class TrainingHook:
         info = None
         if self.is_main:
             info = self._log_model(step, exported, item_dir, reasons, value)
+        if "improved" in reasons:
+            self._last_improved_log = step
         self.logged.append(LoggedStep(step, reasons, value, info))
         return info
+
+    def _registers(self, reasons: tuple[str, ...]) -> bool:
+        """Whether a model logged for ``reasons`` becomes a registry version."""
+        if not self.registered_model_name:
+            return False
+        if self.register == "all" or not self.monitor:
+            return True
+        return "improved" in reasons or "manual" in reasons
 
     def _log_model(
         self, step: int, exported: Any, item_dir: Path, reasons: tuple[str, ...], value: Any
@@ -342,7 +408,7 @@ class TrainingHook:
             params=str(item_dir),
             input_example=self.input_example,
             vjp_order=self.vjp_order,
-            registered_model_name=self.registered_model_name,
+            registered_model_name=self.registered_model_name if self._registers(reasons) else None,
             step=step,
             run_id=self.run_id,
             **kwargs,

@@ -158,7 +158,12 @@ def call_flat(model: Any, leaves: Sequence[Any]) -> list[Any]:
 
 
 def store_reference(
-    path: Any, exported: Any, conf: dict[str, Any], description: Any, params: Any = None
+    path: Any,
+    exported: Any,
+    conf: dict[str, Any],
+    description: Any,
+    params: Any = None,
+    model: Any = None,
 ) -> dict[str, Any]:
     """MLmodel entries for a synthetic reference stored under ``path``, or ``{}``.
 
@@ -166,6 +171,8 @@ def store_reference(
     ``incompatible``), the first probe and the outputs it gives are written as the model's
     reference, marked ``reference_synthetic`` (probe sizes, seed). Never raises: a model that
     cannot be probed here is saved without a reference, as before (the reason is logged).
+    ``model`` is the model already loaded from ``path`` (``save_model``'s read-back): it is run
+    as it is, with the params as stored, instead of binding ``params`` to ``exported`` again.
     """
     import os
     import shutil
@@ -180,12 +187,13 @@ def store_reference(
         _logger.info("No synthetic reference: the model does not run here (%s).", verdict)
         return {}
     try:
-        if isinstance(params, str | os.PathLike):
-            from jaxexp_mlflow.codec.params import restore_params
+        if model is None:
+            if isinstance(params, str | os.PathLike):
+                from jaxexp_mlflow.codec.params import restore_params
 
-            target = artifact.params_target(exported, (), conf)
-            params = restore_params(Path(path, conf["params"]), target=target)
-        model = JaxExpModel(exported, params, conf)
+                target = artifact.params_target(exported, (), conf)
+                params = restore_params(Path(path, conf["params"]), target=target)
+            model = JaxExpModel(exported, params, conf)
         avals = list(exported.in_avals)[int(conf.get("n_param_leaves") or 0) :]
         ((probe, outputs),) = run_probes(avals, lambda leaves: call_flat(model, leaves), n=1)
         reference = artifact.write_reference(path, tuple(probe.leaves), outputs)

@@ -82,7 +82,8 @@ def test_hook_logs_every_n_and_on_improvement_and_moves_best(tracking_uri, tmp_p
     )
     with mlflow.start_run() as run, hook:
         snapshots = _train(hook, 12, {0: 5.0, 3: 3.0, 6: 4.0, 9: 2.0})
-    # schedule: improvements at 0, 3, 9 (not 6); every 5 steps at 5 and 10
+    # schedule: improvements at 0, 3, 9 (not 6); every 5 steps at 5 and 10. Improvements are
+    # logged at most once per 5 steps: 3 and 9 wait in a checkpoint until 5 and 10.
     assert [(e.step, e.reasons) for e in hook.logged] == [
         (0, ("improved",)),
         (3, ("improved",)),
@@ -94,15 +95,17 @@ def test_hook_logs_every_n_and_on_improvement_and_moves_best(tracking_uri, tmp_p
     client = mlflow.MlflowClient()
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 12
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [0, 3, 6, 9]
-    # every logged model is registered; @best is the one of step 9
+    # only the models logged on improvement are registered; @best is the one of step 9
     versions = [e.model_info.registered_model_version for e in hook.logged]
-    assert [str(v) for v in versions] == ["1", "2", "3", "4", "5"]
-    assert str(client.get_model_version_by_alias("hooked", "best").version) == "4"
+    assert versions == ["1", "2", None, "3", None] or versions == [1, 2, None, 3, None]
+    assert str(client.get_model_version_by_alias("hooked", "best").version) == "3"
     assert hook.best_model_info.model_id == hook.logged[3].model_info.model_id
     probe = np.linspace(-1, 1, 15, dtype=np.float32).reshape(5, 3)
     best = mlflow.jaxexp.load_model("models:/hooked@best")
     np.testing.assert_allclose(best(probe), apply(snapshots[9], probe), rtol=1e-6, atol=1e-6)
-    last = mlflow.jaxexp.load_model("models:/hooked/5")
+    early = mlflow.jaxexp.load_model(hook.logged[1].model_info.model_uri)  # the step-3 params
+    np.testing.assert_allclose(early(probe), apply(snapshots[3], probe), rtol=1e-6, atol=1e-6)
+    last = mlflow.jaxexp.load_model(hook.logged[-1].model_info.model_uri)
     np.testing.assert_allclose(last(probe), apply(snapshots[10], probe), rtol=1e-6, atol=1e-6)
     # one export for all logs: every model stores the same blob
     confs = [_mlmodel(e.model_info.model_uri)["flavors"]["jaxexp"] for e in hook.logged]
@@ -129,6 +132,29 @@ def test_hook_logs_every_n_and_on_improvement_and_moves_best(tracking_uri, tmp_p
 
     result = CliRunner().invoke(main, ["verify", "models:/hooked@best"])
     assert result.exit_code == 0, result.output
+
+
+def test_improving_every_step_logs_once_per_log_every_and_best_ends_on_the_best(
+    tracking_uri, tmp_path
+):
+    x = np.ones((4, 3), np.float32)
+    hook = TrainingHook(apply, x, log_every=10, monitor="val_loss", registered_model_name="steady")
+    with mlflow.start_run(), hook:
+        snapshots = _train(hook, 30, {s: 30.0 - s for s in range(30)})  # improves every step
+    # 30 improvements: logged at 0, then with the every-10 logs, and the last one on close
+    assert [(e.step, e.reasons) for e in hook.logged] == [
+        (0, ("improved",)),
+        (10, ("every_n", "improved")),
+        (20, ("every_n", "improved")),
+        (29, ("improved",)),
+    ]
+    client = mlflow.MlflowClient()
+    assert len(client.search_model_versions("name='steady'")) == 4
+    best = client.get_model_version_by_alias("steady", "best")
+    assert str(best.version) == str(hook.logged[-1].model_info.registered_model_version)
+    probe = np.eye(3, dtype=np.float32)
+    model = mlflow.jaxexp.load_model("models:/steady@best")
+    np.testing.assert_allclose(model(probe), apply(snapshots[29], probe), rtol=1e-6, atol=1e-6)
 
 
 def test_hook_reuses_the_users_checkpoint_manager(tracking_uri, tmp_path):

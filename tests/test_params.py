@@ -344,3 +344,24 @@ def test_restore_into_named_sharding_on_4_devices(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK" in r.stdout and "'orbax': 2" in r.stdout
+
+
+def test_numpy_leaves_are_written_without_a_copy_and_orbax_stays_quiet(tmp_path, caplog):
+    import logging
+
+    absl_logger = logging.getLogger("absl")
+    filters = list(absl_logger.filters)
+    leaves = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.int8)}
+    with caplog.at_level(logging.INFO):
+        P.save_params(leaves, tmp_path / "ck")
+    assert "Skipping merge of OCDBT" not in caplog.text
+    assert absl_logger.filters == filters  # silenced for this save only, not for Orbax users
+    handler = P.checkpoint_handler(copy_host_arrays=False)
+    registry = handler._handler_impl._type_handler_registry  # noqa: SLF001 - what Orbax uses
+    if "deepcopy_host_arrays" in ocp.type_handlers.NumpyHandler.__init__.__code__.co_varnames:
+        assert registry.get(np.ndarray)._deepcopy_host_arrays is False  # noqa: SLF001
+    assert ocp.type_handlers.get_type_handler(np.ndarray) is not registry.get(np.ndarray)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), leaves)
+    back = P.restore_params(tmp_path / "ck", target=target)
+    for k in leaves:
+        np.testing.assert_array_equal(back[k], leaves[k])

@@ -32,7 +32,6 @@ from mlflow.utils.file_utils import get_total_file_size, write_to
 from mlflow.utils.model_utils import (
     _add_code_from_conf_to_system_path,
     _validate_and_copy_code_paths,
-    _validate_and_prepare_target_save_path,
 )
 from mlflow.utils.requirements_utils import _get_pinned_requirement
 
@@ -130,24 +129,79 @@ def save_model(
     jaxexp-mlflow. ``classifier`` (``True`` or the list of labels) marks a logits classifier:
     pyfunc then returns labels, and probabilities with ``params={"predict_method":
     "predict_proba"}`` (``flavors.classifier``).
+
+    The save is atomic and checked (docs/saving.md): the model is built in a temporary sibling
+    of ``path``, read back the way ``load_model`` reads it (and run on ``input_example``), and
+    only then renamed to ``path``; on any failure nothing is left at ``path``.
     """
-    from jaxexp_mlflow.flavors import classifier as classifier_mod
-    from jaxexp_mlflow.flavors import saving
-    from jaxexp_mlflow.flavors import signature as sig
+    from jaxexp_mlflow.flavors import atomic
 
     if "_jax_params" in kwargs:  # from log_model: Model.log keeps ``params`` for MLflow's own
         params = kwargs.pop("_jax_params")
     kwargs.pop("validate_serving_input", None)  # Model.log's own option, passed along to us
     _validate_env_arguments(conda_env, pip_requirements, extra_pip_requirements)
-    path = os.fspath(path)
-    _validate_and_prepare_target_save_path(path)
-    if include_package:
-        code_paths = [_package_dir(), *(code_paths or [])]
-    code_dir_subpath = _validate_and_copy_code_paths(code_paths, path)
-    if mlflow_model is None:
-        mlflow_model = Model()
+    # log_model's staging directory is uploaded then deleted: no fsync (docs/remote.md)
+    durable = bool(kwargs.pop("durable", True))
+    with atomic.atomic_directory(os.fspath(path), durable=durable) as tmp:
+        _save_into(
+            str(tmp),
+            os.fspath(path),
+            exported,
+            params=params,
+            vjp_order=vjp_order,
+            signature=signature,
+            input_example=input_example,
+            pip_requirements=pip_requirements,
+            extra_pip_requirements=extra_pip_requirements,
+            metadata=metadata,
+            mlflow_model=Model() if mlflow_model is None else mlflow_model,
+            conda_env=conda_env,
+            code_paths=[_package_dir(), *(code_paths or [])] if include_package else code_paths,
+            batch_polymorphic=batch_polymorphic,
+            platforms=platforms,
+            input_names=input_names,
+            output_names=output_names,
+            serving_config=serving_config,
+            classifier=classifier,
+            durable=durable,
+            **kwargs,
+        )
 
-    flavor_conf, exp = saving.write_model_files(
+
+def _save_into(
+    path: str,
+    target: str,
+    exported: Any,
+    *,
+    params: Any,
+    vjp_order: int,
+    signature: Any,
+    input_example: Any,
+    pip_requirements: Any,
+    extra_pip_requirements: Any,
+    metadata: dict[str, Any] | None,
+    mlflow_model: Model,
+    conda_env: Any,
+    code_paths: list[str] | None,
+    batch_polymorphic: bool,
+    platforms: Any,
+    input_names: list[str] | None,
+    output_names: list[str] | None,
+    serving_config: dict[str, Any] | None,
+    classifier: Any,
+    **kwargs: Any,
+) -> None:
+    """Write the whole model into the (new, empty) directory ``path``, then read it back.
+
+    ``target`` is where the model will be published (``path`` is its temporary sibling).
+    """
+    from jaxexp_mlflow.flavors import classifier as classifier_mod
+    from jaxexp_mlflow.flavors import saving
+    from jaxexp_mlflow.flavors import signature as sig
+
+    code_dir_subpath = _validate_and_copy_code_paths(code_paths, path)
+
+    flavor_conf, exp, stored = saving.write_model_files(
         exported,
         path,
         params=params,
@@ -218,10 +272,61 @@ def save_model(
         code=code_dir_subpath,
     )
     mlflow_model.add_flavor(FLAVOR_NAME, code=code_dir_subpath, **flavor_conf)
+    _write_mlmodel(mlflow_model, path)
+    _write_environment(path, conda_env, pip_requirements, extra_pip_requirements)
+    _read_back(path, target, exp, mlflow_model, params=stored, input_example=input_example)
+
+
+def _read_back(
+    path: str, target: str, exp: Any, mlflow_model: Model, *, params: Any, input_example: Any
+) -> None:
+    """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
+
+    With an input example its outputs (computed from the params as stored) become the reference;
+    without one, a synthetic probe's when the model runs here (``probes``), from the same
+    loaded model: the export is compiled once either way. ``params`` are the params as stored
+    (``{name: array}``, from ``saving.write_model_files``), None for none or a checkpoint path.
+    """
+    from jaxexp_mlflow import artifact, probes
+    from jaxexp_mlflow.export import as_args
+    from jaxexp_mlflow.flavors import readback
+
+    inputs = None if input_example is None else as_args(input_example)
+    found = readback.read_back(
+        path, exp, flavor_name=FLAVOR_NAME, params=params, inputs=inputs, target=target
+    )
+    conf = mlflow_model.flavors[FLAVOR_NAME]
+    if inputs is not None:
+        conf["reference"] = artifact.write_reference(path, inputs, found.outputs)
+    elif found.model is not None:
+        conf.update(probes.store_reference(path, exp, conf, None, model=found.model))
+    if conf.get("reference"):
+        _write_mlmodel(mlflow_model, path)
+    if inputs is not None:
+        readback.check_reference(path, FLAVOR_NAME, found.outputs)
+
+
+def _write_mlmodel(mlflow_model: Model, path: str) -> None:
+    import yaml
+
+    from jaxexp_mlflow.errors import UnsupportedModelError
+
     if size := get_total_file_size(path):
         mlflow_model.model_size_bytes = size
-    mlflow_model.save(os.path.join(path, MLMODEL_FILE_NAME))
+    try:
+        mlflow_model.save(os.path.join(path, MLMODEL_FILE_NAME))
+    except yaml.YAMLError as err:
+        raise UnsupportedModelError(
+            f"Cannot write MLmodel: expected metadata= (and the other MLmodel fields) to hold "
+            f"YAML-serializable values (str, numbers, bool, None, lists, dicts), found {err}. "
+            "Convert those values, e.g. with str()."
+        ) from err
 
+
+def _write_environment(
+    path: str, conda_env: Any, pip_requirements: Any, extra_pip_requirements: Any
+) -> None:
+    """conda.yaml, requirements.txt, constraints and python_env.yaml, as MLflow's flavors do."""
     if conda_env is None:
         default_reqs = get_default_pip_requirements() if pip_requirements is None else None
         conda_env, pip_requirements, pip_constraints = _process_pip_requirements(
@@ -267,8 +372,11 @@ def log_model(
     MLflow's own logged-model parameters (``params=`` of other flavors) go in ``mlflow_params``;
     the JAX facts of the export (``jax.*``: versions, platforms, devices, avals, blob size) are
     added to them, so the MLflow UI shows them on the logged model's page.
-    ``artifact_path`` is a deprecated alias of ``name``.
+    ``artifact_path`` is a deprecated alias of ``name``. MLflow's own check of the serving input
+    example (a second load and compile) is off by default (``validate_serving_input=True`` turns
+    it on): ``save_model`` already read the model back and ran it (docs/saving.md).
     """
+    kwargs.setdefault("validate_serving_input", False)
     if artifact_path is not None:
         warnings.warn(
             "artifact_path is deprecated; use name= instead.", FutureWarning, stacklevel=2

@@ -189,6 +189,8 @@ class JaxExpPyfunc:
 
     def convert_inputs(self, data: Any, *, wire: bool = False) -> list[np.ndarray]:
         """Validate and cast inputs into a list of leaves (exported dtypes, or wire dtypes)."""
+        if not self.inputs and (data is None or (isinstance(data, dict) and not data)):
+            return []  # a function of params only (or of nothing): predict(None) or predict({})
         if len(self.inputs) == 1 and isinstance(data, np.ndarray):  # the fast path
             spec = self.inputs[0]
             if data.ndim == len(spec.shape):

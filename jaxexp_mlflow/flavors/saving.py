@@ -12,7 +12,7 @@ from jaxexp_mlflow import artifact, named_params
 from jaxexp_mlflow.codec import blob as blob_codec
 from jaxexp_mlflow.codec.metadata import exported_metadata, package_version
 from jaxexp_mlflow.errors import IncompatibleError, ParamsMismatchError, UnsupportedModelError
-from jaxexp_mlflow.export import as_args, export_function
+from jaxexp_mlflow.export import export_function
 from jaxexp_mlflow.pytrees import register_for_save
 
 
@@ -125,16 +125,18 @@ def write_model_files(
     platforms: Any = None,
     compression: Any = "default",
     durable: bool = True,
-) -> tuple[dict[str, Any], Any]:
-    """Write blob, params and reference into ``path``.
+) -> tuple[dict[str, Any], Any, Any]:
+    """Write blob and params into ``path``.
 
     ``durable=False`` (``log_model``'s staging directory, uploaded then deleted) skips the
     params' final fsync pass.
 
-    Returns the MLmodel ``jaxexp`` section and the ``Exported`` (to infer the signature from).
+    Returns the MLmodel ``jaxexp`` section, the ``Exported`` (to infer the signature from) and
+    the params as stored (``{name: array}``; None for none or an on-disk checkpoint). The
+    reference result (the input example's, or a synthetic probe's) is computed later, by the
+    read-back of the finished directory (``flavors.readback``), with the params as stored.
     """
     from jaxexp_mlflow.codec import params as params_codec
-    from jaxexp_mlflow.runtime.model import JaxExpModel
 
     exp, data, versions, description = resolve_exported(
         exported,
@@ -207,18 +209,6 @@ def write_model_files(
     conf.update(names_conf)
     conf["schema_generation"] = description.schema_generation
     conf["iree"] = _prepare_for_iree(exp, data, path, n_params)
-    if input_example is not None:
+    if input_example is not None:  # the reference result is computed by the read-back
         _refuse_if_it_cannot_run_here(conf, description)
-        bound = arrays
-        if isinstance(params, str | os.PathLike):  # an on-disk checkpoint: read it to run once
-            bound = params_codec.restore_params(
-                target, target=artifact.params_target(exp, (), names_conf)
-            )
-        outputs = JaxExpModel(exp, bound, conf)(*as_args(input_example))
-        conf["reference"] = artifact.write_reference(path, as_args(input_example), outputs)
-    else:  # a synthetic reference when the blob runs here, so verify has something to reproduce
-        from jaxexp_mlflow import probes
-
-        stored = params if arrays is None else arrays  # the {name: array} dict, or a path
-        conf.update(probes.store_reference(path, exp, conf, description, params=stored))
-    return conf, exp
+    return conf, exp, arrays

@@ -235,7 +235,8 @@ def model_signature(inputs: list[LeafSpec], outputs: list[LeafSpec]) -> Any:
             ]
         )
 
-    return ModelSignature(inputs=schema(inputs), outputs=schema(outputs))
+    # a function of params only (or of nothing) takes no inputs: MLflow has no empty Schema
+    return ModelSignature(inputs=schema(inputs) if inputs else None, outputs=schema(outputs))
 
 
 def check_user_signature(user: Any, inferred: Any, row_outputs: Any = None) -> Any:

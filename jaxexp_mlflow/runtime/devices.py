@@ -196,13 +196,55 @@ def plan(
             f"device(s) are visible. Expose {n} devices ({how})."
         )
     mesh = _mesh_for(exported, devs[:n])
-    return Placement(
-        platform,
-        mesh,
-        tuple(exported.in_shardings_jax(mesh)),
-        exported,
-        out_shardings=tuple(exported.out_shardings_jax(mesh)),
-    )
+    in_shardings, out_shardings = _shardings(exported, mesh, devs[:n])
+    return Placement(platform, mesh, in_shardings, exported, out_shardings=out_shardings)
+
+
+def _shardings(exported: Any, mesh: Any, devs: list[Any]) -> tuple[tuple, tuple]:
+    """One sharding per flat input and output, on ``devs``.
+
+    Most exports use one mesh: ``Exported.in_shardings_jax(mesh)`` builds them. An export whose
+    ``NamedSharding``s use several meshes (JAX's ``export_with_multiple_meshes``: inputs on mesh
+    ``('x1', 'x2')``, weights on ``('y2', 'y1')``) makes that raise; then each abstract mesh is
+    made concrete on the same devices, axis names and sizes kept.
+    """
+    try:
+        return tuple(exported.in_shardings_jax(mesh)), tuple(exported.out_shardings_jax(mesh))
+    except ValueError as err:
+        named_in = getattr(exported, "_in_named_shardings", None)
+        named_out = getattr(exported, "_out_named_shardings", None)
+        if named_in is None or named_out is None:
+            from jaxexp_mlflow.errors import IncompatibleError
+
+            raise IncompatibleError(
+                f"Cannot place the model's inputs on {len(devs)} devices: expected shardings "
+                f"over one device mesh, found {err}. Export the function again with all "
+                "shardings on one mesh."
+            ) from err
+    meshes: dict[tuple, Any] = {}
+    ins = tuple(_on_devices(s, devs, meshes) for s in named_in)
+    outs = tuple(_on_devices(s, devs, meshes) for s in named_out)
+    return ins, outs
+
+
+def _on_devices(sharding: Any, devs: list[Any], meshes: dict[tuple, Any]) -> Any:
+    """The concrete ``NamedSharding`` of an exported (abstract-mesh) one; None stays None."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    abstract = getattr(sharding, "mesh", None)
+    if abstract is None or not getattr(abstract, "axis_sizes", None):
+        return None  # unspecified: JAX places it
+    key = (tuple(abstract.axis_names), tuple(abstract.axis_sizes))
+    if key not in meshes:
+        grid = np.array(devs[: int(np.prod(abstract.axis_sizes))]).reshape(abstract.axis_sizes)
+        types = getattr(abstract, "axis_types", None)
+        try:
+            meshes[key] = Mesh(grid, abstract.axis_names, axis_types=types)
+        except TypeError:  # a jax whose Mesh takes no axis_types
+            meshes[key] = Mesh(grid, abstract.axis_names)
+    memory_kind = getattr(sharding, "memory_kind", None)
+    return NamedSharding(meshes[key], sharding.spec, memory_kind=memory_kind)
 
 
 def _data_parallel(exported: Any, platform: str, devs: list[Any]) -> Placement:

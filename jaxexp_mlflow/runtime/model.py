@@ -7,7 +7,12 @@ from typing import Any
 
 import jax
 
-from jaxexp_mlflow.errors import IncompatibleError, InputError, ParamsMismatchError
+from jaxexp_mlflow.errors import (
+    IncompatibleError,
+    InputError,
+    ParamsMismatchError,
+    UnsupportedTransformError,
+)
 
 
 def _guard_vjp(exported: Any, vjp_order: int, level: int = 0) -> Any:
@@ -26,6 +31,52 @@ def _guard_vjp(exported: Any, vjp_order: int, level: int = 0) -> Any:
         )
 
     return dataclasses.replace(exported, _get_vjp=refuse)
+
+
+def _tracer_kinds(tree: Any) -> set[str]:
+    """Class names (and base names) of the JAX tracers among the leaves of ``tree``."""
+    return {
+        c.__name__
+        for x in jax.tree.leaves(tree)
+        if isinstance(x, jax.core.Tracer)
+        for c in type(x).__mro__
+    }
+
+
+def transform_error(err: Exception, args: Any, vjp_order: int) -> Exception | None:
+    """The actionable error for a JAX transformation the exported function cannot go through.
+
+    ``jax.export`` serializes reverse-mode derivatives only (up to ``vjp_order``), and its
+    ``call_exported`` primitive has no batching rule: ``jvp``/``jacfwd``/``hessian`` and ``vmap``
+    of a loaded model fail inside JAX with messages that do not say so. ``None`` when ``err`` is
+    not one of those (e.g. a real shape mismatch).
+    """
+    text = str(err)
+    if "Batching rule for 'call_exported'" in text or (
+        isinstance(err, NotImplementedError) and "BatchTracer" in _tracer_kinds(args)
+    ):
+        return UnsupportedTransformError(
+            "jax.vmap of a loaded jaxexp model is not possible: jax.export's call_exported has no "
+            "batching rule. A model exported batch-polymorphic (leading dimension symbolic, the "
+            "default) already takes a batch: call it on the stacked inputs. Otherwise loop over "
+            "the examples, or use jax.lax.map(model, xs)."
+        )
+    if "forward-mode" in text or "Differentiation rule for 'call_exported'" in text:
+        how = (
+            f"use reverse mode instead: jax.grad or jax.vjp, nested up to {vjp_order} time(s) "
+            f"(this model was saved with vjp_order={vjp_order})"
+            if vjp_order > 0
+            else "save it again with vjp_order>=1 (it was saved with vjp_order=0, so it cannot "
+            "be differentiated at all) and use jax.grad or jax.vjp"
+        )
+        return UnsupportedTransformError(
+            "Forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, jax.linearize) of a "
+            "loaded jaxexp model is not possible: jax.export serializes reverse-mode derivatives "
+            f"only. To differentiate it, {how}. jax.jacrev cannot be used either (it vmaps the "
+            "pullback); for a full Jacobian apply the jax.vjp pullback to each basis vector with "
+            "jax.lax.map (docs/transforms.md)."
+        )
+    return None
 
 
 class JaxExpModel:
@@ -147,7 +198,13 @@ class JaxExpModel:
             inputs, kwargs = self._place(inputs, kwargs)
         try:
             return self._jit_call(self.params, *inputs, **kwargs)
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, NotImplementedError) as err:
+            order = int(self.metadata.get("vjp_order", 0))
+            transform = transform_error(err, (inputs, kwargs), order)
+            if transform is not None:
+                raise transform from err
+            if isinstance(err, NotImplementedError):
+                raise
             raise self._explain(err, inputs, kwargs) from err
 
     def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
@@ -158,7 +215,14 @@ class JaxExpModel:
                 "This model was saved without params, so there are none to replace: "
                 "call it as model(*inputs) instead."
             )
-        return self._jit_call_with_params(params, *inputs, **kwargs)
+        try:
+            return self._jit_call_with_params(params, *inputs, **kwargs)
+        except (TypeError, ValueError, NotImplementedError) as err:
+            order = int(self.metadata.get("vjp_order", 0))
+            transform = transform_error(err, (params, inputs, kwargs), order)
+            if transform is not None:
+                raise transform from err
+            raise
 
     def __repr__(self) -> str:
         meta = self.metadata

@@ -1,0 +1,232 @@
+"""Read a model directory back the way ``load_model`` does, before ``save_model`` publishes it.
+
+``save_model`` never leaves behind a model that cannot load. Once every file is written (in the
+temporary directory of ``flavors.atomic``), :func:`read_back`:
+
+1. reads ``MLmodel`` from disk and takes its ``jaxexp`` section, as ``load_model`` does;
+2. loads the directory with ``runtime.loader.load_directory`` (checksum, format, verdict,
+   deserialization, device placement, params restored into the export's avals and shardings)
+   when the model can run here, else the part that does not depend on this machine (blob
+   deserialized, params restored to the export's avals on the host);
+3. checks the deserialized export against the one saved (trees, avals, platforms, devices);
+4. with an input example, computes the reference outputs **with the restored params** and with
+   the params given to ``save_model``, through the same compiled function (one compilation, two
+   runs), and refuses the model when they differ (the params were not stored faithfully); the
+   outputs then become the stored reference result.
+
+:func:`check_reference` finally reads the stored reference arrays back and compares them bit for
+bit with what was computed. Every failure is a typed error (``jaxexp_mlflow.errors``) saying
+what was expected, what was found and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jaxexp_mlflow.errors import ArtifactError, JaxExpError
+
+#: Seconds spent in the last read-back (for benchmarks and tests; never asserted).
+LAST_TIMINGS: dict[str, float] = {}
+
+
+@dataclass
+class ReadBack:
+    """What the read-back found: the outputs for the input example (None without one)."""
+
+    outputs: Any = None
+    loaded_here: bool = False
+    model: Any = None  # the JaxExpModel loaded from the directory (None when not loadable here)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _flavor_conf(path: Path, flavor_name: str) -> dict[str, Any]:
+    from mlflow.utils.model_utils import _get_flavor_configuration
+
+    try:
+        return _get_flavor_configuration(model_path=str(path), flavor_name=flavor_name)
+    except Exception as err:  # noqa: BLE001 - any failure here means MLmodel is unusable
+        raise ArtifactError(
+            f"The MLmodel file just written to {path} cannot be read back ({err}). Check that "
+            "metadata= holds only YAML-serializable values (str, numbers, lists, dicts)."
+        ) from err
+
+
+def _same_export(saved: Any, loaded: Any) -> None:
+    fields = ("in_tree", "out_tree", "in_avals", "out_avals", "platforms", "nr_devices")
+    diff = [
+        f"{f}: expected {getattr(saved, f)}, found {getattr(loaded, f)}"
+        for f in fields
+        if str(getattr(saved, f)) != str(getattr(loaded, f))
+    ]
+    if diff:
+        raise ArtifactError(
+            "The serialized function read back from the model directory differs from the one "
+            "saved:\n- " + "\n- ".join(diff) + "\nThis is a bug in the serialization; save the "
+            "jax.export.Exported object (not its bytes) and report the issue."
+        )
+
+
+def _portable_load(path: Path, conf: dict[str, Any]) -> Any:
+    """Deserialize the blob and restore the params to the export's avals (no placement)."""
+    from jaxexp_mlflow import artifact
+    from jaxexp_mlflow.codec import blob
+    from jaxexp_mlflow.codec.params import restore_params
+
+    data = artifact.read_blob(path, conf)
+    source = str(Path(path, conf.get("exported_file", artifact.EXPORTED_FILE)))
+    exported = blob.deserialize_checked(
+        data, source=source, node_types=conf.get("pytree_node_types")
+    )
+    params = None
+    if conf.get("params"):
+        target = artifact.params_target(exported, (), conf)
+        params = restore_params(Path(path, conf["params"]), target=target)
+    return exported, params
+
+
+def _assert_outputs_agree(got: list, want: list, what: str) -> None:
+    """Compare flat output leaves: exact for integers/bools, within float rounding otherwise."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    problems = []
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape or g.dtype != w.dtype:
+            found = f"{g.dtype}{list(g.shape)}"
+            problems.append(f"out_{i}: expected {w.dtype}{list(w.shape)}, found {found}")
+        elif not jnp.issubdtype(w.dtype, jnp.inexact):
+            if not np.array_equal(g, w):
+                problems.append(f"out_{i}: values differ")
+        else:
+            wide = np.complex128 if jnp.issubdtype(w.dtype, jnp.complexfloating) else np.float64
+            g64, w64 = g.astype(wide), w.astype(wide)
+            if not np.allclose(g64, w64, rtol=1e-5, atol=1e-6, equal_nan=True):
+                err = float(np.nanmax(np.abs(g64 - w64))) if g64.size else 0.0
+                problems.append(f"out_{i}: values differ (max abs difference {err:.3g})")
+    if problems:
+        raise ArtifactError(f"{what}:\n- " + "\n- ".join(problems))
+
+
+def read_back(
+    path: str | os.PathLike,
+    exported: Any,
+    *,
+    flavor_name: str,
+    params: Any = None,
+    inputs: tuple | None = None,
+    target: str | os.PathLike | None = None,
+) -> ReadBack:
+    """Load the model at ``path`` as ``load_model`` would and run it on ``inputs`` if given.
+
+    ``exported`` is the ``Exported`` that was saved; ``params`` the params as written
+    (``{name: array}``, see ``saving.write_model_files``; None for none or for an on-disk
+    checkpoint, which the model's copy is made of). ``target`` is the path the model is being
+    saved to (named in errors). Returns the outputs for ``inputs`` computed with the params read
+    back, and the loaded model.
+    """
+    import jax
+
+    from jaxexp_mlflow.runtime import compat
+    from jaxexp_mlflow.runtime.loader import load_directory
+
+    path = Path(path)
+    where = os.fspath(target if target is not None else path)
+    t0 = time.perf_counter()
+    conf = _flavor_conf(path, flavor_name)
+    verdict = compat.assess(conf)
+    result = ReadBack(loaded_here=verdict.status != compat.INCOMPATIBLE)
+    try:
+        if result.loaded_here:
+            model = load_directory(path, conf)
+            loaded_exp, restored = model.exported, model.params
+        else:
+            model = None
+            loaded_exp, restored = _portable_load(path, conf)
+    except JaxExpError as err:
+        raise type(err)(
+            f"The model saved to {where} does not load back, so it was not saved: {err.message}"
+        ) from err
+    except Exception as err:  # noqa: BLE001 - a raw JAX/Orbax error: say what it was
+        raise ArtifactError(
+            f"The model saved to {where} does not load back, so it was not saved: "
+            f"{type(err).__name__}: {err}. Check that params are arrays of the export's avals; "
+            "report the issue with this message if they are."
+        ) from err
+    result.model = model
+    _same_export(exported, loaded_exp)
+    result.seconds["load"] = time.perf_counter() - t0
+    if inputs is not None and model is not None:
+        t1 = time.perf_counter()
+        if model.has_params:
+            outputs = model.call_with_params(model.params, *inputs)
+            if params is not None:
+                given = _placed_like(_as_model_params(params, conf), restored)
+                expected = model.call_with_params(given, *inputs)
+                _assert_outputs_agree(
+                    jax.tree.leaves(outputs),
+                    jax.tree.leaves(expected),
+                    "The params read back from the model directory do not reproduce the outputs "
+                    "of the params given to save_model, so the model was not saved. Check that "
+                    "params have distinct key paths (e.g. not both {'a.b': x} and {'a': {'b': y}})"
+                    " and report the issue if they do",
+                )
+        else:
+            outputs = model(*inputs)
+        result.outputs = jax.block_until_ready(outputs)
+        result.seconds["run"] = time.perf_counter() - t1
+    LAST_TIMINGS.clear()
+    LAST_TIMINGS.update(result.seconds)
+    return result
+
+
+def _as_model_params(params: Any, conf: dict[str, Any]) -> Any:
+    """The params as stored (``{name: array}``) in the form ``model.params`` has: typed keys."""
+    if conf.get("param_names") is None:
+        return params
+    from jaxexp_mlflow.named_params import wrap_keys
+
+    return wrap_keys(params, conf.get("param_keys"))
+
+
+def _placed_like(params: Any, restored: Any) -> Any:
+    """The given params, leaf by leaf on the devices/shardings of the restored ones."""
+    import jax
+
+    leaves = jax.tree.leaves(params)
+    placed = [
+        jax.device_put(g, r.sharding)
+        for g, r in zip(leaves, jax.tree.leaves(restored), strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(restored), placed)
+
+
+def check_reference(path: str | os.PathLike, flavor_name: str, outputs: Any) -> None:
+    """The stored reference outputs must equal ``outputs`` bit for bit (npz round trip)."""
+    import jax
+    import numpy as np
+
+    from jaxexp_mlflow import artifact
+
+    conf = _flavor_conf(Path(path), flavor_name)
+    stored = artifact.read_reference(path, conf)
+    if stored is None:
+        raise ArtifactError(
+            f"The reference result written to {path} is not recorded in MLmodel. Report the issue."
+        )
+    _, stored_out = stored
+    want = [np.asarray(x) for x in jax.tree.leaves(outputs)]
+    bad = [
+        f"out_{i}"
+        for i, (g, w) in enumerate(zip(stored_out, want, strict=True))
+        if g.dtype != w.dtype or g.shape != w.shape or g.tobytes() != w.tobytes()
+    ]
+    if len(stored_out) != len(want) or bad:
+        raise ArtifactError(
+            f"The reference outputs stored in {path} do not read back as computed ({bad or 'count'}"
+            "). Report the issue; save without input_example meanwhile."
+        )
