@@ -183,3 +183,36 @@ def test_failed_log_model_registers_no_version(tracking_uri):
     assert client.search_model_versions("name='never'") == []
     (logged,) = mlflow.search_logged_models(output_format="list")
     assert logged.status.to_proto() != 0 and str(logged.status).endswith("FAILED")
+
+
+def test_big_params_are_checked_on_disk_not_restored_twice(tmp_path, monkeypatch):
+    """Above the read-back's restore limit the checkpoint is verified whole, not re-read."""
+    from jaxexp_mlflow.codec import params as params_codec
+
+    calls = {"restore": 0, "verify": 0}
+    restore, verify = params_codec.restore_params, params_codec.verify_manifest
+
+    def counting_restore(*a, **k):
+        calls["restore"] += 1
+        return restore(*a, **k)
+
+    def counting_verify(*a, **k):
+        calls["verify"] += 1
+        return verify(*a, **k)
+
+    monkeypatch.setattr(params_codec, "restore_params", counting_restore)
+    monkeypatch.setattr(params_codec, "verify_manifest", counting_verify)
+    params = mlp_params()
+    monkeypatch.setenv("JAXEXP_READBACK_RESTORE_MAX_BYTES", "0")
+    mlflow.jaxexp.save_model(
+        jax.jit(mlp_apply), tmp_path / "big", params=params, input_example=batch(2)
+    )
+    assert calls == {"restore": 0, "verify": 1}
+    monkeypatch.delenv("JAXEXP_READBACK_RESTORE_MAX_BYTES")
+    mlflow.jaxexp.save_model(
+        jax.jit(mlp_apply), tmp_path / "small", params=params, input_example=batch(2)
+    )
+    assert calls["restore"] == 1
+    for name in ("big", "small"):
+        model = mlflow.jaxexp.load_model(str(tmp_path / name))
+        np.testing.assert_allclose(model(batch(3)), mlp_apply(params, batch(3)), rtol=1e-6)

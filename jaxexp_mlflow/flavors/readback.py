@@ -29,6 +29,12 @@ from typing import Any
 
 from jaxexp_mlflow.errors import ArtifactError, JaxExpError
 
+#: Params bigger than this (bytes; env ``JAXEXP_READBACK_RESTORE_MAX_BYTES``) are not restored
+#: into a second copy by the read-back: their checkpoint is verified whole (every file's
+#: CRC-32C, tree, shapes, dtypes) and the given arrays are bound, so that saving or logging big
+#: params keeps peak memory near one copy (docs/saving.md, docs/remote.md).
+RESTORE_MAX_BYTES = 256 * 1024**2
+
 #: Seconds spent in the last read-back (for benchmarks and tests; never asserted).
 LAST_TIMINGS: dict[str, float] = {}
 
@@ -140,9 +146,13 @@ def read_back(
     conf = _flavor_conf(path, flavor_name)
     verdict = compat.assess(conf)
     result = ReadBack(loaded_here=verdict.status != compat.INCOMPATIBLE)
+    limit = int(os.environ.get("JAXEXP_READBACK_RESTORE_MAX_BYTES", RESTORE_MAX_BYTES))
+    bind = None
+    if params is not None and sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params)) > limit:
+        bind = params
     try:
         if result.loaded_here:
-            model = load_directory(path, conf)
+            model = load_directory(path, conf, bind=bind)
             loaded_exp, restored = model.exported, model.params
         else:
             model = None
@@ -164,7 +174,7 @@ def read_back(
         t1 = time.perf_counter()
         if model.has_params:
             outputs = model.call_with_params(model.params, *inputs)
-            if params is not None:
+            if params is not None and bind is None:
                 given = _placed_like(_as_model_params(params, conf), restored)
                 expected = model.call_with_params(given, *inputs)
                 _assert_outputs_agree(

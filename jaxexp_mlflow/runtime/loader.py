@@ -38,6 +38,7 @@ def load_directory(
     *,
     allow_incompatible: bool = False,
     isolate: bool = False,
+    bind: Any = None,
     **options: Any,
 ) -> JaxExpModel:
     """Verify, judge, deserialize and bind params for the model stored at ``path``.
@@ -47,6 +48,9 @@ def load_directory(
     to ``devices.plan`` (``allow_other_platform``, ``data_parallel``, ``devices``).
     ``isolate=True`` has JAX deserialize the blob in a capped child process first
     (``runtime.isolate``), so that a blob crashing JAX's native deserializer is refused.
+    ``bind`` (save's read-back of big params, ``flavors.readback``): params as stored, bound
+    instead of restored; the checkpoint is still checked whole (every file's CRC-32C, tree,
+    shapes, dtypes) but not read into a second copy in memory.
     """
     meta = validate_flavor(meta)
     data = artifact.read_blob(path, meta)
@@ -76,10 +80,15 @@ def load_directory(
     params = None
     ckpt = artifact.params_dir(path, meta)
     if ckpt is not None:
-        from jaxexp_mlflow.codec.params import restore_params
+        from jaxexp_mlflow.codec.params import check_checkpoint, restore_params, verify_manifest
 
         target = artifact.params_target(placement.exported, placement.in_shardings, meta)
-        params = restore_params(ckpt, target=target)
+        if bind is None:
+            params = restore_params(ckpt, target=target)
+        else:
+            verify_manifest(ckpt).verify_files()
+            check_checkpoint(ckpt, target)
+            params = bind
     model = JaxExpModel(placement.exported, params, meta, placement=placement)
     model.verdict = verdict
     return model
