@@ -81,6 +81,13 @@ def _compilation_cache_in_tmp(tmp_path_factory):
     os.environ.setdefault("JAXEXP_IREE_CACHE", str(tmp_path_factory.mktemp("iree-cache")))
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_cli_environment(monkeypatch):
+    """The jaxexp CLI turns MLflow's progress bars off in its own environment when stderr is no
+    terminal; run in-process (CliRunner) that would leak into later tests' child processes."""
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+
+
 @pytest.fixture
 def tracking_uri(tmp_path, monkeypatch):
     """A fresh sqlite-backed MLflow store with artifacts under tmp_path."""

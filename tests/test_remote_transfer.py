@@ -49,7 +49,12 @@ def server(tmp_path_factory):
 
 def _env(url: str, **extra: str) -> dict[str, str]:
     env = {**os.environ, "MLFLOW_TRACKING_URI": url, "PYTHONPATH": str(REPO), **extra}
-    for name in ("JAXEXP_PROGRESS", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
+    for name in (
+        "JAXEXP_PROGRESS",
+        "MLFLOW_EXPERIMENT_ID",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR",
+    ):
         env.pop(name, None)
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     return env
