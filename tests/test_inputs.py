@@ -23,7 +23,7 @@ from jaxexp_mlflow.errors import InputError
 from tests.models import batch, mlp_apply, mlp_params
 from tests.test_cli import run_cli
 from tests.test_pyfunc import two_input_example, two_input_fn
-from tests.test_serving import server_env, start_server, stop_server
+from tests.test_serving import log_two_input_model, start_server, stop_server
 
 FAST = {"buckets": "off", "precompile": False}
 MARK = 12345.678  # a value that must never come back in an error message
@@ -98,19 +98,7 @@ def _check_message(message: str, must: str, where: str) -> None:
 def logged(tmp_path_factory):
     """The two-input model (``ids``, ``x``) logged to a sqlite store; its local copy."""
     tmp = tmp_path_factory.mktemp("inputs")
-    env = server_env(tmp)
-    params = mlp_params()
-    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
-    exp_id = mlflow.create_experiment("inputs", artifact_location=(tmp / "artifacts").as_uri())
-    with mlflow.start_run(experiment_id=exp_id) as run:
-        mlflow.jaxexp.log_model(
-            jax.jit(two_input_fn),
-            name="model",
-            params=params,
-            input_example=two_input_example(),
-            serving_config=FAST,
-        )
-    uri = f"runs:/{run.info.run_id}/model"
+    uri, env, params = log_two_input_model(tmp, FAST)
     local = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp / "local")))
     mlflow.set_tracking_uri(None)
     return {"uri": uri, "local": local, "params": params, "env": env, "tmp": tmp}

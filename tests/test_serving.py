@@ -94,23 +94,31 @@ def server_env(tmp: Path) -> dict:
     return env
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The two-input model logged to a sqlite store and served from its runs:/ URI."""
-    tmp = tmp_path_factory.mktemp("serve")
+def log_two_input_model(tmp: Path, serving_config: dict) -> tuple[str, dict, dict]:
+    """Log the two-input model (``ids``, ``x``) to a sqlite store under ``tmp``.
+
+    Returns ``(runs:/ URI, server environment, params)``; the tracking URI is left set.
+    """
     env = server_env(tmp)
     params = mlp_params()
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
-    exp_id = mlflow.create_experiment("serve", artifact_location=(tmp / "artifacts").as_uri())
+    exp_id = mlflow.create_experiment(tmp.name, artifact_location=(tmp / "artifacts").as_uri())
     with mlflow.start_run(experiment_id=exp_id) as run:
         mlflow.jaxexp.log_model(
             jax.jit(two_input_fn),
             name="model",
             params=params,
             input_example=two_input_example(),
-            serving_config=SERVE_CONFIG,
+            serving_config=serving_config,
         )
-    uri = f"runs:/{run.info.run_id}/model"
+    return f"runs:/{run.info.run_id}/model", env, params
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The two-input model logged to a sqlite store and served from its runs:/ URI."""
+    tmp = tmp_path_factory.mktemp("serve")
+    uri, env, params = log_two_input_model(tmp, SERVE_CONFIG)
     local = mlflow.pyfunc.load_model(uri)
     mlflow.set_tracking_uri(None)
     proc, url = start_server(uri, "local", env, tmp / "server.log")
