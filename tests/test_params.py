@@ -68,6 +68,30 @@ def test_round_trip_many_dtypes_uses_fast_path(tmp_path):
     assert P._LAST_RESTORE_STATS == {"fast": 8, "orbax": 0}
 
 
+def test_plain_metadata_reader_agrees_with_orbax(tmp_path):
+    """restore_params reads _METADATA and zarr.json itself instead of Orbax's metadata call:
+    differential check against Orbax on the mixed tree, and the fallback for OCDBT."""
+    tree = mixed_tree()
+    P.save_params(tree, tmp_path / "ck")
+    path = tmp_path / "ck"
+    manifest = P.verify_manifest(path)
+    mine = P._plain_tree(path, P._read_internal_metadata(path), manifest)
+    assert mine is not None
+    orbax = {
+        tuple(P._key_token(k) for k in kp): leaf
+        for kp, leaf in jax.tree_util.tree_flatten_with_path(P.checkpoint_tree(path))[0]
+    }
+    assert set(mine) == set(orbax) and len(mine) == 8
+    for tokens, leaf in mine.items():
+        assert (leaf.shape, leaf.dtype) == (orbax[tokens].shape, orbax[tokens].dtype), tokens
+    meta = P._read_internal_metadata(path)
+    assert P._plain_tree(path, dict(meta, use_ocdbt=True), manifest) is None
+    entry = next(iter(meta["tree_metadata"]))
+    odd = json.loads(json.dumps(meta))
+    odd["tree_metadata"][entry]["value_metadata"]["value_type"] = "custom.Leaf"
+    assert P._plain_tree(path, odd, manifest) is None  # Orbax judges what this does not know
+
+
 def test_orbax_itself_restores_the_checkpoint(tmp_path):
     tree = {"a": np.arange(10, dtype=np.float32), "b": [jnp.ones((2, 2), jnp.bfloat16)]}
     P.save_params(tree, tmp_path / "ck")
