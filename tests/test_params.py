@@ -156,6 +156,56 @@ def test_multi_chunk_layouts(tmp_path):
     assert P._LAST_RESTORE_STATS["fast"] >= 1
 
 
+def test_mapped_restore_checks_and_falls_back(tmp_path, monkeypatch):
+    """mapped=True (load_model's private download): one-file arrays come back as read-only
+    mappings of their chunk file, still checked against the manifest; chunked arrays and
+    arrays Orbax restores are copied as before."""
+    rng = np.random.default_rng(2)
+    tree = {  # 2 MiB: mapped; 20 bytes: below P._MAP_MIN_BYTES, copied
+        "w": rng.standard_normal((1024, 512)).astype(np.float32),
+        "b": np.arange(5, dtype=np.int32),
+    }
+    P.save_params(tree, tmp_path / "ck")
+    out = P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped=True)
+    assert_tree_equal(out, tree)
+    assert P._LAST_RESTORE_STATS == {"fast": 2, "orbax": 0}
+    # the jax array aliases a read-only private mapping of the file: no copy was made
+    assert [perms[:2] for perms in maps_of(tmp_path / "ck" / "w")] == ["r-"]
+    assert out["w"].unsafe_buffer_pointer() in maps_of(tmp_path / "ck" / "w", starts=True)
+    assert maps_of(tmp_path / "ck" / "b") == []
+
+    (chunk,) = (tmp_path / "ck" / "w").glob("c.*")
+    data = bytearray(chunk.read_bytes())
+    data[100:116] = bytes(16)
+    chunk.write_bytes(bytes(data))  # same size, altered weights
+    with pytest.raises(ArtifactError, match="does not match its checksum"):
+        P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped=True)
+
+    rows = rng.standard_normal((1000, 16)).astype(np.float32)
+    monkeypatch.setattr(P, "_MAP_MIN_BYTES", 0)
+    ck = ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True, use_compression=False)
+    )
+    save_args = {"rows": ocp.SaveArgs(chunk_byte_size=64 * 97 * 4)}  # partial last chunk
+    ck.save(tmp_path / "chunked", args=ocp.args.PyTreeSave({"rows": rows}, save_args=save_args))
+    write_manifest(tmp_path / "chunked")
+    out = P.restore_params(tmp_path / "chunked", target=sds_tree({"rows": rows}), mapped=True)
+    assert_tree_equal(out, {"rows": rows})
+    assert maps_of(tmp_path / "chunked") == []  # several chunk files: reassembled in memory
+
+
+def maps_of(directory, starts=False):
+    """This process's mappings of files under ``directory``: their permissions, or with
+    ``starts`` their start addresses."""
+    found = []
+    with open(f"/proc/{os.getpid()}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].startswith(f"{directory}/"):
+                found.append(int(fields[0].split("-")[0], 16) if starts else fields[1])
+    return found
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     d = tmp_path_factory.mktemp("saved") / "ck"

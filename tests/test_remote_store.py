@@ -14,11 +14,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jax
 import mlflow
 import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401
+from jaxexp_mlflow.codec import params as params_codec
 from tests.conftest import free_port
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 from tests.servers import mlflow_server
@@ -95,6 +97,14 @@ def test_log_and_load_through_a_remote_server(server, tmp_path, monkeypatch):
             (tmp_path / str(i)).mkdir()
             model = mlflow.jaxexp.load_model(uri, dst_path=str(tmp_path / str(i)))
             np.testing.assert_allclose(model(x), mlp_apply(params, x), rtol=1e-6)
+        # into load_model's private download the params are mapped, not copied, and the
+        # download's params files are gone once the model holds them
+        monkeypatch.setattr(params_codec, "_MAP_MIN_BYTES", 0)
+        model = mlflow.jaxexp.load_model("models:/remote-mlp/1")
+        np.testing.assert_allclose(model(x), mlp_apply(params, x), rtol=1e-6)
+        with open(f"/proc/{os.getpid()}/maps") as maps:
+            gone = [line for line in maps if "/params/" in line and "(deleted)" in line]
+        assert len(gone) == len(jax.tree.leaves(params))
         # a fresh process that only knows the server URI reproduces the result
         code = (
             "import sys, mlflow\n"

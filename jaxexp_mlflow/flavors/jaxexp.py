@@ -8,6 +8,7 @@ Follows MLflow's built-in flavors (``mlflow.sklearn`` and friends): ``save_model
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -474,7 +475,10 @@ def load_model(
     # Into a private temp dir (dst_path=None) the copy of this package in code/ is not needed:
     # it is running.
     skip = (f"code/{__name__.split('.')[0]}",) if dst_path is None else ()
-    local_path, _ = transfer.download_model(model_uri, dst_path, skip=skip)
+    local_path, downloaded = transfer.download_model(model_uri, dst_path, skip=skip)
+    # Our own private download (mkdtemp, 0700): params may be mapped from the page cache the
+    # download filled instead of copied into new memory (docs/remote.md, "Loading").
+    private = downloaded and dst_path is None
     flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
     _add_code_from_conf_to_system_path(local_path, flavor_conf)
     if backend == "iree":
@@ -485,7 +489,20 @@ def load_model(
     from jaxexp_mlflow.runtime.loader import load_directory
 
     cache.configure()
-    return load_directory(local_path, flavor_conf, allow_incompatible=allow_incompatible, **options)
+    model = load_directory(
+        local_path,
+        flavor_conf,
+        allow_incompatible=allow_incompatible,
+        mapped=private,
+        **options,
+    )
+    if private:  # the params are in memory (or mapped: unlinked files live while mapped)
+        from jaxexp_mlflow import artifact
+
+        ckpt = artifact.params_dir(local_path, flavor_conf)
+        if ckpt is not None and ckpt.resolve() != Path(local_path).resolve():
+            shutil.rmtree(ckpt, ignore_errors=True)
+    return model
 
 
 def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
