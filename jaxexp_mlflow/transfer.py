@@ -15,6 +15,7 @@ import contextlib
 import os
 import posixpath
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -53,7 +54,7 @@ class _Silent:
 def progress(total_bytes: int, desc: str) -> Iterator[Any]:
     """A tqdm byte bar (bytes, rate, ETA) on a terminal; an object whose ``update`` does
     nothing otherwise. Thread-safe: tqdm locks its updates."""
-    if not progress_enabled() or total_bytes <= 0:
+    if not progress_enabled():
         yield _Silent()
         return
     from tqdm.auto import tqdm
@@ -159,22 +160,87 @@ def resolve_repository(model_uri: str) -> tuple[Any, Any, str] | None:
     return outer, repo, artifact_path or ""
 
 
-def list_files(repo: Any, path: str, skip: tuple[str, ...] = ()) -> list[Any]:
-    """Every file under ``path`` (``FileInfo``), listing the directories of one level at once;
-    directories whose path relative to ``path`` is in ``skip`` are left out."""
+def _keep(path: str, skip: tuple[str, ...]) -> Any:
+    """Predicate on ``FileInfo``: False for the directories in ``skip`` (relative to ``path``)."""
 
     def keep(info: Any) -> bool:
         return (posixpath.relpath(info.path, path) if path else info.path) not in skip
 
-    files, level = [], [path]
-    with ThreadPoolExecutor(min(workers(), 16), thread_name_prefix="jaxexp-list") as pool:
-        while level:
-            nxt = []
-            for listing in pool.map(lambda p: repo.list_artifacts(p or None), level):
-                for info in filter(keep, listing):
-                    (nxt if info.is_dir else files).append(info)
-            level = [d.path for d in nxt]
-    return files
+    return keep
+
+
+class _Tree:
+    """Lists a model's directories and downloads its files on one pool: a file starts as soon
+    as the listing of its directory has come back (MLflow lists the whole tree first), and the
+    listings of deeper directories go ahead of the downloads found beside them."""
+
+    def __init__(self, repo: Any, root: str, local_root: Path, keep: Any, bar: Any) -> None:
+        self.repo, self.root, self.local_root = repo, root, local_root
+        self.keep, self.bar = keep, bar
+        self.pool = ThreadPoolExecutor(workers(), thread_name_prefix="jaxexp-xfer")
+        self.lock = threading.Lock()
+        self.pending: set[Future] = set()
+        self.files = 0
+
+    def _submit(self, fn: Any, *args: Any) -> None:
+        with self.lock:
+            self.pending.add(self.pool.submit(fn, *args))
+
+    def _local(self, info: Any) -> Path:
+        rel = posixpath.relpath(info.path, self.root) if self.root else info.path
+        local = (self.local_root / rel).resolve()
+        if not local.is_relative_to(self.local_root.resolve()):
+            from jaxexp_mlflow.errors import ArtifactError
+
+            raise ArtifactError(
+                f"The artifact store listed {info.path!r} under {self.root!r}: expected a path "
+                "inside the model directory. Refusing to write outside it."
+            )
+        return local
+
+    def add(self, listing: list[Any]) -> None:
+        """Queue the directories, then the files (biggest first), of one listing."""
+        listing = [i for i in listing if self.keep(i)]
+        files = sorted((i for i in listing if not i.is_dir), key=lambda i: -(i.file_size or 0))
+        targets = [(info, self._local(info)) for info in files]  # all checked before any starts
+        for info in listing:
+            if info.is_dir:
+                self._submit(lambda p: self.add(self.repo.list_artifacts(p)), info.path)
+        grow = sum(i.file_size or 0 for i in files)
+        if grow and hasattr(self.bar, "total"):
+            with self.lock:
+                self.bar.total = (self.bar.total or 0) + grow
+                self.bar.refresh()
+        for info, local in targets:
+            self.files += 1
+            self._submit(self._download, info, local)
+
+    def _download(self, info: Any, local: Path) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self.repo._download_file(info.path, str(local))
+        self.bar.update(info.file_size or 0)
+
+    def run(self, listing: list[Any]) -> int:
+        """Download everything under the root whose listing is given; return the file count.
+        The first failure cancels what has not started and is raised."""
+        try:
+            self.add(listing)
+            while True:
+                with self.lock:
+                    current = set(self.pending)
+                if not current:
+                    return self.files
+                done, _ = wait(current, return_when=FIRST_EXCEPTION)
+                with self.lock:
+                    self.pending -= done
+                for f in done:
+                    if f.exception() is not None:
+                        raise f.exception()
+        finally:
+            with self.lock:
+                for f in self.pending:
+                    f.cancel()
+            self.pool.shutdown(wait=True)
 
 
 def download_model(
@@ -185,7 +251,8 @@ def download_model(
 
     Returns the local model directory and whether this function downloaded it (False: MLflow's
     own ``_download_artifact_from_uri`` handled it, e.g. a local path returned as it is).
-    Files go straight to their final place, several at a time."""
+    Files go straight to their final place, several at a time, while the tree is still being
+    listed (``_Tree``)."""
     from mlflow.tracking.artifact_utils import _download_artifact_from_uri
     from mlflow.utils.file_utils import create_tmp_dir
 
@@ -193,33 +260,14 @@ def download_model(
     if resolved is None:
         return _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path), False
     outer, repo, root = resolved
-    files = list_files(repo, root, skip)
-    if not files:  # a file URI, or nothing there: let MLflow say what it is
+    listing = repo.list_artifacts(root or None)
+    if not listing:  # a file URI, or nothing there: let MLflow say what it is
         return _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path), False
     dst = Path(dst_path or create_tmp_dir()).absolute()
     local_root = dst / posixpath.basename(root.rstrip("/")) if root else dst
-    files.sort(key=lambda f: f.file_size or 0, reverse=True)
-    total = sum(f.file_size or 0 for f in files)
-    targets = []
-    for info in files:
-        rel = posixpath.relpath(info.path, root) if root else info.path
-        local = (local_root / rel).resolve()
-        if not local.is_relative_to(local_root.resolve()):
-            from jaxexp_mlflow.errors import ArtifactError
-
-            raise ArtifactError(
-                f"The artifact store listed {info.path!r} under {model_uri}: expected a path "
-                "inside the model directory. Refusing to write outside it."
-            )
-        targets.append((info, local))
-    with progress(total, f"Downloading {posixpath.basename(root) or model_uri}") as bar:
-
-        def one(info: Any, local: Path) -> None:
-            local.parent.mkdir(parents=True, exist_ok=True)
-            repo._download_file(info.path, str(local))
-            bar.update(info.file_size or 0)
-
-        _run_all(targets, one)
+    known = sum(i.file_size or 0 for i in listing if not i.is_dir)
+    with progress(known, f"Downloading {posixpath.basename(root) or model_uri}") as bar:
+        _Tree(repo, root, local_root, _keep(root, skip), bar).run(listing)
     if outer is not repo and (local_root / "MLmodel").is_file():
         outer._add_registered_model_meta_file(str(local_root))  # as MLflow's download does
     return str(local_root), True

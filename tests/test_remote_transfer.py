@@ -187,3 +187,43 @@ def test_big_params_through_the_server_in_bounded_memory(gib, tmp_path):
     for row in rows:
         print(row)  # the figures, with -s
         assert row["ratio"] < 1.25, row
+
+
+def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkeypatch):
+    """``transfer.download_model`` lists and downloads on one pool; the files it brings back
+    are byte for byte those of MLflow's ``download_artifacts``, minus the skipped directory;
+    a listing the server fails to give is raised, not a silently partial download."""
+    from mlflow.artifacts import download_artifacts
+
+    from jaxexp_mlflow import transfer
+
+    with mlflow_server(tmp_path / "server") as (url, _):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        mlflow.set_tracking_uri(url)
+        try:
+            mlflow.set_experiment("download")
+            log_registered(apply, make_params(2 * MiB, 3), np.ones((2, 4), np.float32), "dl")
+            theirs = Path(download_artifacts("models:/dl/1", dst_path=str(tmp_path / "mlflow")))
+            monkeypatch.setenv("JAXEXP_TRANSFER_WORKERS", "3")  # fewer workers than dirs
+            ours, downloaded = transfer.download_model(
+                "models:/dl/1", str(tmp_path / "ours"), skip=("code/jaxexp_mlflow",)
+            )
+            assert downloaded
+            mine, want = _files(Path(ours)), _files(theirs)
+            skipped = {k for k in want if k.startswith("code/jaxexp_mlflow/")}
+            assert skipped and len(mine) > 20  # params arrays, each in its own directory
+            assert mine == {k: v for k, v in want.items() if k not in skipped}
+
+            # a chunk file in the server's store turned into a dangling link: its listing fails
+            (chunk,) = (tmp_path / "server" / "artifacts").rglob("w1/c.0.0")
+            chunk.unlink()
+            chunk.symlink_to(tmp_path / "nowhere")
+            monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            with pytest.raises(MlflowException):
+                transfer.download_model("models:/dl/1", str(tmp_path / "cut"))
+        finally:
+            mlflow.set_tracking_uri(None)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
