@@ -84,29 +84,33 @@ def _run_all(tasks: list[tuple[Any, ...]], fn: Any) -> None:
 # upload
 
 
-def upload_dir(local_dir: str | os.PathLike, artifact_uri: str, artifact_path: str | None) -> int:
-    """Upload every file under ``local_dir`` to ``artifact_uri``/``artifact_path`` in parallel.
+def upload_dirs(dirs: list[tuple[Path, str | None]], artifact_uri: str) -> int:
+    """Upload every file under each ``(local_dir, artifact_path)`` to ``artifact_uri`` on one
+    pool, biggest first, with one progress bar. Returns the bytes uploaded.
 
     Uses the artifact repository MLflow picks for the URI (its ``log_artifact``: multipart for
-    big files where the store supports it). Returns the bytes uploaded.
+    big files where the store supports it).
     """
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     repo = get_artifact_repository(artifact_uri)
-    root = Path(local_dir)
-    files = sorted(
-        (p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size, reverse=True
-    )
-    total = sum(p.stat().st_size for p in files)
-    with progress(total, f"Uploading {root.name}") as bar:
+    tasks = []  # (size, file, artifact directory)
+    for root, artifact_path in dirs:
+        for path in root.rglob("*"):
+            if path.is_file():
+                rel = path.parent.relative_to(root).as_posix()
+                parts = [p for p in (artifact_path, rel if rel != "." else None) if p]
+                tasks.append((path.stat().st_size, path, posixpath.join(*parts) if parts else None))
+    tasks.sort(key=lambda t: t[0], reverse=True)
+    total = sum(t[0] for t in tasks)
+    names = ", ".join(root.name for root, _ in dirs)
+    with progress(total, f"Uploading {names}") as bar:
 
-        def one(path: Path) -> None:
-            rel = path.parent.relative_to(root).as_posix()
-            parts = [p for p in (artifact_path, rel if rel != "." else None) if p]
-            repo.log_artifact(str(path), posixpath.join(*parts) if parts else None)
-            bar.update(path.stat().st_size)
+        def one(size: int, path: Path, where: str | None) -> None:
+            repo.log_artifact(str(path), where)
+            bar.update(size)
 
-        _run_all([(p,) for p in files], one)
+        _run_all(tasks, one)
     return total
 
 
@@ -125,11 +129,10 @@ def stage_upload(local_dir: str | os.PathLike, artifact_uri: str, subdirs: list[
 
     if isinstance(get_artifact_repository(artifact_uri), LocalArtifactRepository):
         return
-    for sub in subdirs:
-        path = Path(local_dir, sub)
-        if path.is_dir():
-            upload_dir(path, artifact_uri, sub)
-            shutil.rmtree(path)
+    dirs = [(Path(local_dir, sub), sub) for sub in subdirs if Path(local_dir, sub).is_dir()]
+    upload_dirs(dirs, artifact_uri)
+    for path, _ in dirs:
+        shutil.rmtree(path)
 
 
 # --------------------------------------------------------------------------------------------
