@@ -658,7 +658,7 @@ def _fast_read_leaf(
             f"its chunk files hold {on_disk}. The checkpoint is damaged or forged; download the "
             "model again."
         )
-    if mapped and len(keys) == 1 and rows * row_bytes >= _MAP_MIN_BYTES:
+    if mapped and len(keys) == 1 and rows * row_bytes >= _MAP_MIN_BYTES and _CAN_MAP:
         host = _map_leaf(root, f"{rel_dir}/{keys[0]}", shape, dtype, manifest, layout)
         if host is not None:
             return host
@@ -698,6 +698,8 @@ def _fast_read_leaf(
 #: Arrays below this size are copied even when mapping is allowed: a mapping costs a page
 #: and a kernel map entry (at most ``vm.max_map_count``, 65530 by default, per process).
 _MAP_MIN_BYTES = 1 << 20
+#: POSIX private read-only mappings (elsewhere arrays are copied).
+_CAN_MAP = os.name == "posix"
 
 
 class _Layout(NamedTuple):
