@@ -19,10 +19,12 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Parallel transfers per model (files in flight). Override with ``JAXEXP_TRANSFER_WORKERS``.
 DEFAULT_WORKERS = 8
+#: Downloaded files at least this big are checksummed (CRC-32C) as soon as they land.
+CHECKSUM_MIN_BYTES = 1 << 20
 
 
 def workers() -> int:
@@ -184,6 +186,7 @@ class _Tree:
         self.lock = threading.Lock()
         self.pending: set[Future] = set()
         self.files = 0
+        self.crc32c: dict[str, int] = {}
 
     def _submit(self, fn: Any, *args: Any) -> None:
         with self.lock:
@@ -221,6 +224,12 @@ class _Tree:
     def _download(self, info: Any, local: Path) -> None:
         local.parent.mkdir(parents=True, exist_ok=True)
         self.repo._download_file(info.path, str(local))
+        if (info.file_size or 0) >= CHECKSUM_MIN_BYTES:  # while its pages are in the cache
+            from jaxexp_mlflow.codec.manifest import mapped_crc32c
+
+            value = mapped_crc32c(local)
+            with self.lock:
+                self.crc32c[local.relative_to(self.local_root).as_posix()] = value
         self.bar.update(info.file_size or 0)
 
     def run(self, listing: list[Any]) -> int:
@@ -246,31 +255,41 @@ class _Tree:
             self.pool.shutdown(wait=True)
 
 
+class Download(NamedTuple):
+    """Where a model was downloaded, and what this module knows of the files it fetched."""
+
+    path: str  # the local model directory
+    ours: bool  # downloaded here (False: MLflow's own download, or a local path as it is)
+    #: CRC-32C of each downloaded file of at least ``CHECKSUM_MIN_BYTES``, computed right after
+    #: it landed (page cache hot), by path relative to ``path``
+    crc32c: dict[str, int]
+
+
 def download_model(
     model_uri: str, dst_path: str | None = None, skip: tuple[str, ...] = ()
-) -> tuple[str, bool]:
+) -> Download:
     """Download the model at ``model_uri`` into ``dst_path`` (a new temp dir if None), except
     the directories in ``skip`` (paths relative to the model, e.g. ``code/jaxexp_mlflow``).
 
-    Returns the local model directory and whether this function downloaded it (False: MLflow's
-    own ``_download_artifact_from_uri`` handled it, e.g. a local path returned as it is).
     Files go straight to their final place, several at a time, while the tree is still being
-    listed (``_Tree``)."""
+    listed (``_Tree``), and big files are checksummed as they land, so that loading from a
+    private download need not read them again (``codec.params.restore_params``)."""
     from mlflow.tracking.artifact_utils import _download_artifact_from_uri
     from mlflow.utils.file_utils import create_tmp_dir
 
     resolved = resolve_repository(model_uri)
     if resolved is None:
-        return _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path), False
+        return Download(_download_artifact_from_uri(model_uri, output_path=dst_path), False, {})
     outer, repo, root = resolved
     listing = repo.list_artifacts(root or None)
     if not listing:  # a file URI, or nothing there: let MLflow say what it is
-        return _download_artifact_from_uri(artifact_uri=model_uri, output_path=dst_path), False
+        return Download(_download_artifact_from_uri(model_uri, output_path=dst_path), False, {})
     dst = Path(dst_path or create_tmp_dir()).absolute()
     local_root = dst / posixpath.basename(root.rstrip("/")) if root else dst
     known = sum(i.file_size or 0 for i in listing if not i.is_dir)
     with progress(known, f"Downloading {posixpath.basename(root) or model_uri}") as bar:
-        _Tree(repo, root, local_root, _keep(root, skip), bar).run(listing)
+        tree = _Tree(repo, root, local_root, _keep(root, skip), bar)
+        tree.run(listing)
     if outer is not repo and (local_root / "MLmodel").is_file():
         outer._add_registered_model_meta_file(str(local_root))  # as MLflow's download does
-    return str(local_root), True
+    return Download(str(local_root), True, tree.crc32c)

@@ -173,6 +173,17 @@ def test_mapped_restore_checks_and_falls_back(tmp_path, monkeypatch):
     assert [perms[:2] for perms in maps_of(tmp_path / "ck" / "w")] == ["r-"]
     assert out["w"].unsafe_buffer_pointer() in maps_of(tmp_path / "ck" / "w", starts=True)
     assert maps_of(tmp_path / "ck" / "b") == []
+    # checksums the caller computed as it wrote the files stand in for a second read: a wrong
+    # one is refused like a wrong file
+    want = int(
+        json.loads((tmp_path / "ck" / "jaxexp_manifest.json").read_text())["files"]["w/c.0.0"][
+            "crc32c"
+        ],
+        16,
+    )
+    P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped={"w/c.0.0": want})
+    with pytest.raises(ArtifactError, match="does not match its checksum"):
+        P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped={"w/c.0.0": want ^ 1})
 
     (chunk,) = (tmp_path / "ck" / "w").glob("c.*")
     data = bytearray(chunk.read_bytes())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import select
@@ -202,17 +203,23 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
         mlflow.set_tracking_uri(url)
         try:
             mlflow.set_experiment("download")
-            log_registered(apply, make_params(2 * MiB, 3), np.ones((2, 4), np.float32), "dl")
+            log_registered(apply, make_params(6 * MiB, 3), np.ones((2, 4), np.float32), "dl")
             theirs = Path(download_artifacts("models:/dl/1", dst_path=str(tmp_path / "mlflow")))
             monkeypatch.setenv("JAXEXP_TRANSFER_WORKERS", "3")  # fewer workers than dirs
-            ours, downloaded = transfer.download_model(
+            ours = transfer.download_model(
                 "models:/dl/1", str(tmp_path / "ours"), skip=("code/jaxexp_mlflow",)
             )
-            assert downloaded
-            mine, want = _files(Path(ours)), _files(theirs)
+            assert ours.ours
+            mine, want = _files(Path(ours.path)), _files(theirs)
             skipped = {k for k in want if k.startswith("code/jaxexp_mlflow/")}
             assert skipped and len(mine) > 20  # params arrays, each in its own directory
             assert mine == {k: v for k, v in want.items() if k not in skipped}
+            # the big files were checksummed as they landed: the manifest's CRC-32C values
+            manifest = json.loads(mine["params/jaxexp_manifest.json"])["files"]
+            big = {k for k, v in mine.items() if len(v) >= transfer.CHECKSUM_MIN_BYTES}
+            assert big and set(ours.crc32c) == big
+            for rel, value in ours.crc32c.items():
+                assert int(manifest[rel.removeprefix("params/")]["crc32c"], 16) == value, rel
 
             # a chunk file in the server's store turned into a dangling link: its listing fails
             (chunk,) = (tmp_path / "server" / "artifacts").rglob("w1/c.0.0")

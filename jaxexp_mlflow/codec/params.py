@@ -569,7 +569,7 @@ def _fast_read_leaf(
     sds: Any,
     manifest: Any,
     meta: dict | None = None,
-    mapped: bool = False,
+    mapped: dict[str, int] | None = None,
 ) -> Any:
     """Read one uncompressed zarr3 array written by Orbax straight into an aligned buffer.
 
@@ -578,8 +578,8 @@ def _fast_read_leaf(
     ``_NoFastPath`` and the leaf goes through Orbax. Every chunk file must be present and hold
     the array's bytes (checked before the buffer is allocated; a missing chunk is an error, not
     zeros: Orbax writes every chunk), and its CRC-32C, computed as it is read, must match the
-    manifest. ``mapped``: an array held whole in one chunk file is mapped instead of copied
-    (see :func:`_map_leaf`).
+    manifest. ``mapped`` (not None): an array held whole in one chunk file is mapped instead of
+    copied, with the checksums ``mapped`` already knows (see :func:`_map_leaf`).
     """
     import numpy as np
 
@@ -658,8 +658,9 @@ def _fast_read_leaf(
             f"its chunk files hold {on_disk}. The checkpoint is damaged or forged; download the "
             "model again."
         )
-    if mapped and len(keys) == 1 and rows * row_bytes >= _MAP_MIN_BYTES and _CAN_MAP:
-        host = _map_leaf(root, f"{rel_dir}/{keys[0]}", shape, dtype, manifest, layout)
+    if mapped is not None and len(keys) == 1 and rows * row_bytes >= _MAP_MIN_BYTES and _CAN_MAP:
+        rel = f"{rel_dir}/{keys[0]}"
+        host = _map_leaf(root, rel, shape, dtype, manifest, layout, mapped.get(rel))
         if host is not None:
             return host
     out = _aligned_empty(shape, dtype)
@@ -755,7 +756,13 @@ def _file_regions(
 
 
 def _map_leaf(
-    root: Path, rel: str, shape: tuple[int, ...], dtype: Any, manifest: Any, layout: _Layout
+    root: Path,
+    rel: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    manifest: Any,
+    layout: _Layout,
+    known_crc: int | None = None,
 ) -> Any:
     """The array as a read-only private mapping of its one chunk file, checksummed whole, or
     None when its bytes are not one aligned run at the start of the file (then it is copied).
@@ -765,6 +772,8 @@ def _map_leaf(
     page cache 0.45 s/GiB; mapping with MAP_POPULATE plus the CRC-32C pass ~0.13 s/GiB). Only
     for directories this process owns and nobody else writes (``load_model``'s private download
     directory): a mapped file truncated by someone else would kill the process with SIGBUS.
+    ``known_crc``: the file's CRC-32C as this process computed it when it wrote the file (its
+    download), checked against the manifest instead of reading the pages again.
     """
     import mmap
 
@@ -785,7 +794,7 @@ def _map_leaf(
         mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    manifest.check(rel, crc32c(memoryview(mapping)))
+    manifest.check(rel, crc32c(memoryview(mapping)) if known_crc is None else known_crc)
     return np.frombuffer(mapping, dtype, count=nbytes // dtype.itemsize).reshape(shape)
 
 
@@ -906,7 +915,9 @@ def check_checkpoint(directory: str | os.PathLike, target: Any) -> None:
     _raise_mismatch(path, _compare(checkpoint_tree(path), target))
 
 
-def restore_params(directory: str | os.PathLike, *, target: Any, mapped: bool = False) -> Any:
+def restore_params(
+    directory: str | os.PathLike, *, target: Any, mapped: bool | dict[str, int] = False
+) -> Any:
     """Read the checkpoint into jax arrays laid out as ``target``.
 
     ``target`` is a pytree of ``jax.ShapeDtypeStruct`` with the exact structure expected; when a
@@ -922,7 +933,9 @@ def restore_params(directory: str | os.PathLike, *, target: Any, mapped: bool = 
     ``mapped=True`` maps each array held whole in one file read-only instead of copying it
     (checksummed all the same): no new memory is touched. Only for a directory this process
     owns and nobody else writes, such as ``load_model``'s private download directory; a mapped
-    file truncated by another process would kill this one (SIGBUS).
+    file truncated by another process would kill this one (SIGBUS). ``mapped`` may also be a
+    dict ``{file path relative to directory: CRC-32C}`` of checksums this process computed
+    over those very files (as its download wrote them), used instead of reading them again.
     """
     import jax
     import orbax.checkpoint as ocp
@@ -948,7 +961,12 @@ def restore_params(directory: str | os.PathLike, *, target: Any, mapped: bool = 
         leaf = plain.get(tokens) if plain is not None else None
         try:
             host = _fast_read_leaf(
-                path, _param_dir_name(tokens), sds, manifest, leaf.zarr if leaf else None, mapped
+                path,
+                _param_dir_name(tokens),
+                sds,
+                manifest,
+                leaf.zarr if leaf else None,
+                None if mapped is False else ({} if mapped is True else mapped),
             )
         except _NoFastPath:
             return ocp.PLACEHOLDER

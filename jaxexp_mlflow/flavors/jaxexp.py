@@ -475,10 +475,12 @@ def load_model(
     # Into a private temp dir (dst_path=None) the copy of this package in code/ is not needed:
     # it is running.
     skip = (f"code/{__name__.split('.')[0]}",) if dst_path is None else ()
-    local_path, downloaded = transfer.download_model(model_uri, dst_path, skip=skip)
+    download = transfer.download_model(model_uri, dst_path, skip=skip)
+    local_path = download.path
     # Our own private download (mkdtemp, 0700): params may be mapped from the page cache the
-    # download filled instead of copied into new memory (docs/remote.md, "Loading").
-    private = downloaded and dst_path is None
+    # download filled instead of copied into new memory, their checksums taken as they landed
+    # (docs/remote.md, "How a model travels").
+    private = download.ours and dst_path is None
     flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
     _add_code_from_conf_to_system_path(local_path, flavor_conf)
     if backend == "iree":
@@ -493,7 +495,7 @@ def load_model(
         local_path,
         flavor_conf,
         allow_incompatible=allow_incompatible,
-        mapped=private,
+        mapped=download.crc32c if private else None,
         **options,
     )
     if private:  # the params are in memory (or mapped: unlinked files live while mapped)

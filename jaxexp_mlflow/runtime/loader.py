@@ -39,7 +39,7 @@ def load_directory(
     allow_incompatible: bool = False,
     isolate: bool = False,
     bind: Any = None,
-    mapped: bool = False,
+    mapped: dict[str, int] | None = None,
     **options: Any,
 ) -> JaxExpModel:
     """Verify, judge, deserialize and bind params for the model stored at ``path``.
@@ -51,9 +51,10 @@ def load_directory(
     (``runtime.isolate``), so that a blob crashing JAX's native deserializer is refused.
     ``bind`` (save's read-back of big params, ``flavors.readback``): params as stored, bound
     instead of restored; the checkpoint is still checked whole (every file's CRC-32C, tree,
-    shapes, dtypes) but not read into a second copy in memory. ``mapped``: the directory is
-    private to this process (``load_model``'s download), so params may be mapped rather than
-    copied (``codec.params.restore_params``).
+    shapes, dtypes) but not read into a second copy in memory. ``mapped`` (not None): the
+    directory is private to this process (``load_model``'s download), so params may be mapped
+    rather than copied (``codec.params.restore_params``); it maps file paths relative to
+    ``path`` to the CRC-32C the download computed as each file landed.
     """
     meta = validate_flavor(meta)
     data = artifact.read_blob(path, meta)
@@ -87,7 +88,11 @@ def load_directory(
 
         target = artifact.params_target(placement.exported, placement.in_shardings, meta)
         if bind is None:
-            params = restore_params(ckpt, target=target, mapped=mapped)
+            known = None
+            if mapped is not None:
+                prefix = ckpt.relative_to(Path(path)).as_posix() + "/"
+                known = {k[len(prefix) :]: v for k, v in mapped.items() if k.startswith(prefix)}
+            params = restore_params(ckpt, target=target, mapped=known)
         else:
             verify_manifest(ckpt).verify_files()
             check_checkpoint(ckpt, target)
