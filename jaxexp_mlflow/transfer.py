@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 DEFAULT_WORKERS = 8
 #: Downloaded files at least this big are checksummed (CRC-32C) as soon as they land.
 CHECKSUM_MIN_BYTES = 1 << 20
+_MANIFEST = "jaxexp_manifest.json"  # codec.manifest.MANIFEST_FILE (not imported: cheap module)
 
 
 def workers() -> int:
@@ -205,13 +206,26 @@ class _Tree:
         return local
 
     def add(self, listing: list[Any]) -> None:
-        """Queue the directories, then the files (biggest first), of one listing."""
+        """Queue the directories, then the files (biggest first), of one listing.
+
+        A directory holding a params manifest (``jaxexp_manifest.json``: every file of the
+        checkpoint with its size) is not listed further: the manifest is fetched first and
+        names the files of its subdirectories (one request instead of one per array). What
+        it names is checked like a listing (inside the model); what it omits is not fetched,
+        and restore refuses a checkpoint whose files differ from its manifest anyway.
+        """
         listing = [i for i in listing if self.keep(i)]
+        dirs = [i for i in listing if i.is_dir]
+        manifest = next((i for i in listing if posixpath.basename(i.path) == _MANIFEST), None)
+        if dirs and manifest is not None:
+            named = self._from_manifest(manifest, {d.path for d in dirs})
+            if named is not None:
+                listing = [i for i in listing if not i.is_dir and i is not manifest] + named
+                dirs = []
         files = sorted((i for i in listing if not i.is_dir), key=lambda i: -(i.file_size or 0))
         targets = [(info, self._local(info)) for info in files]  # all checked before any starts
-        for info in listing:
-            if info.is_dir:
-                self._submit(lambda p: self.add(self.repo.list_artifacts(p)), info.path)
+        for info in dirs:
+            self._submit(lambda p: self.add(self.repo.list_artifacts(p)), info.path)
         grow = sum(i.file_size or 0 for i in files)
         if grow and hasattr(self.bar, "total"):
             with self.lock:
@@ -221,9 +235,48 @@ class _Tree:
             self.files += 1
             self._submit(self._download, info, local)
 
+    def _from_manifest(self, info: Any, subdirs: set[str]) -> list[Any] | None:
+        """Download the manifest ``info`` now; the ``FileInfo`` of the files it names in
+        ``subdirs``, or None (then they are listed) when it does not name them all or is not
+        a manifest this package can read."""
+        from mlflow.entities import FileInfo
+
+        from jaxexp_mlflow.codec.manifest import read_manifest
+        from jaxexp_mlflow.errors import ArtifactError
+
+        self._download(info, self._local(info))
+        base = posixpath.dirname(info.path)
+        try:
+            entries = read_manifest(self._local(info).parent).files
+        except ArtifactError:
+            return None
+        tops = {d.rstrip("/") for d in subdirs}
+        named, covered = [], set()
+        for rel, (size, _) in entries.items():
+            if "/" in rel:  # top-level files of the directory come from its listing
+                path = posixpath.join(base, rel)
+                covered.add(posixpath.join(base, rel.split("/", 1)[0]))
+                named.append(FileInfo(path, False, size))
+        if covered != tops:
+            return None  # a subdirectory the manifest does not describe: list them all
+        return named
+
     def _download(self, info: Any, local: Path) -> None:
+        from mlflow.exceptions import MlflowException
+
         local.parent.mkdir(parents=True, exist_ok=True)
-        self.repo._download_file(info.path, str(local))
+        try:
+            self.repo._download_file(info.path, str(local))
+        except MlflowException:
+            raise
+        except Exception as err:  # requests' HTTPError, boto's ClientError... (after retries)
+            from jaxexp_mlflow.errors import ArtifactError
+
+            raise ArtifactError(
+                f"Downloading {info.path!r} from the artifact store failed: expected the file "
+                f"the store listed, found {type(err).__name__}: {str(err)[:300]}. Retry; if it "
+                "fails again the stored model is damaged or the server cannot read it."
+            ) from err
         if (info.file_size or 0) >= CHECKSUM_MIN_BYTES:  # while its pages are in the cache
             from jaxexp_mlflow.codec.manifest import mapped_crc32c
 

@@ -195,6 +195,7 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
     are byte for byte those of MLflow's ``download_artifacts``, minus the skipped directory;
     a listing the server fails to give is raised, not a silently partial download."""
     from mlflow.artifacts import download_artifacts
+    from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
 
     from jaxexp_mlflow import transfer
 
@@ -206,10 +207,22 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
             log_registered(apply, make_params(6 * MiB, 3), np.ones((2, 4), np.float32), "dl")
             theirs = Path(download_artifacts("models:/dl/1", dst_path=str(tmp_path / "mlflow")))
             monkeypatch.setenv("JAXEXP_TRANSFER_WORKERS", "3")  # fewer workers than dirs
+            listed = []
+            list_artifacts = HttpArtifactRepository.list_artifacts
+
+            def counting(self, path=None):
+                listed.append(path)
+                return list_artifacts(self, path)
+
+            monkeypatch.setattr(HttpArtifactRepository, "list_artifacts", counting)
             ours = transfer.download_model(
                 "models:/dl/1", str(tmp_path / "ours"), skip=("code/jaxexp_mlflow",)
             )
+            monkeypatch.setattr(HttpArtifactRepository, "list_artifacts", list_artifacts)
             assert ours.ours
+            # the params manifest named the files of the array directories: none was listed
+            assert any(p and p.split("/")[-1] == "params" for p in listed), listed
+            assert not any(p and "params/" in p for p in listed), listed
             mine, want = _files(Path(ours.path)), _files(theirs)
             skipped = {k for k in want if k.startswith("code/jaxexp_mlflow/")}
             assert skipped and len(mine) > 20  # params arrays, each in its own directory
@@ -221,7 +234,7 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
             for rel, value in ours.crc32c.items():
                 assert int(manifest[rel.removeprefix("params/")]["crc32c"], 16) == value, rel
 
-            # a chunk file in the server's store turned into a dangling link: its listing fails
+            # a chunk file in the server's store turned into a dangling link: a typed error
             (chunk,) = (tmp_path / "server" / "artifacts").rglob("w1/c.0.0")
             chunk.unlink()
             chunk.symlink_to(tmp_path / "nowhere")
