@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -162,6 +163,9 @@ def bench_transfer(size_gib: float, rounds: int, workdir: Path) -> list[dict]:
                 timed("log", log_ours, params, "bench")
                 model = timed("load", load_ours, f"models:/bench/{r + 1}")
                 del model
+                # JAX frees host buffers it adopted without a copy (the mapped params) only at
+                # a cyclic collection: without it the next contender writes into fresh pages
+                gc.collect()
         print(
             f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
             flush=True,
