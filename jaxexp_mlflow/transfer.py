@@ -87,9 +87,14 @@ def _run_all(tasks: list[tuple[Any, ...]], fn: Any) -> None:
 # upload
 
 
-def upload_dirs(dirs: list[tuple[Path, str | None]], artifact_uri: str) -> int:
+def upload_dirs(
+    dirs: list[tuple[Path, str | None]],
+    artifact_uri: str,
+    skip: dict[str, set[str]] | None = None,
+) -> int:
     """Upload every file under each ``(local_dir, artifact_path)`` to ``artifact_uri`` on one
-    pool, biggest first, with one progress bar. Returns the bytes uploaded.
+    pool, biggest first, with one progress bar, except ``skip`` (``{artifact_path: paths
+    relative to its directory}``). Returns the bytes uploaded.
 
     Uses the artifact repository MLflow picks for the URI (its ``log_artifact``: multipart for
     big files where the store supports it).
@@ -99,8 +104,9 @@ def upload_dirs(dirs: list[tuple[Path, str | None]], artifact_uri: str) -> int:
     repo = get_artifact_repository(artifact_uri)
     tasks = []  # (size, file, artifact directory)
     for root, artifact_path in dirs:
+        skipped = (skip or {}).get(artifact_path or "", set())
         for path in root.rglob("*"):
-            if path.is_file():
+            if path.is_file() and path.relative_to(root).as_posix() not in skipped:
                 rel = path.parent.relative_to(root).as_posix()
                 parts = [p for p in (artifact_path, rel if rel != "." else None) if p]
                 tasks.append((path.stat().st_size, path, posixpath.join(*parts) if parts else None))
@@ -117,25 +123,131 @@ def upload_dirs(dirs: list[tuple[Path, str | None]], artifact_uri: str) -> int:
     return total
 
 
-def stage_upload(local_dir: str | os.PathLike, artifact_uri: str, subdirs: list[str]) -> None:
-    """Upload ``subdirs`` of a model staged in ``local_dir`` now, in parallel, and drop them
-    from the staging directory, so that MLflow's own (serial) upload of the directory that
-    follows only carries the small top-level files, ``MLmodel`` last among them.
+class EarlyUpload:
+    """Uploads the params chunk files of a model being saved for ``log_model`` while the save
+    goes on (``codec.params.chunk_watcher``): each array file goes up as soon as Orbax has
+    written it, so writing the staging copy overlaps the upload instead of preceding it.
+
+    Each file is hard-linked into a private directory at once (Orbax renames its temporary
+    directory when the save commits; a link keeps the same bytes, no copy) and checksummed
+    before it goes up; :meth:`finish` checks those checksums against the manifest written at
+    the end of the save and returns the files that need no second upload. Disabled (every
+    call a no-op) for local artifact stores, which MLflow copies itself.
+    """
+
+    def __init__(self, artifact_uri: str, subdir: str) -> None:
+        import tempfile
+
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+        from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
+
+        self.repo = get_artifact_repository(artifact_uri)
+        self.enabled = not isinstance(self.repo, LocalArtifactRepository) and (
+            os.environ.get("JAXEXP_EARLY_UPLOAD", "1") != "0"
+        )
+        self.subdir = subdir
+        self.sent: dict[str, int] = {}  # relative path in the checkpoint -> CRC-32C sent
+        self.submitted: set[str] = set()  # relative paths on their way up
+        self.futures: list[Future] = []
+        self.lock = threading.Lock()
+        self.stage: Path | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        self._progress = contextlib.ExitStack()
+        self.bar: Any = _Silent()
+        if self.enabled:
+            self.stage = Path(tempfile.mkdtemp(prefix="jaxexp-upload-"))
+            self.pool = ThreadPoolExecutor(workers(), thread_name_prefix="jaxexp-early")
+            self.bar = self._progress.enter_context(progress(0, f"Uploading {subdir} arrays"))
+
+    def __call__(self, rel: str, current: Path) -> None:
+        """A chunk file Orbax has finished (called from the save's poller thread)."""
+        if not self.enabled:
+            return
+        link = self.stage / rel
+        try:
+            link.parent.mkdir(parents=True, exist_ok=True)
+            os.link(current, link)
+        except OSError:  # renamed meanwhile, or no hard links here: uploaded with the rest
+            return
+        with self.lock:
+            self.futures.append(self.pool.submit(self._send, rel, link))
+            self.submitted.add(rel)
+            if hasattr(self.bar, "total"):  # the total grows as Orbax finishes arrays
+                self.bar.total = (self.bar.total or 0) + link.stat().st_size
+                self.bar.refresh()
+
+    def _send(self, rel: str, link: Path) -> None:
+        from jaxexp_mlflow.codec.manifest import mapped_crc32c
+
+        value = mapped_crc32c(link)
+        size = link.stat().st_size
+        self.repo.log_artifact(str(link), posixpath.join(self.subdir, posixpath.dirname(rel)))
+        link.unlink()
+        self.bar.update(size)
+        with self.lock:
+            self.sent[rel] = value
+
+    def finish(self, params_dir: str | os.PathLike) -> None:
+        """Wait for the uploads and raise the first failure; upload again from ``params_dir``
+        any file whose bytes sent differ from what its manifest records."""
+        if not self.enabled:
+            return
+        from jaxexp_mlflow.codec.manifest import read_manifest
+
+        wait(self.futures)
+        for f in self.futures:
+            if f.exception() is not None:
+                raise f.exception()
+        entries = read_manifest(params_dir).files
+        for rel in sorted(self.submitted):
+            if entries.get(rel, (0, None))[1] != self.sent.get(rel):
+                where = posixpath.join(self.subdir, posixpath.dirname(rel))
+                self.repo.log_artifact(str(Path(params_dir, rel)), where)
+
+    def discard(self) -> None:
+        """Best effort: delete what went up (the save failed; no ``MLmodel`` will follow, so
+        it could never load, but it should not stay behind either)."""
+        if not self.enabled or not self.submitted:
+            return
+        with contextlib.suppress(Exception):  # a store without deletes keeps them, unloadable
+            self.repo.delete_artifacts(self.subdir)
+
+    def close(self) -> None:
+        """Stop what has not started and drop the links (after :meth:`finish` or a failure)."""
+        import shutil
+
+        if self.pool is not None:
+            for f in self.futures:
+                f.cancel()
+            self.pool.shutdown(wait=True)
+        if self.stage is not None:
+            shutil.rmtree(self.stage, ignore_errors=True)
+        self._progress.close()
+
+
+def stage_upload(
+    local_dir: str | os.PathLike,
+    artifact_uri: str,
+    subdirs: list[str],
+    skip: dict[str, set[str]] | None = None,
+) -> bool:
+    """Upload ``subdirs`` of a model staged in ``local_dir`` now, in parallel; the caller then
+    drops them from the staging directory, so that MLflow's own (serial) upload of the
+    directory that follows only carries the small top-level files, ``MLmodel`` last among them.
+    Returns False (nothing done) for a local artifact store.
 
     A model whose upload breaks off has no ``MLmodel`` yet, or params whose manifest check
     fails at load: it never loads wrong. Local artifact stores are left to MLflow (a copy).
+    ``skip``: ``{subdir: files relative to it}`` uploaded by someone else (``EarlyUpload``).
     """
-    import shutil
-
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
     from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 
     if isinstance(get_artifact_repository(artifact_uri), LocalArtifactRepository):
-        return
+        return False
     dirs = [(Path(local_dir, sub), sub) for sub in subdirs if Path(local_dir, sub).is_dir()]
-    upload_dirs(dirs, artifact_uri)
-    for path, _ in dirs:
-        shutil.rmtree(path)
+    upload_dirs(dirs, artifact_uri, skip)
+    return True
 
 
 # --------------------------------------------------------------------------------------------

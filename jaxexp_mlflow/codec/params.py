@@ -12,6 +12,7 @@ the flavor module must stay cheap to import.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import json
 import logging
@@ -19,6 +20,8 @@ import os
 import re
 import shutil
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -312,7 +315,11 @@ def save_params(
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = checkpoint_handler(use_compression=compression is not None, copy_host_arrays=False)
     checkpointer = ocp.Checkpointer(handler)  # synchronous: numpy leaves need no copy
+    watcher = _CHUNK_WATCHER.get()
+    poller = _ChunkPoller(path, watcher) if watcher is not None else None
     try:
+        if poller is not None:
+            poller.start()
         with quiet_ocdbt_merge():
             checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
     except Exception as e:
@@ -323,12 +330,85 @@ def save_params(
             raise files.disk_full(path, nbytes, e) from None
         raise
     finally:
+        if poller is not None:
+            poller.halt()
         checkpointer.close()
     _flatten_chunk_keys(path)
     _write_manifest(path)
     if durable:
         fsync_tree(path)
     return describe_checkpoint(path)
+
+
+#: Called as ``callback(final relative path, current path)`` for each array chunk file that
+#: Orbax has finished writing, while :func:`save_params` runs (set with :func:`chunk_watcher`).
+_CHUNK_WATCHER: contextvars.ContextVar[Callable[[str, Path], None] | None] = contextvars.ContextVar(
+    "jaxexp_chunk_watcher", default=None
+)
+
+
+@contextlib.contextmanager
+def chunk_watcher(callback: Callable[[str, Path], None]) -> Iterator[None]:
+    """While inside, :func:`save_params` reports each array chunk file as soon as Orbax has
+    written it whole, so that a caller can start uploading it before the save ends
+    (``log_model`` through a server: ``transfer.EarlyUpload``). The path given is where the
+    file is now (Orbax's temporary directory, renamed when the save commits): link or open it
+    at once. TensorStore writes every file under a ``.__lock`` name and renames it into place,
+    so a chunk file seen under its own name is complete."""
+    token = _CHUNK_WATCHER.set(callback)
+    try:
+        yield
+    finally:
+        _CHUNK_WATCHER.reset(token)
+
+
+def _final_chunk_name(rel: str) -> str | None:
+    """``<array>/c/0/0`` (as Orbax writes it) -> ``<array>/c.0.0`` (after
+    :func:`_flatten_chunk_keys`); None for any other file."""
+    parts = rel.split("/")
+    if len(parts) < 3 or parts[1] != "c" or not all(p.isdigit() for p in parts[2:]):
+        return None
+    return f"{parts[0]}/{'.'.join(parts[1:])}"
+
+
+class _ChunkPoller(threading.Thread):
+    """Polls Orbax's temporary checkpoint directory for finished chunk files (every 20 ms)."""
+
+    def __init__(self, path: Path, callback: Callable[[str, Path], None]) -> None:
+        super().__init__(name="jaxexp-chunk-poller", daemon=True)
+        self.path, self.prefix = path, f"{path.name}.orbax-checkpoint-tmp"
+        self.callback, self.seen = callback, set()
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(0.02):
+            self.scan()
+
+    def halt(self) -> None:
+        """Stop polling; report what the polls missed from the committed checkpoint (the
+        chunk files still have Orbax's names there until ``_flatten_chunk_keys``)."""
+        self._halt.set()
+        self.join()
+        if self.path.is_dir():
+            self.scan([str(self.path)])
+
+    def scan(self, tops: list[str] | None = None) -> None:
+        if tops is None:
+            try:
+                tops = [
+                    e.path for e in os.scandir(self.path.parent) if e.name.startswith(self.prefix)
+                ]
+            except OSError:
+                return
+        for top in tops:
+            for dirpath, _, names in os.walk(top):
+                for name in names:
+                    if name.endswith(".__lock"):
+                        continue
+                    final = _final_chunk_name(os.path.relpath(f"{dirpath}/{name}", top))
+                    if final is not None and final not in self.seen:
+                        self.seen.add(final)
+                        self.callback(final, Path(dirpath, name))
 
 
 #: File listing every file of the checkpoint with its size and CRC-32C, written by this package

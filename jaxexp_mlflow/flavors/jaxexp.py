@@ -439,10 +439,29 @@ class _StagedFlavor:
     @staticmethod
     def save_model(*, path: str, mlflow_model: Model, **kwargs: Any) -> None:
         from jaxexp_mlflow import artifact, transfer
+        from jaxexp_mlflow.codec.params import chunk_watcher
 
-        save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
-        if mlflow_model.artifact_path:
-            transfer.stage_upload(path, mlflow_model.artifact_path, [artifact.PARAMS_DIR, "code"])
+        if not mlflow_model.artifact_path:
+            save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
+            return
+        # params arrays go up while the rest of the save runs (docs/remote.md)
+        early = transfer.EarlyUpload(mlflow_model.artifact_path, artifact.PARAMS_DIR)
+        params_dir = Path(path, artifact.PARAMS_DIR)
+        try:
+            with chunk_watcher(early):
+                save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
+            # the rest of params/ and code/ go up while the arrays still do
+            subdirs = [artifact.PARAMS_DIR, "code"]
+            skip = {artifact.PARAMS_DIR: set(early.submitted)}
+            if transfer.stage_upload(path, mlflow_model.artifact_path, subdirs, skip=skip):
+                early.finish(params_dir)
+                for sub in subdirs:  # up: Model.log uploads only the top-level files
+                    shutil.rmtree(Path(path, sub), ignore_errors=True)
+        except BaseException:
+            early.close()
+            early.discard()  # no MLmodel will follow: take back the arrays that went up
+            raise
+        early.close()
 
 
 def load_model(
