@@ -131,8 +131,9 @@ class EarlyUpload:
     Each file is hard-linked into a private directory at once (Orbax renames its temporary
     directory when the save commits; a link keeps the same bytes, no copy) and checksummed
     before it goes up; :meth:`finish` checks those checksums against the manifest written at
-    the end of the save and returns the files that need no second upload. Disabled (every
-    call a no-op) for local artifact stores, which MLflow copies itself.
+    the end of the save and sends again any file that differs. A file that cannot be linked
+    (another filesystem) is left to ``stage_upload``. Disabled (every call a no-op) for local
+    artifact stores, which MLflow copies itself, and with ``JAXEXP_EARLY_UPLOAD=0``.
     """
 
     def __init__(self, artifact_uri: str, subdir: str) -> None:
