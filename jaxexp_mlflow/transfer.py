@@ -178,9 +178,9 @@ class EarlyUpload:
                 self.bar.refresh()
 
     def _send(self, rel: str, link: Path) -> None:
-        from jaxexp_mlflow.codec.manifest import mapped_crc32c
+        from jaxexp_mlflow.codec.manifest import path_crc32c
 
-        value = mapped_crc32c(link)
+        value = path_crc32c(link)
         size = link.stat().st_size
         self.repo.log_artifact(str(link), posixpath.join(self.subdir, posixpath.dirname(rel)))
         link.unlink()
@@ -391,9 +391,9 @@ class _Tree:
                 "fails again the stored model is damaged or the server cannot read it."
             ) from err
         if (info.file_size or 0) >= CHECKSUM_MIN_BYTES:  # while its pages are in the cache
-            from jaxexp_mlflow.codec.manifest import mapped_crc32c
+            from jaxexp_mlflow.codec.manifest import path_crc32c
 
-            value = mapped_crc32c(local)
+            value = path_crc32c(local)
             with self.lock:
                 self.crc32c[local.relative_to(self.local_root).as_posix()] = value
         self.bar.update(info.file_size or 0)

@@ -92,23 +92,13 @@ def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     return int(fn(value, np.frombuffer(view, np.uint8).ctypes.data, len(view)))
 
 
-def mapped_crc32c(path: str | os.PathLike) -> int:
-    """CRC-32C of a whole regular file read through a private read-only mapping (no copy into
-    a buffer: the pages are the page cache's). For files this process just wrote itself."""
-    import mmap
-
+def path_crc32c(path: str | os.PathLike) -> int:
+    """CRC-32C of a whole regular file this process has just written itself, read in 8 MiB
+    blocks (a mapping would be faster but counts the whole file in the RSS while it lasts:
+    eight workers checksumming 400 MiB files at once lifted log_model's peak to 1.3x)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return crc32c(b"")
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        with mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ) as mapping:
-            view = memoryview(mapping)
-            try:
-                return crc32c(view)
-            finally:
-                view.release()
+        return file_crc32c(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
