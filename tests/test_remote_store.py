@@ -100,11 +100,10 @@ def test_log_and_load_through_a_remote_server(server, tmp_path, monkeypatch):
         # into load_model's private download the params are mapped, not copied, and the
         # download's params files are gone once the model holds them
         monkeypatch.setattr(params_codec, "_MAP_MIN_BYTES", 0)
+        before = _deleted_params_mappings()  # other tests' models, not yet collected
         model = mlflow.jaxexp.load_model("models:/remote-mlp/1")
         np.testing.assert_allclose(model(x), mlp_apply(params, x), rtol=1e-6)
-        with open(f"/proc/{os.getpid()}/maps") as maps:
-            gone = [line for line in maps if "/params/" in line and "(deleted)" in line]
-        assert len(gone) == len(jax.tree.leaves(params))
+        assert len(_deleted_params_mappings() - before) == len(jax.tree.leaves(params))
         # a fresh process that only knows the server URI reproduces the result
         code = (
             "import sys, mlflow\n"
@@ -124,3 +123,13 @@ def test_log_and_load_through_a_remote_server(server, tmp_path, monkeypatch):
         assert out.stdout.strip().splitlines()[-1] == "True"
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def _deleted_params_mappings() -> set[str]:
+    """The unlinked params files this process maps (their paths)."""
+    with open(f"/proc/{os.getpid()}/maps") as maps:
+        return {
+            line.split(None, 5)[-1].strip()
+            for line in maps
+            if "/params/" in line and "(deleted)" in line
+        }
