@@ -53,6 +53,14 @@ class _Silent:
         pass
 
 
+def _grow(bar: Any, lock: threading.Lock, nbytes: int) -> None:
+    """Add ``nbytes`` to a bar whose total is learnt as the transfer goes (tqdm only)."""
+    if nbytes and hasattr(bar, "total"):
+        with lock:
+            bar.total = (bar.total or 0) + nbytes
+            bar.refresh()
+
+
 @contextlib.contextmanager
 def progress(total_bytes: int, desc: str) -> Iterator[Any]:
     """A tqdm byte bar (bytes, rate, ETA) on a terminal; an object whose ``update`` does
@@ -170,12 +178,10 @@ class EarlyUpload:
             os.link(current, link)
         except OSError:  # renamed meanwhile, or no hard links here: uploaded with the rest
             return
+        _grow(self.bar, self.lock, link.stat().st_size)  # learnt as Orbax finishes arrays
         with self.lock:
             self.futures.append(self.pool.submit(self._send, rel, link))
             self.submitted.add(rel)
-            if hasattr(self.bar, "total"):  # the total grows as Orbax finishes arrays
-                self.bar.total = (self.bar.total or 0) + link.stat().st_size
-                self.bar.refresh()
 
     def _send(self, rel: str, link: Path) -> None:
         from jaxexp_mlflow.codec.manifest import path_crc32c
@@ -299,7 +305,6 @@ class _Tree:
         self.pool = ThreadPoolExecutor(workers(), thread_name_prefix="jaxexp-xfer")
         self.lock = threading.Lock()
         self.pending: set[Future] = set()
-        self.files = 0
         self.crc32c: dict[str, int] = {}
 
     def _submit(self, fn: Any, *args: Any) -> None:
@@ -339,13 +344,8 @@ class _Tree:
         targets = [(info, self._local(info)) for info in files]  # all checked before any starts
         for info in dirs:
             self._submit(lambda p: self.add(self.repo.list_artifacts(p)), info.path)
-        grow = sum(i.file_size or 0 for i in files)
-        if grow and hasattr(self.bar, "total"):
-            with self.lock:
-                self.bar.total = (self.bar.total or 0) + grow
-                self.bar.refresh()
+        _grow(self.bar, self.lock, sum(i.file_size or 0 for i in files))
         for info, local in targets:
-            self.files += 1
             self._submit(self._download, info, local)
 
     def _from_manifest(self, info: Any, subdirs: set[str]) -> list[Any] | None:
@@ -398,16 +398,16 @@ class _Tree:
                 self.crc32c[local.relative_to(self.local_root).as_posix()] = value
         self.bar.update(info.file_size or 0)
 
-    def run(self, listing: list[Any]) -> int:
-        """Download everything under the root whose listing is given; return the file count.
-        The first failure cancels what has not started and is raised."""
+    def run(self, listing: list[Any]) -> None:
+        """Download everything under the root whose listing is given. The first failure
+        cancels what has not started and is raised."""
         try:
             self.add(listing)
             while True:
                 with self.lock:
                     current = set(self.pending)
                 if not current:
-                    return self.files
+                    return
                 done, _ = wait(current, return_when=FIRST_EXCEPTION)
                 with self.lock:
                     self.pending -= done

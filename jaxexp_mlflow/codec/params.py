@@ -996,7 +996,7 @@ def check_checkpoint(directory: str | os.PathLike, target: Any) -> None:
 
 
 def restore_params(
-    directory: str | os.PathLike, *, target: Any, mapped: bool | dict[str, int] = False
+    directory: str | os.PathLike, *, target: Any, mapped: bool | dict[str, int] | None = False
 ) -> Any:
     """Read the checkpoint into jax arrays laid out as ``target``.
 
@@ -1020,6 +1020,8 @@ def restore_params(
     import jax
     import orbax.checkpoint as ocp
 
+    # None: copy; a dict (checksums already known, maybe none): map
+    known = {} if mapped is True else (None if mapped is False else mapped)
     path = _require_item_dir(directory)
     manifest = verify_manifest(path)
     meta = _read_internal_metadata(path)
@@ -1046,7 +1048,7 @@ def restore_params(
                 sds,
                 manifest,
                 leaf.zarr if leaf else None,
-                None if mapped is False else ({} if mapped is True else mapped),
+                known,
             )
         except _NoFastPath:
             return ocp.PLACEHOLDER

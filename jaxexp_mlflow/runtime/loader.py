@@ -90,7 +90,7 @@ def load_directory(
         if bind is None:
             known = None
             if mapped is not None:
-                prefix = ckpt.relative_to(Path(path)).as_posix() + "/"
+                prefix = ckpt.resolve().relative_to(Path(path).resolve()).as_posix() + "/"
                 known = {k[len(prefix) :]: v for k, v in mapped.items() if k.startswith(prefix)}
             params = restore_params(ckpt, target=target, mapped=known)
         else:
