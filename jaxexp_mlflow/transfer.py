@@ -132,16 +132,23 @@ def upload_dirs(
 
 
 class EarlyUpload:
-    """Uploads the params chunk files of a model being saved for ``log_model`` while the save
-    goes on (``codec.params.chunk_watcher``): each array file goes up as soon as Orbax has
-    written it, so writing the staging copy overlaps the upload instead of preceding it.
+    """Uploads a model being saved for ``log_model`` while the save goes on, so that writing
+    the staging copy overlaps the upload instead of preceding it:
 
-    Each file is hard-linked into a private directory at once (Orbax renames its temporary
-    directory when the save commits; a link keeps the same bytes, no copy) and checksummed
-    before it goes up; :meth:`finish` checks those checksums against the manifest written at
-    the end of the save and sends again any file that differs. A file that cannot be linked
-    (another filesystem) is left to ``stage_upload``. Disabled (every call a no-op) for local
-    artifact stores, which MLflow copies itself, and with ``JAXEXP_EARLY_UPLOAD=0``.
+    * each params chunk file as soon as Orbax has written it (``__call__``, from
+      ``codec.params.chunk_watcher``), checksummed before it goes up;
+    * the ``code/`` copy of the package as soon as it is copied (:meth:`send_tree`: ~70 small
+      files, each a request the server answers in tens of milliseconds);
+    * the other top-level files once the save is done (:meth:`send_files`), all but what
+      ``Model.log`` itself uploads last (``MLmodel``).
+
+    Each file is hard-linked into a private directory at once (the save renames its temporary
+    directories when it commits; a link keeps the same bytes, no copy) and the link is dropped
+    once the file is up. :meth:`finish` checks the checksums sent against the params manifest
+    written at the end of the save and sends again any chunk file that differs. A file that
+    cannot be linked (another filesystem) is left to ``stage_upload``. Disabled (every call a
+    no-op) for local artifact stores, which MLflow copies itself, and with
+    ``JAXEXP_EARLY_UPLOAD=0``.
     """
 
     def __init__(self, artifact_uri: str, subdir: str) -> None:
@@ -154,9 +161,9 @@ class EarlyUpload:
         self.enabled = not isinstance(self.repo, LocalArtifactRepository) and (
             os.environ.get("JAXEXP_EARLY_UPLOAD", "1") != "0"
         )
-        self.subdir = subdir
-        self.sent: dict[str, int] = {}  # relative path in the checkpoint -> CRC-32C sent
-        self.submitted: set[str] = set()  # relative paths on their way up
+        self.subdir = subdir  # the params directory, whose chunk files ``__call__`` receives
+        self.sent: dict[str, int] = {}  # params chunk file (relative to subdir) -> CRC-32C sent
+        self.submitted: set[str] = set()  # paths (relative to the model) on their way up
         self.futures: list[Future] = []
         self.lock = threading.Lock()
         self.stage: Path | None = None
@@ -166,37 +173,60 @@ class EarlyUpload:
         if self.enabled:
             self.stage = Path(tempfile.mkdtemp(prefix="jaxexp-upload-"))
             self.pool = ThreadPoolExecutor(workers(), thread_name_prefix="jaxexp-early")
-            self.bar = self._progress.enter_context(progress(0, f"Uploading {subdir} arrays"))
+            self.bar = self._progress.enter_context(progress(0, "Uploading model"))
 
     def __call__(self, rel: str, current: Path) -> None:
-        """A chunk file Orbax has finished (called from the save's poller thread)."""
+        """A params chunk file Orbax has finished (called from the save's poller thread)."""
+        self._add(f"{self.subdir}/{rel}", current, checksum=True)
+
+    def send_tree(self, local_dir: str | os.PathLike, where: str) -> None:
+        """Upload every file under ``local_dir`` to ``where`` (relative to the model) now."""
         if not self.enabled:
             return
-        link = self.stage / rel
+        root = Path(local_dir)
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                self._add(f"{where}/{path.relative_to(root).as_posix()}", path)
+
+    def send_files(self, paths: list[Path]) -> None:
+        """Upload these top-level files of the model now."""
+        for path in paths:
+            self._add(path.name, path)
+
+    def skipped(self, where: str) -> set[str]:
+        """What went up here under ``where``, relative to it (for ``stage_upload``'s ``skip``)."""
+        prefix = f"{where}/"
+        return {k[len(prefix) :] for k in self.submitted if k.startswith(prefix)}
+
+    def _add(self, key: str, current: Path, checksum: bool = False) -> None:
+        if not self.enabled:
+            return
+        link = self.stage / key
         try:
             link.parent.mkdir(parents=True, exist_ok=True)
             os.link(current, link)
         except OSError:  # renamed meanwhile, or no hard links here: uploaded with the rest
             return
-        _grow(self.bar, self.lock, link.stat().st_size)  # learnt as Orbax finishes arrays
+        _grow(self.bar, self.lock, link.stat().st_size)  # learnt as the files arrive
         with self.lock:
-            self.futures.append(self.pool.submit(self._send, rel, link))
-            self.submitted.add(rel)
+            self.futures.append(self.pool.submit(self._send, key, link, checksum))
+            self.submitted.add(key)
 
-    def _send(self, rel: str, link: Path) -> None:
+    def _send(self, key: str, link: Path, checksum: bool) -> None:
         from jaxexp_mlflow.codec.manifest import path_crc32c
 
-        value = path_crc32c(link)
+        value = path_crc32c(link) if checksum else None
         size = link.stat().st_size
-        self.repo.log_artifact(str(link), posixpath.join(self.subdir, posixpath.dirname(rel)))
+        self.repo.log_artifact(str(link), posixpath.dirname(key) or None)
         link.unlink()
         self.bar.update(size)
-        with self.lock:
-            self.sent[rel] = value
+        if value is not None:
+            with self.lock:
+                self.sent[key[len(self.subdir) + 1 :]] = value
 
     def finish(self, params_dir: str | os.PathLike) -> None:
         """Wait for the uploads and raise the first failure; upload again from ``params_dir``
-        any file whose bytes sent differ from what its manifest records."""
+        any chunk file whose bytes sent differ from what its manifest records."""
         if not self.enabled:
             return
         from jaxexp_mlflow.codec.manifest import read_manifest
@@ -206,7 +236,7 @@ class EarlyUpload:
             if f.exception() is not None:
                 raise f.exception()
         entries = read_manifest(params_dir).files
-        for rel in sorted(self.submitted):
+        for rel in sorted(self.skipped(self.subdir)):  # the chunk files of ``__call__``
             if entries.get(rel, (0, None))[1] != self.sent.get(rel):
                 where = posixpath.join(self.subdir, posixpath.dirname(rel))
                 self.repo.log_artifact(str(Path(params_dir, rel)), where)
@@ -216,11 +246,25 @@ class EarlyUpload:
         it could never load, but it should not stay behind either)."""
         if not self.enabled or not self.submitted:
             return
-        with contextlib.suppress(Exception):  # a store without deletes keeps them, unloadable
-            self.repo.delete_artifacts(self.subdir)
+        for top in sorted({k.split("/", 1)[0] for k in self.submitted}):
+            with contextlib.suppress(Exception):  # a store without deletes keeps them
+                self.repo.delete_artifacts(top)
+
+    def trash(self, paths: list[Path]) -> list[Path]:
+        """Move these files or directories (all uploaded) into the private directory, deleted
+        by :meth:`close` in the background; returns those that could not be moved there."""
+        left = []
+        for i, path in enumerate(paths):
+            try:
+                os.rename(path, self.stage / f".trash-{i}")
+            except (OSError, TypeError):  # another filesystem, or disabled: the caller deletes
+                left.append(path)
+        return left
 
     def close(self) -> None:
-        """Stop what has not started and drop the links (after :meth:`finish` or a failure)."""
+        """Stop what has not started; delete the private directory (links left, trash) on a
+        background thread, which the interpreter waits for at exit: deleting a gigabyte of
+        files takes this VM a few tenths of a second that ``log_model`` need not wait."""
         import shutil
 
         if self.pool is not None:
@@ -228,7 +272,13 @@ class EarlyUpload:
                 f.cancel()
             self.pool.shutdown(wait=True)
         if self.stage is not None:
-            shutil.rmtree(self.stage, ignore_errors=True)
+            threading.Thread(
+                target=shutil.rmtree,
+                args=(self.stage,),
+                kwargs={"ignore_errors": True},
+                name="jaxexp-cleanup",
+            ).start()
+            self.stage = None
         self._progress.close()
 
 

@@ -280,9 +280,61 @@ def test_early_upload_sends_each_array_file_while_orbax_saves(server, tmp_path):
         ck = tmp_path / "ck"
         chunks = {p.relative_to(ck).as_posix() for p in ck.rglob("c.*")}
         assert len(chunks) == 5 and set(seen) == chunks
-        assert early.submitted == chunks and set(early.sent) == chunks
+        assert early.skipped("params") == chunks and set(early.sent) == chunks
         got = Path(download_artifacts(f"{uri}/params", dst_path=str(tmp_path / "dl")))
         for rel in chunks:
             assert (got / rel).read_bytes() == (ck / rel).read_bytes(), rel
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in root.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def test_log_through_the_server_stores_what_a_local_save_writes(server, tmp_path, monkeypatch):
+    """``log_model`` sends code/, the params arrays and the top-level files ahead of
+    ``Model.log`` (``EarlyUpload``): the store ends up with exactly the files a local
+    ``save_model`` of the same model writes, code/ and the export byte for byte; a log that
+    fails after they went up takes them back."""
+    from mlflow.artifacts import download_artifacts
+
+    from jaxexp_mlflow.flavors import readback
+
+    params = make_params(4 * MiB, 2)
+    x = np.ones((2, 4), np.float32)
+    blob = jax.export.export(jax.jit(apply))(
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+    ).serialize()
+    mlflow.jaxexp.save_model(blob, tmp_path / "local", params=params, input_example=x)
+    mlflow.set_tracking_uri(server)
+    try:
+        mlflow.set_experiment("same-files")
+        with mlflow.start_run():
+            info = mlflow.jaxexp.log_model(blob, name="m", params=params, input_example=x)
+        got = _files(Path(download_artifacts(info.model_uri, dst_path=str(tmp_path / "dl"))))
+        got.pop("registered_model_meta", None)  # added by MLflow's download of models:/
+        want = _files(tmp_path / "local")
+        assert got.keys() == want.keys()
+        assert len([k for k in got if k.startswith("code/")]) > 20
+        for rel in want:
+            if rel.startswith("code/") or rel == "exported.bin":
+                assert got[rel] == want[rel], rel
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("read back failed")
+
+        monkeypatch.setattr(readback, "read_back", broken)
+        client = mlflow.MlflowClient()
+        with mlflow.start_run(), pytest.raises(RuntimeError, match="read back failed"):
+            mlflow.jaxexp.log_model(blob, name="cut", params=params, input_example=x)
+        exp = client.get_experiment_by_name("same-files")
+        (cut,) = [m for m in client.search_logged_models([exp.experiment_id]) if m.name == "cut"]
+        assert client.list_logged_model_artifacts(cut.model_id) == []
     finally:
         mlflow.set_tracking_uri(None)

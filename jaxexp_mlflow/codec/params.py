@@ -124,16 +124,27 @@ def _check_compression(compression: str | None) -> str | None:
     return compression
 
 
-def checkpoint_handler(*, use_compression: bool = False, copy_host_arrays: bool = True) -> Any:
+def checkpoint_handler(
+    *,
+    use_compression: bool = False,
+    copy_host_arrays: bool = True,
+    concurrent_bytes: int | None = None,
+) -> Any:
     """The Orbax ``PyTreeCheckpointHandler`` with this codec's settings (for CheckpointManagers).
 
     ``copy_host_arrays=False`` lets Orbax write numpy leaves from their own buffers instead of
     deep-copying them first (its guard against a caller changing them during an *asynchronous*
     save): only for synchronous saves, where the caller waits for the write to finish.
+    ``concurrent_bytes``: Orbax's limit on the bytes of jax arrays being written at once
+    (``save_concurrent_gb``; it must exceed the biggest array).
     """
     import orbax.checkpoint as ocp
 
-    kwargs = {} if copy_host_arrays else {"type_handler_registry": _no_copy_registry()}
+    kwargs: dict[str, Any] = {}
+    if not copy_host_arrays:
+        kwargs["type_handler_registry"] = _no_copy_registry()
+    if concurrent_bytes is not None:
+        kwargs["save_concurrent_gb"] = concurrent_bytes / 10**9
     return ocp.PyTreeCheckpointHandler(
         use_ocdbt=_USE_OCDBT,
         use_zarr3=_USE_ZARR3,
@@ -313,9 +324,13 @@ def save_params(
 
     params = jax.tree_util.tree_map_with_path(_as_array_leaf, params)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = checkpoint_handler(use_compression=compression is not None, copy_host_arrays=False)
-    checkpointer = ocp.Checkpointer(handler)  # synchronous: numpy leaves need no copy
     watcher = _CHUNK_WATCHER.get()
+    handler = checkpoint_handler(
+        use_compression=compression is not None,
+        copy_host_arrays=False,
+        concurrent_bytes=None if watcher is None else _watched_concurrency(params),
+    )
+    checkpointer = ocp.Checkpointer(handler)  # synchronous: numpy leaves need no copy
     poller = _ChunkPoller(path, watcher) if watcher is not None else None
     try:
         if poller is not None:
@@ -338,6 +353,18 @@ def save_params(
     if durable:
         fsync_tree(path)
     return describe_checkpoint(path)
+
+
+#: Bytes of arrays Orbax writes at once while a chunk watcher uploads them (at least twice the
+#: biggest array): the first files are finished, and can go up, long before the last.
+WATCHED_CONCURRENT_BYTES = 256 << 20
+
+
+def _watched_concurrency(params: Any) -> int:
+    import jax
+
+    biggest = max((int(x.nbytes) for x in jax.tree.leaves(params)), default=0)
+    return max(WATCHED_CONCURRENT_BYTES, 2 * biggest + 1)
 
 
 #: Called as ``callback(final relative path, current path)`` for each array chunk file that

@@ -143,6 +143,7 @@ def save_model(
     _validate_env_arguments(conda_env, pip_requirements, extra_pip_requirements)
     # log_model's staging directory is uploaded then deleted: no fsync (docs/remote.md)
     durable = bool(kwargs.pop("durable", True))
+    code_ready = kwargs.pop("_code_ready", None)  # log_model: upload code/ as soon as it is there
     with atomic.atomic_directory(os.fspath(path), durable=durable) as tmp:
         _save_into(
             str(tmp),
@@ -165,6 +166,7 @@ def save_model(
             serving_config=serving_config,
             classifier=classifier,
             durable=durable,
+            code_ready=code_ready,
             **kwargs,
         )
 
@@ -190,17 +192,21 @@ def _save_into(
     output_names: list[str] | None,
     serving_config: dict[str, Any] | None,
     classifier: Any,
+    code_ready: Any = None,
     **kwargs: Any,
 ) -> None:
     """Write the whole model into the (new, empty) directory ``path``, then read it back.
 
     ``target`` is where the model will be published (``path`` is its temporary sibling).
+    ``code_ready(code_dir, subpath)`` is told where the ``code/`` copy is as soon as it is made.
     """
     from jaxexp_mlflow.flavors import classifier as classifier_mod
     from jaxexp_mlflow.flavors import saving
     from jaxexp_mlflow.flavors import signature as sig
 
     code_dir_subpath = _validate_and_copy_code_paths(code_paths, path)
+    if code_ready is not None and code_dir_subpath:
+        code_ready(os.path.join(path, code_dir_subpath), code_dir_subpath)
 
     flavor_conf, exp, stored = saving.write_model_files(
         exported,
@@ -429,12 +435,17 @@ class _StagedFlavor:
     """This flavor as ``Model.log`` sees it when the staging directory is only uploaded.
 
     The params are written without the final fsync pass (the directory is deleted after the
-    upload), and the big subdirectories (params, code) go up in parallel right after
-    ``save_model`` (``transfer.stage_upload``); ``Model.log`` then uploads the small files,
-    ``MLmodel`` among them. See docs/remote.md.
+    upload). What can go up before the save ends does (``transfer.EarlyUpload``): each params
+    array as Orbax finishes it, the ``code/`` copy as soon as it is made, then the other
+    top-level files; what remains of ``params/`` and ``code/`` goes up in parallel right after
+    ``save_model`` (``transfer.stage_upload``). ``Model.log`` then uploads what is left,
+    ``MLmodel`` last. See docs/remote.md.
     """
 
     __name__ = __name__
+
+    #: Left to ``Model.log``: MLmodel (rewritten there) last; the serving example it reads.
+    LEFT_TO_MLFLOW = (MLMODEL_FILE_NAME, "serving_input_example.json")
 
     @staticmethod
     def save_model(*, path: str, mlflow_model: Model, **kwargs: Any) -> None:
@@ -444,22 +455,36 @@ class _StagedFlavor:
         if not mlflow_model.artifact_path:
             save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
             return
-        # params arrays go up while the rest of the save runs (docs/remote.md)
         early = transfer.EarlyUpload(mlflow_model.artifact_path, artifact.PARAMS_DIR)
         params_dir = Path(path, artifact.PARAMS_DIR)
         try:
             with chunk_watcher(early):
-                save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
+                save_model(
+                    path=path,
+                    mlflow_model=mlflow_model,
+                    durable=False,
+                    _code_ready=lambda local, sub: early.send_tree(local, sub),
+                    **kwargs,
+                )
+            tops = [
+                p
+                for p in Path(path).iterdir()
+                if p.is_file() and p.name not in _StagedFlavor.LEFT_TO_MLFLOW
+            ]
+            early.send_files(tops)
             # the rest of params/ and code/ go up while the arrays still do
             subdirs = [artifact.PARAMS_DIR, "code"]
-            skip = {artifact.PARAMS_DIR: set(early.submitted)}
+            skip = {sub: early.skipped(sub) for sub in subdirs}
             if transfer.stage_upload(path, mlflow_model.artifact_path, subdirs, skip=skip):
                 early.finish(params_dir)
-                for sub in subdirs:  # up: Model.log uploads only the top-level files
-                    shutil.rmtree(Path(path, sub), ignore_errors=True)
+                # up: out of the way, so that Model.log uploads only what is left
+                sent = [Path(path, sub) for sub in subdirs if Path(path, sub).exists()]
+                sent += [p for p in tops if p.name in early.submitted]
+                for p in early.trash(sent):
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
         except BaseException:
             early.close()
-            early.discard()  # no MLmodel will follow: take back the arrays that went up
+            early.discard()  # no MLmodel will follow: take back what went up
             raise
         early.close()
 
