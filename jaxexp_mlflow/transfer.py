@@ -144,8 +144,10 @@ class EarlyUpload:
 
     Each file is hard-linked into a private directory at once (the save renames its temporary
     directories when it commits; a link keeps the same bytes, no copy) and the link is dropped
-    once the file is up. :meth:`finish` checks the checksums sent against the params manifest
-    written at the end of the save and sends again any chunk file that differs. A file that
+    once the file is up. Chunk files are checksummed as they are linked, pages still hot, and
+    the params manifest takes those checksums (same inode) instead of reading the files again;
+    :meth:`finish` checks the checksums sent against the manifest and sends again any chunk
+    file that differs. A file that
     cannot be linked (another filesystem) is left to ``stage_upload``. Disabled (every call a
     no-op) for local artifact stores, which MLflow copies itself, and with
     ``JAXEXP_EARLY_UPLOAD=0``.
@@ -175,9 +177,11 @@ class EarlyUpload:
             self.pool = ThreadPoolExecutor(workers(), thread_name_prefix="jaxexp-early")
             self.bar = self._progress.enter_context(progress(0, "Uploading model"))
 
-    def __call__(self, rel: str, current: Path) -> None:
-        """A params chunk file Orbax has finished (called from the save's poller thread)."""
-        self._add(f"{self.subdir}/{rel}", current, checksum=True)
+    def __call__(self, rel: str, current: Path) -> tuple[int, int, int] | None:
+        """A params chunk file Orbax has finished (called from the save's poller thread):
+        linked, checksummed now while its pages are hot, queued. Returns ``(st_dev, st_ino,
+        CRC-32C)`` of the bytes that will go up, for the manifest (``chunk_watcher``)."""
+        return self._add(f"{self.subdir}/{rel}", current, checksum=True)
 
     def send_tree(self, local_dir: str | os.PathLike, where: str) -> None:
         """Upload every file under ``local_dir`` to ``where`` (relative to the model) now."""
@@ -198,31 +202,41 @@ class EarlyUpload:
         prefix = f"{where}/"
         return {k[len(prefix) :] for k in self.submitted if k.startswith(prefix)}
 
-    def _add(self, key: str, current: Path, checksum: bool = False) -> None:
+    def _add(
+        self, key: str, current: Path, checksum: bool = False
+    ) -> tuple[int, int, int] | None:
         if not self.enabled:
-            return
+            return None
+        from jaxexp_mlflow.codec.manifest import file_crc32c
+
         link = self.stage / key
         try:
             link.parent.mkdir(parents=True, exist_ok=True)
             os.link(current, link)
         except OSError:  # renamed meanwhile, or no hard links here: uploaded with the rest
-            return
+            return None
+        read = None
+        if checksum:
+            fd = os.open(link, os.O_RDONLY)
+            try:
+                st = os.fstat(fd)
+                read = (st.st_dev, st.st_ino, file_crc32c(fd, st.st_size))
+            finally:
+                os.close(fd)
         _grow(self.bar, self.lock, link.stat().st_size)  # learnt as the files arrive
         with self.lock:
-            self.futures.append(self.pool.submit(self._send, key, link, checksum))
+            self.futures.append(self.pool.submit(self._send, key, link, read))
             self.submitted.add(key)
+        return read
 
-    def _send(self, key: str, link: Path, checksum: bool) -> None:
-        from jaxexp_mlflow.codec.manifest import path_crc32c
-
-        value = path_crc32c(link) if checksum else None
+    def _send(self, key: str, link: Path, read: tuple[int, int, int] | None) -> None:
         size = link.stat().st_size
         self.repo.log_artifact(str(link), posixpath.dirname(key) or None)
         link.unlink()
         self.bar.update(size)
-        if value is not None:
+        if read is not None:
             with self.lock:
-                self.sent[key[len(self.subdir) + 1 :]] = value
+                self.sent[key[len(self.subdir) + 1 :]] = read[2]
 
     def finish(self, params_dir: str | os.PathLike) -> None:
         """Wait for the uploads and raise the first failure; upload again from ``params_dir``

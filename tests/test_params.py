@@ -450,3 +450,21 @@ def test_numpy_leaves_are_written_without_a_copy_and_orbax_stays_quiet(tmp_path,
     back = P.restore_params(tmp_path / "ck", target=target)
     for k in leaves:
         np.testing.assert_array_equal(back[k], leaves[k])
+
+
+def test_manifest_reuses_a_known_checksum_only_for_the_same_inode(tmp_path):
+    """``write_manifest(known=...)``: a checksum the early upload took is kept while the file
+    is the inode it read; a file replaced since (a rename over it, as TensorStore writes) is
+    read again."""
+    from jaxexp_mlflow.codec.manifest import crc32c, read_manifest
+
+    (tmp_path / "a").write_bytes(b"alpha")
+    (tmp_path / "b").write_bytes(b"beta")
+    st_a, st_b = os.stat(tmp_path / "a"), os.stat(tmp_path / "b")
+    (tmp_path / "b.new").write_bytes(b"BETA")
+    os.replace(tmp_path / "b.new", tmp_path / "b")  # a new inode under the old name
+    known = {"a": (st_a.st_dev, st_a.st_ino, 0x1234), "b": (st_b.st_dev, st_b.st_ino, 0x5678)}
+    write_manifest(tmp_path, known)
+    files = read_manifest(tmp_path).files
+    assert files["a"][1] == 0x1234  # taken as known (same inode): not read again
+    assert files["b"][1] == crc32c(b"BETA")  # replaced: read

@@ -255,6 +255,7 @@ def test_early_upload_sends_each_array_file_while_orbax_saves(server, tmp_path):
     checkpoint as saved (checked against the manifest's checksums and by downloading it)."""
     from mlflow.artifacts import download_artifacts
 
+    from jaxexp_mlflow.codec.manifest import read_manifest
     from jaxexp_mlflow.codec.params import chunk_watcher
     from jaxexp_mlflow.transfer import EarlyUpload
 
@@ -269,7 +270,7 @@ def test_early_upload_sends_each_array_file_while_orbax_saves(server, tmp_path):
 
         def watch(rel, current):
             seen.append(rel)
-            early(rel, current)
+            return early(rel, current)  # its checksums go into the manifest
 
         try:
             with chunk_watcher(watch):
@@ -281,6 +282,9 @@ def test_early_upload_sends_each_array_file_while_orbax_saves(server, tmp_path):
         chunks = {p.relative_to(ck).as_posix() for p in ck.rglob("c.*")}
         assert len(chunks) == 5 and set(seen) == chunks
         assert early.skipped("params") == chunks and set(early.sent) == chunks
+        manifest = read_manifest(ck)  # the checksums it took from the upload are the files'
+        manifest.verify_files(sorted(manifest.files))
+        assert all(manifest.files[rel][1] == early.sent[rel] for rel in chunks)
         got = Path(download_artifacts(f"{uri}/params", dst_path=str(tmp_path / "dl")))
         for rel in chunks:
             assert (got / rel).read_bytes() == (ck / rel).read_bytes(), rel

@@ -292,8 +292,16 @@ def verify_checkpoint(
     return manifest
 
 
-def write_manifest(directory: str | os.PathLike) -> dict:
-    """Write the version-2 manifest of the checkpoint at ``directory``; return its content."""
+def write_manifest(
+    directory: str | os.PathLike, known: dict[str, tuple[int, int, int]] | None = None
+) -> dict:
+    """Write the version-2 manifest of the checkpoint at ``directory``; return its content.
+
+    ``known``: ``{relative path: (st_dev, st_ino, crc32c)}`` of files this process has already
+    read whole since they were written (``log_model``'s early upload). A file that is still
+    that inode keeps its checksum instead of being read again: TensorStore writes every file
+    under a temporary name and renames it into place, so a rewrite is a new inode.
+    """
     path = Path(directory)
     entries = {}
     for rel, _ in files.walk_files(path, ".", what="params checkpoint"):
@@ -301,7 +309,11 @@ def write_manifest(directory: str | os.PathLike) -> dict:
             continue
         fd, size = files.open_regular(path / rel, what=f"params file {rel!r}", max_bytes=None)
         try:
-            entries[rel] = {"size": size, "crc32c": f"{file_crc32c(fd, size):08x}"}
+            st = os.fstat(fd)
+            dev, ino, value = (known or {}).get(rel, (None, None, None))
+            if value is None or (dev, ino) != (st.st_dev, st.st_ino):
+                value = file_crc32c(fd, size)
+            entries[rel] = {"size": size, "crc32c": f"{value:08x}"}
         finally:
             os.close(fd)
     doc = {"format": FORMAT, "version": VERSION, "checksum": "crc32c", "files": entries}

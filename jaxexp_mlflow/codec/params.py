@@ -349,7 +349,7 @@ def save_params(
             poller.halt()
         checkpointer.close()
     _flatten_chunk_keys(path)
-    _write_manifest(path)
+    _write_manifest(path, poller.known if poller is not None else None)
     if durable:
         fsync_tree(path)
     return describe_checkpoint(path)
@@ -368,20 +368,24 @@ def _watched_concurrency(params: Any) -> int:
 
 
 #: Called as ``callback(final relative path, current path)`` for each array chunk file that
-#: Orbax has finished writing, while :func:`save_params` runs (set with :func:`chunk_watcher`).
-_CHUNK_WATCHER: contextvars.ContextVar[Callable[[str, Path], None] | None] = contextvars.ContextVar(
-    "jaxexp_chunk_watcher", default=None
+#: Orbax has finished writing, while :func:`save_params` runs (set with :func:`chunk_watcher`);
+#: it may return ``(st_dev, st_ino, CRC-32C)`` of the file it read whole, which the manifest
+#: then takes instead of reading that file again.
+_CHUNK_WATCHER: contextvars.ContextVar[Callable[[str, Path], Any] | None] = (
+    contextvars.ContextVar("jaxexp_chunk_watcher", default=None)
 )
 
 
 @contextlib.contextmanager
-def chunk_watcher(callback: Callable[[str, Path], None]) -> Iterator[None]:
+def chunk_watcher(callback: Callable[[str, Path], Any]) -> Iterator[None]:
     """While inside, :func:`save_params` reports each array chunk file as soon as Orbax has
     written it whole, so that a caller can start uploading it before the save ends
     (``log_model`` through a server: ``transfer.EarlyUpload``). The path given is where the
     file is now (Orbax's temporary directory, renamed when the save commits): link or open it
     at once. TensorStore writes every file under a ``.__lock`` name and renames it into place,
-    so a chunk file seen under its own name is complete."""
+    so a chunk file seen under its own name is complete. A callback that reads the file whole
+    may return ``(st_dev, st_ino, CRC-32C)`` of what it read: the manifest takes that checksum
+    for the file while it is the same inode, instead of reading it again."""
     token = _CHUNK_WATCHER.set(callback)
     try:
         yield
@@ -405,6 +409,8 @@ class _ChunkPoller(threading.Thread):
         super().__init__(name="jaxexp-chunk-poller", daemon=True)
         self.path, self.prefix = path, f"{path.name}.orbax-checkpoint-tmp"
         self.callback, self.seen = callback, set()
+        #: final relative path -> (st_dev, st_ino, CRC-32C) the callback returned
+        self.known: dict[str, tuple[int, int, int]] = {}
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -435,7 +441,9 @@ class _ChunkPoller(threading.Thread):
                     final = _final_chunk_name(os.path.relpath(f"{dirpath}/{name}", top))
                     if final is not None and final not in self.seen:
                         self.seen.add(final)
-                        self.callback(final, Path(dirpath, name))
+                        read = self.callback(final, Path(dirpath, name))
+                        if read is not None:
+                            self.known[final] = read
 
 
 #: File listing every file of the checkpoint with its size and CRC-32C, written by this package
@@ -475,10 +483,10 @@ def _flatten_chunk_keys(path: Path) -> None:
         meta_file.write_text(json.dumps(meta))
 
 
-def _write_manifest(path: Path) -> None:
+def _write_manifest(path: Path, known: dict[str, tuple[int, int, int]] | None = None) -> None:
     from jaxexp_mlflow.codec import manifest
 
-    manifest.write_manifest(path)
+    manifest.write_manifest(path, known)
 
 
 def _is_chunk_file(rel: str) -> bool:
