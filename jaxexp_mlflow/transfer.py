@@ -166,6 +166,7 @@ class EarlyUpload:
         self.subdir = subdir  # the params directory, whose chunk files ``__call__`` receives
         self.sent: dict[str, int] = {}  # params chunk file (relative to subdir) -> CRC-32C sent
         self.submitted: set[str] = set()  # paths (relative to the model) on their way up
+        self.chunks: set[str] = set()  # params chunk files (relative to subdir) among them
         self.futures: list[Future] = []
         self.lock = threading.Lock()
         self.stage: Path | None = None
@@ -181,16 +182,21 @@ class EarlyUpload:
         """A params chunk file Orbax has finished (called from the save's poller thread):
         linked, checksummed now while its pages are hot, queued. Returns ``(st_dev, st_ino,
         CRC-32C)`` of the bytes that will go up, for the manifest (``chunk_watcher``)."""
-        return self._add(f"{self.subdir}/{rel}", current, checksum=True)
+        read = self._add(f"{self.subdir}/{rel}", current, checksum=True)
+        if read is not None:
+            self.chunks.add(rel)
+        return read
 
     def send_tree(self, local_dir: str | os.PathLike, where: str) -> None:
-        """Upload every file under ``local_dir`` to ``where`` (relative to the model) now."""
+        """Upload every file under ``local_dir`` to ``where`` (relative to the model) now,
+        except those already on their way."""
         if not self.enabled:
             return
         root = Path(local_dir)
         for path in sorted(root.rglob("*")):
-            if path.is_file():
-                self._add(f"{where}/{path.relative_to(root).as_posix()}", path)
+            key = f"{where}/{path.relative_to(root).as_posix()}"
+            if key not in self.submitted and path.is_file():  # not twice
+                self._add(key, path)
 
     def send_files(self, paths: list[Path]) -> None:
         """Upload these top-level files of the model now."""
@@ -202,9 +208,7 @@ class EarlyUpload:
         prefix = f"{where}/"
         return {k[len(prefix) :] for k in self.submitted if k.startswith(prefix)}
 
-    def _add(
-        self, key: str, current: Path, checksum: bool = False
-    ) -> tuple[int, int, int] | None:
+    def _add(self, key: str, current: Path, checksum: bool = False) -> tuple[int, int, int] | None:
         if not self.enabled:
             return None
         from jaxexp_mlflow.codec.manifest import file_crc32c
@@ -250,7 +254,7 @@ class EarlyUpload:
             if f.exception() is not None:
                 raise f.exception()
         entries = read_manifest(params_dir).files
-        for rel in sorted(self.skipped(self.subdir)):  # the chunk files of ``__call__``
+        for rel in sorted(self.chunks):
             if entries.get(rel, (0, None))[1] != self.sent.get(rel):
                 where = posixpath.join(self.subdir, posixpath.dirname(rel))
                 self.repo.log_artifact(str(Path(params_dir, rel)), where)

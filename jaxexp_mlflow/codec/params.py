@@ -371,8 +371,8 @@ def _watched_concurrency(params: Any) -> int:
 #: Orbax has finished writing, while :func:`save_params` runs (set with :func:`chunk_watcher`);
 #: it may return ``(st_dev, st_ino, CRC-32C)`` of the file it read whole, which the manifest
 #: then takes instead of reading that file again.
-_CHUNK_WATCHER: contextvars.ContextVar[Callable[[str, Path], Any] | None] = (
-    contextvars.ContextVar("jaxexp_chunk_watcher", default=None)
+_CHUNK_WATCHER: contextvars.ContextVar[Callable[[str, Path], Any] | None] = contextvars.ContextVar(
+    "jaxexp_chunk_watcher", default=None
 )
 
 

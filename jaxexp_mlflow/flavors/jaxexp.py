@@ -472,9 +472,12 @@ class _StagedFlavor:
                 if p.is_file() and p.name not in _StagedFlavor.LEFT_TO_MLFLOW
             ]
             early.send_files(tops)
-            # the rest of params/ and code/ go up while the arrays still do
+            # the rest of params/ and code/ go up while the arrays still do, on the same pool
             subdirs = [artifact.PARAMS_DIR, "code"]
-            skip = {sub: early.skipped(sub) for sub in subdirs}
+            for sub in subdirs:
+                if Path(path, sub).is_dir():
+                    early.send_tree(Path(path, sub), sub)
+            skip = {sub: early.skipped(sub) for sub in subdirs}  # stage_upload: what is left
             if transfer.stage_upload(path, mlflow_model.artifact_path, subdirs, skip=skip):
                 early.finish(params_dir)
                 # up: out of the way, so that Model.log uploads only what is left
