@@ -147,10 +147,9 @@ class EarlyUpload:
     once the file is up. Chunk files are checksummed as they are linked, pages still hot, and
     the params manifest takes those checksums (same inode) instead of reading the files again;
     :meth:`finish` checks the checksums sent against the manifest and sends again any chunk
-    file that differs. A file that
-    cannot be linked (another filesystem) is left to ``stage_upload``. Disabled (every call a
-    no-op) for local artifact stores, which MLflow copies itself, and with
-    ``JAXEXP_EARLY_UPLOAD=0``.
+    file that differs. A file that cannot be linked (another filesystem) is left to
+    ``stage_upload``. Disabled (every call a no-op) for local artifact stores, which MLflow
+    copies itself, and with ``JAXEXP_EARLY_UPLOAD=0``.
     """
 
     def __init__(self, artifact_uri: str, subdir: str) -> None:
@@ -271,11 +270,13 @@ class EarlyUpload:
     def trash(self, paths: list[Path]) -> list[Path]:
         """Move these files or directories (all uploaded) into the private directory, deleted
         by :meth:`close` in the background; returns those that could not be moved there."""
+        if self.stage is None:
+            return list(paths)
         left = []
         for i, path in enumerate(paths):
             try:
                 os.rename(path, self.stage / f".trash-{i}")
-            except (OSError, TypeError):  # another filesystem, or disabled: the caller deletes
+            except OSError:  # another filesystem: the caller deletes it
                 left.append(path)
         return left
 

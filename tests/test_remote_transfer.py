@@ -300,14 +300,19 @@ def _files(root: Path) -> dict[str, bytes]:
     }
 
 
-def test_log_through_the_server_stores_what_a_local_save_writes(server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("early", ["1", "0"])
+def test_log_through_the_server_stores_what_a_local_save_writes(
+    early, server, tmp_path, monkeypatch
+):
     """``log_model`` sends code/, the params arrays and the top-level files ahead of
-    ``Model.log`` (``EarlyUpload``): the store ends up with exactly the files a local
-    ``save_model`` of the same model writes, code/ and the export byte for byte; a log that
-    fails after they went up takes them back."""
+    ``Model.log`` (``EarlyUpload``; with ``JAXEXP_EARLY_UPLOAD=0`` after the save): the store
+    ends up with exactly the files a local ``save_model`` of the same model writes, code/ and
+    the export byte for byte; a log that fails after they went up takes them back."""
     from mlflow.artifacts import download_artifacts
 
     from jaxexp_mlflow.flavors import readback
+
+    monkeypatch.setenv("JAXEXP_EARLY_UPLOAD", early)
 
     params = make_params(4 * MiB, 2)
     x = np.ones((2, 4), np.float32)
@@ -318,7 +323,7 @@ def test_log_through_the_server_stores_what_a_local_save_writes(server, tmp_path
     mlflow.jaxexp.save_model(blob, tmp_path / "local", params=params, input_example=x)
     mlflow.set_tracking_uri(server)
     try:
-        mlflow.set_experiment("same-files")
+        mlflow.set_experiment(f"same-files-{early}")
         with mlflow.start_run():
             info = mlflow.jaxexp.log_model(blob, name="m", params=params, input_example=x)
         got = _files(Path(download_artifacts(info.model_uri, dst_path=str(tmp_path / "dl"))))
@@ -337,7 +342,7 @@ def test_log_through_the_server_stores_what_a_local_save_writes(server, tmp_path
         client = mlflow.MlflowClient()
         with mlflow.start_run(), pytest.raises(RuntimeError, match="read back failed"):
             mlflow.jaxexp.log_model(blob, name="cut", params=params, input_example=x)
-        exp = client.get_experiment_by_name("same-files")
+        exp = client.get_experiment_by_name(f"same-files-{early}")
         (cut,) = [m for m in client.search_logged_models([exp.experiment_id]) if m.name == "cut"]
         assert client.list_logged_model_artifacts(cut.model_id) == []
     finally:

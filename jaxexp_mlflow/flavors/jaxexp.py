@@ -435,11 +435,11 @@ class _StagedFlavor:
     """This flavor as ``Model.log`` sees it when the staging directory is only uploaded.
 
     The params are written without the final fsync pass (the directory is deleted after the
-    upload). What can go up before the save ends does (``transfer.EarlyUpload``): each params
-    array as Orbax finishes it, the ``code/`` copy as soon as it is made, then the other
-    top-level files; what remains of ``params/`` and ``code/`` goes up in parallel right after
-    ``save_model`` (``transfer.stage_upload``). ``Model.log`` then uploads what is left,
-    ``MLmodel`` last. See docs/remote.md.
+    upload). Everything goes up on one pool as soon as it exists (``transfer.EarlyUpload``):
+    the ``code/`` copy as soon as it is made, each params array as Orbax finishes it, then the
+    rest of ``params/`` and the top-level files; with ``JAXEXP_EARLY_UPLOAD=0``, ``params/``
+    and ``code/`` go up in parallel after ``save_model`` (``transfer.stage_upload``).
+    ``Model.log`` then uploads what is left, ``MLmodel`` last. See docs/remote.md.
     """
 
     __name__ = __name__
@@ -463,7 +463,7 @@ class _StagedFlavor:
                     path=path,
                     mlflow_model=mlflow_model,
                     durable=False,
-                    _code_ready=lambda local, sub: early.send_tree(local, sub),
+                    _code_ready=early.send_tree,
                     **kwargs,
                 )
             tops = [
@@ -483,8 +483,11 @@ class _StagedFlavor:
                 # up: out of the way, so that Model.log uploads only what is left
                 sent = [Path(path, sub) for sub in subdirs if Path(path, sub).exists()]
                 sent += [p for p in tops if p.name in early.submitted]
-                for p in early.trash(sent):
-                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+                for p in early.trash(sent):  # could not be moved aside: deleted now
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink()
         except BaseException:
             early.close()
             early.discard()  # no MLmodel will follow: take back what went up
