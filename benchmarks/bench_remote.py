@@ -44,7 +44,7 @@ from bench_params import make_params  # noqa: E402
 from report import print_rows, write_json  # noqa: E402
 
 from tests.models import log_registered  # noqa: E402
-from tests.servers import S3_ENV, mlflow_server, s3_server  # noqa: E402
+from tests.servers import S3_ENV, mlflow_server, s3_server, wait_quiet  # noqa: E402
 
 GiB = 2**30
 
@@ -202,7 +202,8 @@ def bench_transfer(size_gib: float, rounds: int, workdir: Path) -> list[dict]:
 def server(root: Path, artifacts: str):
     """The server under test: local artifacts, or moto's S3 with multipart uploads on."""
     if artifacts == "local":
-        with mlflow_server(root / "server") as (url, _):
+        with mlflow_server(root / "server") as (url, proc):
+            wait_quiet(proc)
             yield url
         return
     with s3_server(root) as s3:
@@ -211,7 +212,8 @@ def server(root: Path, artifacts: str):
         os.environ["MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD"] = "true"
         with mlflow_server(
             root / "server", artifacts_destination="s3://mlflow/artifacts", env=env
-        ) as (url, _):
+        ) as (url, proc):
+            wait_quiet(proc)
             yield url
 
 

@@ -140,7 +140,9 @@ class EarlyUpload:
     * the ``code/`` copy of the package as soon as it is copied (:meth:`send_tree`: ~70 small
       files, each a request the server answers in tens of milliseconds);
     * the other top-level files once the save is done (:meth:`send_files`), all but what
-      ``Model.log`` itself uploads last (``MLmodel``).
+      ``Model.log`` itself uploads last (``MLmodel``);
+    * through a proxied ``mlflow server``, the chunk files of big arrays straight from the
+      arrays' own memory, never written to disk (:meth:`send_memory`, from ``codec.divert``).
 
     Each file is hard-linked into a private directory at once (the save renames its temporary
     directories when it commits; a link keeps the same bytes, no copy) and the link is dropped
@@ -156,11 +158,20 @@ class EarlyUpload:
         import tempfile
 
         from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+        from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
         from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 
         self.repo = get_artifact_repository(artifact_uri)
         self.enabled = not isinstance(self.repo, LocalArtifactRepository) and (
             os.environ.get("JAXEXP_EARLY_UPLOAD", "1") != "0"
+        )
+        #: PUT chunk files from memory (``mlflow server`` proxying artifacts, MLflow's own
+        #: proxy multipart off, ``JAXEXP_UPLOAD_FROM_MEMORY`` not 0)
+        self.from_memory = (
+            self.enabled
+            and isinstance(self.repo, HttpArtifactRepository)
+            and not getattr(self.repo, "_is_multipart_upload_enabled", lambda: True)()
+            and os.environ.get("JAXEXP_UPLOAD_FROM_MEMORY", "1") != "0"
         )
         self.subdir = subdir  # the params directory, whose chunk files ``__call__`` receives
         self.sent: dict[str, int] = {}  # params chunk file (relative to subdir) -> CRC-32C sent
@@ -185,6 +196,35 @@ class EarlyUpload:
         if read is not None:
             self.chunks.add(rel)
         return read
+
+    def send_memory(self, rel: str, parts: tuple[memoryview, bytes]) -> int:
+        """A params chunk file that was not written (``codec.divert``: called from Orbax's
+        thread): checksummed now, queued to go up straight from these buffers, which stay
+        untouched until :meth:`finish` (``log_model`` waits for it). Returns its CRC-32C."""
+        from jaxexp_mlflow.codec.manifest import crc32c
+
+        value = crc32c(parts[1], crc32c(parts[0]))
+        key, size = f"{self.subdir}/{rel}", parts[0].nbytes + len(parts[1])
+        _grow(self.bar, self.lock, size)
+        with self.lock:
+            self.futures.append(self.pool.submit(self._put, key, parts, size))
+            self.submitted.add(key)
+            self.chunks.add(rel)
+            self.sent[rel] = value
+        return value
+
+    def _put(self, key: str, parts: tuple[memoryview, bytes], size: int) -> None:
+        """What ``HttpArtifactRepository.log_artifact`` does for a file (same endpoint, auth,
+        retries, content type), with the body sent from memory."""
+        from mlflow.utils.mime_type_utils import _guess_mime_type
+        from mlflow.utils.rest_utils import augmented_raise_for_status, http_request
+
+        headers = {"Content-Type": _guess_mime_type(posixpath.basename(key))}
+        resp = http_request(
+            self.repo._host_creds, f"/{key}", "PUT", data=_Body(parts), extra_headers=headers
+        )
+        augmented_raise_for_status(resp)
+        self.bar.update(size)
 
     def send_tree(self, local_dir: str | os.PathLike, where: str) -> None:
         """Upload every file under ``local_dir`` to ``where`` (relative to the model) now,
@@ -299,6 +339,21 @@ class EarlyUpload:
             ).start()
             self.stage = None
         self._progress.close()
+
+
+class _Body:
+    """A request body sent as the buffers it is made of, without joining them (``requests``
+    sends an iterable with a length as it comes, with that Content-Length); iterable again from
+    the start when MLflow's retry sends it again."""
+
+    def __init__(self, parts: tuple[memoryview, bytes]) -> None:
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return sum(memoryview(p).nbytes for p in self.parts)
+
+    def __iter__(self) -> Iterator[memoryview | bytes]:
+        return iter(p for p in self.parts if len(p))
 
 
 def stage_upload(

@@ -26,6 +26,30 @@ S3_ENV = {
 }
 
 
+def wait_quiet(proc: subprocess.Popen, limit_s: float = 90.0) -> float:
+    """Wait until ``proc`` and its children use less than 5 % of a core over a second; return
+    the seconds waited. ``mlflow server`` answers ``/health`` while its job runner and huey
+    consumers (MLflow 3's job execution, seven processes) are still importing, which takes both
+    cores of a small machine for ~10 s: a benchmark starts timing after that."""
+    import psutil
+
+    def cpu(tree: psutil.Process) -> float:
+        total = 0.0
+        for p in [tree, *tree.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times = p.cpu_times()
+                total += times.user + times.system
+        return total
+
+    root, start = psutil.Process(proc.pid), time.monotonic()
+    while time.monotonic() - start < limit_s:
+        before = cpu(root)
+        time.sleep(1.0)
+        if cpu(root) - before < 0.05:
+            break
+    return time.monotonic() - start
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for servers the tests start)."""
     with socket.socket() as s:

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import select
 import struct
 import subprocess
@@ -139,7 +140,12 @@ def test_upload_cut_by_a_killed_server_leaves_nothing_that_loads(tmp_path, monke
     monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # set_experiment sets it: undone
     root, port = tmp_path / "server", free_port()
     with mlflow_server(root, port=port) as (url, proc):
-        env = _env(url, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", JAXEXP_TRANSFER_WORKERS="1")
+        env = _env(
+            url,
+            MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
+            JAXEXP_TRANSFER_WORKERS="1",
+            JAXEXP_READBACK_RESTORE_MAX_BYTES=str(64 * MiB),  # big: arrays go up from memory
+        )
         child = subprocess.Popen(
             [sys.executable, "-c", _CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
@@ -300,19 +306,31 @@ def _files(root: Path) -> dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("early", ["1", "0"])
+@pytest.mark.parametrize("early", ["1", "0", "memory"])
 def test_log_through_the_server_stores_what_a_local_save_writes(
     early, server, tmp_path, monkeypatch
 ):
     """``log_model`` sends code/, the params arrays and the top-level files ahead of
-    ``Model.log`` (``EarlyUpload``; with ``JAXEXP_EARLY_UPLOAD=0`` after the save): the store
-    ends up with exactly the files a local ``save_model`` of the same model writes, code/ and
-    the export byte for byte; a log that fails after they went up takes them back."""
+    ``Model.log`` (``EarlyUpload``; with ``JAXEXP_EARLY_UPLOAD=0`` after the save; for params
+    the read-back binds, the arrays straight from memory): the store ends up with exactly the
+    files a local ``save_model`` of the same model writes, code/, the export and the arrays'
+    chunk files byte for byte; a log that fails after they went up takes them back."""
     from mlflow.artifacts import download_artifacts
 
     from jaxexp_mlflow.flavors import readback
+    from jaxexp_mlflow.transfer import EarlyUpload
 
-    monkeypatch.setenv("JAXEXP_EARLY_UPLOAD", early)
+    monkeypatch.setenv("JAXEXP_EARLY_UPLOAD", "0" if early == "0" else "1")
+    if early == "memory":  # 4 MiB of params count as big: bound, not restored
+        monkeypatch.setenv("JAXEXP_READBACK_RESTORE_MAX_BYTES", str(MiB))
+    from_memory = []
+    send_memory = EarlyUpload.send_memory
+
+    def spy(self, rel, parts):
+        from_memory.append(rel)
+        return send_memory(self, rel, parts)
+
+    monkeypatch.setattr(EarlyUpload, "send_memory", spy)
 
     params = make_params(4 * MiB, 2)
     x = np.ones((2, 4), np.float32)
@@ -331,9 +349,12 @@ def test_log_through_the_server_stores_what_a_local_save_writes(
         want = _files(tmp_path / "local")
         assert got.keys() == want.keys()
         assert len([k for k in got if k.startswith("code/")]) > 20
+        chunks = {rel for rel in want if re.fullmatch(r"params/w1?/c\.0\.0", rel)}
+        assert len(chunks) == 2
         for rel in want:
-            if rel.startswith("code/") or rel == "exported.bin":
+            if rel.startswith("code/") or rel == "exported.bin" or rel in chunks:
                 assert got[rel] == want[rel], rel
+        assert {f"params/{r}" for r in from_memory} == (chunks if early == "memory" else set())
 
         def broken(*args, **kwargs):
             raise RuntimeError("read back failed")

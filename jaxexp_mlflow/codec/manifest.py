@@ -241,6 +241,7 @@ def verify_checkpoint(
     directory: str | os.PathLike,
     *,
     checksum: bool | Callable[[str], bool] = True,
+    absent: dict[str, tuple[int, int]] | None = None,
 ) -> Manifest:
     """Check the checkpoint at ``directory`` against its manifest; return the manifest.
 
@@ -248,7 +249,9 @@ def verify_checkpoint(
     FIFO or device), the files on disk are exactly those listed (none missing, none added), each
     with the listed size. ``checksum`` selects the files whose CRC is verified now (True: all;
     a predicate on the relative path: those; the rest can be verified as they are read, with
-    :meth:`Manifest.check`, or later with :meth:`Manifest.verify_files`). Raises
+    :meth:`Manifest.check`, or later with :meth:`Manifest.verify_files`). ``absent``:
+    ``{relative path: (size, crc32c)}`` of files this process sent from memory and never wrote
+    here (``codec.divert``), accepted missing when the manifest lists them exactly so. Raises
     ``ArtifactError`` listing at most ten problems.
     """
     path = Path(directory)
@@ -266,8 +269,11 @@ def verify_checkpoint(
         if rel != MANIFEST_FILE
     }
     problems = []
-    for rel, (size, _) in manifest.files.items():
+    for rel, (size, want) in manifest.files.items():
         found = on_disk.get(rel)
+        if found is None and (absent or {}).get(rel) == (size, want):
+            manifest.verified.add(rel)
+            continue
         if found != size:
             problems.append(
                 f"{rel}: expected {size} bytes, found {'no file' if found is None else found}"
@@ -293,7 +299,9 @@ def verify_checkpoint(
 
 
 def write_manifest(
-    directory: str | os.PathLike, known: dict[str, tuple[int, int, int]] | None = None
+    directory: str | os.PathLike,
+    known: dict[str, tuple[int, int, int]] | None = None,
+    absent: dict[str, tuple[int, int]] | None = None,
 ) -> dict:
     """Write the version-2 manifest of the checkpoint at ``directory``; return its content.
 
@@ -301,6 +309,8 @@ def write_manifest(
     read whole since they were written (``log_model``'s early upload). A file that is still
     that inode keeps its checksum instead of being read again: TensorStore writes every file
     under a temporary name and renames it into place, so a rewrite is a new inode.
+    ``absent``: ``{relative path: (size, crc32c)}`` of files that belong to the checkpoint but
+    were sent from memory and never written here (``codec.divert``).
     """
     path = Path(directory)
     entries = {}
@@ -316,6 +326,11 @@ def write_manifest(
             entries[rel] = {"size": size, "crc32c": f"{value:08x}"}
         finally:
             os.close(fd)
+    for rel, (size, value) in (absent or {}).items():
+        if rel in entries:
+            raise fail(f"The params file {rel!r} was both sent from memory and written: report it.")
+        entries[rel] = {"size": size, "crc32c": f"{value:08x}"}
+    entries = dict(sorted(entries.items()))
     doc = {"format": FORMAT, "version": VERSION, "checksum": "crc32c", "files": entries}
     (path / MANIFEST_FILE).write_text(json.dumps(doc, indent=0))
     return doc

@@ -129,6 +129,7 @@ def checkpoint_handler(
     use_compression: bool = False,
     copy_host_arrays: bool = True,
     concurrent_bytes: int | None = None,
+    diverting: bool = False,
 ) -> Any:
     """The Orbax ``PyTreeCheckpointHandler`` with this codec's settings (for CheckpointManagers).
 
@@ -136,13 +137,15 @@ def checkpoint_handler(
     deep-copying them first (its guard against a caller changing them during an *asynchronous*
     save): only for synchronous saves, where the caller waits for the write to finish.
     ``concurrent_bytes``: Orbax's limit on the bytes of jax arrays being written at once
-    (``save_concurrent_gb``; it must exceed the biggest array).
+    (``save_concurrent_gb``; it must exceed the biggest array). ``diverting`` (with
+    ``copy_host_arrays=False``): numpy arrays of checkpoints registered with
+    ``codec.divert.diverted`` go to its sink instead of the disk.
     """
     import orbax.checkpoint as ocp
 
     kwargs: dict[str, Any] = {}
     if not copy_host_arrays:
-        kwargs["type_handler_registry"] = _no_copy_registry()
+        kwargs["type_handler_registry"] = _no_copy_registry(diverting)
     if concurrent_bytes is not None:
         kwargs["save_concurrent_gb"] = concurrent_bytes / 10**9
     return ocp.PyTreeCheckpointHandler(
@@ -153,7 +156,7 @@ def checkpoint_handler(
     )
 
 
-def _no_copy_registry() -> Any:
+def _no_copy_registry(diverting: bool = False) -> Any:
     """Orbax's standard type handlers, except numpy arrays written without a deep copy.
 
     Orbax's default ``NumpyHandler`` copies every numpy leaf before writing it (a second copy of
@@ -167,8 +170,11 @@ def _no_copy_registry() -> Any:
     th = ocp.type_handlers
     standard = (int, float, bytes, np.number, jax.Array, str, type(ocp.PLACEHOLDER))
     pairs = [(t, th.get_type_handler(t)) for t in standard if th.has_type_handler(t)]
+    from jaxexp_mlflow.codec import divert
+
+    make = divert.numpy_handler if diverting else th.NumpyHandler
     try:
-        numpy_handler = th.NumpyHandler(deepcopy_host_arrays=False)
+        numpy_handler = make(deepcopy_host_arrays=False)
     except TypeError:  # an Orbax without the option: keep its default (copying) handler
         numpy_handler = th.get_type_handler(np.ndarray)
     return th.create_type_handler_registry(*pairs, (np.ndarray, numpy_handler))
@@ -322,20 +328,28 @@ def save_params(
     import jax
     import orbax.checkpoint as ocp
 
+    from jaxexp_mlflow.codec import divert
+
     params = jax.tree_util.tree_map_with_path(_as_array_leaf, params)
     path.parent.mkdir(parents=True, exist_ok=True)
     watcher = _CHUNK_WATCHER.get()
+    sink = divert.current_sink()
     handler = checkpoint_handler(
         use_compression=compression is not None,
         copy_host_arrays=False,
         concurrent_bytes=None if watcher is None else _watched_concurrency(params),
+        diverting=sink is not None,
     )
     checkpointer = ocp.Checkpointer(handler)  # synchronous: numpy leaves need no copy
     poller = _ChunkPoller(path, watcher) if watcher is not None else None
+    sent: dict[str, tuple[int, int]] = {}
     try:
         if poller is not None:
             poller.start()
-        with quiet_ocdbt_merge():
+        with contextlib.ExitStack() as stack:
+            if sink is not None:
+                sent = stack.enter_context(divert.diverted(path, sink)).sent
+            stack.enter_context(quiet_ocdbt_merge())
             checkpointer.save(path.absolute(), args=ocp.args.PyTreeSave(params))
     except Exception as e:
         from jaxexp_mlflow.codec import files
@@ -349,7 +363,8 @@ def save_params(
             poller.halt()
         checkpointer.close()
     _flatten_chunk_keys(path)
-    _write_manifest(path, poller.known if poller is not None else None)
+    divert.record(path, sent)
+    _write_manifest(path, poller.known if poller is not None else None, sent)
     if durable:
         fsync_tree(path)
     return describe_checkpoint(path)
@@ -483,10 +498,14 @@ def _flatten_chunk_keys(path: Path) -> None:
         meta_file.write_text(json.dumps(meta))
 
 
-def _write_manifest(path: Path, known: dict[str, tuple[int, int, int]] | None = None) -> None:
+def _write_manifest(
+    path: Path,
+    known: dict[str, tuple[int, int, int]] | None = None,
+    absent: dict[str, tuple[int, int]] | None = None,
+) -> None:
     from jaxexp_mlflow.codec import manifest
 
-    manifest.write_manifest(path, known)
+    manifest.write_manifest(path, known, absent)
 
 
 def _is_chunk_file(rel: str) -> bool:
@@ -502,9 +521,13 @@ def verify_manifest(directory: str | os.PathLike) -> Any:
     the array chunks, which are checked as they are read. Returns the ``Manifest``; raises
     :class:`ArtifactError` when the manifest is missing or a file differs from it.
     """
-    from jaxexp_mlflow.codec import manifest
+    from jaxexp_mlflow.codec import divert, manifest
 
-    return manifest.verify_checkpoint(directory, checksum=lambda rel: not _is_chunk_file(rel))
+    return manifest.verify_checkpoint(
+        directory,
+        checksum=lambda rel: not _is_chunk_file(rel),
+        absent=divert.sent_from_memory(directory),
+    )
 
 
 def fsync_tree(path: Path) -> None:

@@ -7,6 +7,7 @@ Follows MLflow's built-in flavors (``mlflow.sklearn`` and friends): ``save_model
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -450,7 +451,9 @@ class _StagedFlavor:
     @staticmethod
     def save_model(*, path: str, mlflow_model: Model, **kwargs: Any) -> None:
         from jaxexp_mlflow import artifact, transfer
+        from jaxexp_mlflow.codec import divert
         from jaxexp_mlflow.codec.params import chunk_watcher
+        from jaxexp_mlflow.flavors import readback
 
         if not mlflow_model.artifact_path:
             save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
@@ -458,7 +461,11 @@ class _StagedFlavor:
         early = transfer.EarlyUpload(mlflow_model.artifact_path, artifact.PARAMS_DIR)
         params_dir = Path(path, artifact.PARAMS_DIR)
         try:
-            with chunk_watcher(early):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(chunk_watcher(early))
+                # big arrays go up from memory: the read-back binds them (no restore from disk)
+                if early.from_memory and readback.binds(kwargs.get("_jax_params")):
+                    stack.enter_context(divert.sending(early.send_memory))
                 save_model(
                     path=path,
                     mlflow_model=mlflow_model,

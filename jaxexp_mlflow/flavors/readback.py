@@ -76,11 +76,25 @@ def _same_export(saved: Any, loaded: Any) -> None:
         )
 
 
-def _portable_load(path: Path, conf: dict[str, Any]) -> Any:
-    """Deserialize the blob and restore the params to the export's avals (no placement)."""
+def binds(params: Any) -> bool:
+    """Whether the read-back binds these params (``{name: array}``) instead of restoring a
+    second copy of them: more than ``RESTORE_MAX_BYTES`` (``JAXEXP_READBACK_RESTORE_MAX_BYTES``).
+    Then only the checkpoint's files, tree, shapes and dtypes are checked, and ``log_model`` may
+    send its arrays from memory (``codec.divert``)."""
+    import jax
+
+    if params is None or isinstance(params, str | os.PathLike):
+        return False
+    limit = int(os.environ.get("JAXEXP_READBACK_RESTORE_MAX_BYTES", RESTORE_MAX_BYTES))
+    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(params)) > limit
+
+
+def _portable_load(path: Path, conf: dict[str, Any], bind: Any = None) -> Any:
+    """Deserialize the blob and restore the params to the export's avals (no placement);
+    ``bind``: check the checkpoint against those avals and take these params instead."""
     from jaxexp_mlflow import artifact
     from jaxexp_mlflow.codec import blob
-    from jaxexp_mlflow.codec.params import restore_params
+    from jaxexp_mlflow.codec.params import check_checkpoint, restore_params, verify_manifest
 
     data = artifact.read_blob(path, conf)
     source = str(Path(path, conf.get("exported_file", artifact.EXPORTED_FILE)))
@@ -90,7 +104,13 @@ def _portable_load(path: Path, conf: dict[str, Any]) -> Any:
     params = None
     if conf.get("params"):
         target = artifact.params_target(exported, (), conf)
-        params = restore_params(Path(path, conf["params"]), target=target)
+        ckpt = Path(path, conf["params"])
+        if bind is None:
+            params = restore_params(ckpt, target=target)
+        else:
+            verify_manifest(ckpt).verify_files()
+            check_checkpoint(ckpt, target)
+            params = bind
     return exported, params
 
 
@@ -146,17 +166,14 @@ def read_back(
     conf = _flavor_conf(path, flavor_name)
     verdict = compat.assess(conf)
     result = ReadBack(loaded_here=verdict.status != compat.INCOMPATIBLE)
-    limit = int(os.environ.get("JAXEXP_READBACK_RESTORE_MAX_BYTES", RESTORE_MAX_BYTES))
-    bind = None
-    if params is not None and sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(params)) > limit:
-        bind = params
+    bind = params if binds(params) else None
     try:
         if result.loaded_here:
             model = load_directory(path, conf, bind=bind)
             loaded_exp, restored = model.exported, model.params
         else:
             model = None
-            loaded_exp, restored = _portable_load(path, conf)
+            loaded_exp, restored = _portable_load(path, conf, bind)
     except JaxExpError as err:
         raise type(err)(
             f"The model saved to {where} does not load back, so it was not saved: {err.message}"
