@@ -143,3 +143,47 @@ def test_trailer_is_the_zarr3_shard_index():
     from jaxexp_mlflow.codec.manifest import crc32c
 
     assert int.from_bytes(tail[16:], "little") == crc32c(tail[:16])
+
+
+_SHARDED = r"""
+import json, os, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxexp_mlflow.codec import divert, params
+divert.MIN_BYTES = 0
+root = sys.argv[1]
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+x = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6)
+tree = {
+    "rows": jax.device_put(x, NamedSharding(mesh, P("a", None))),  # replicated over b
+    "grid": jax.device_put(x, NamedSharding(mesh, P("a", "b"))),
+    "full": jax.device_put(x, NamedSharding(mesh, P())),
+}
+params.save_params(tree, f"{root}/written")
+sent = {}
+def sink(rel, parts):
+    from jaxexp_mlflow.codec.manifest import crc32c
+    sent[rel] = b"".join(bytes(p) for p in parts)
+    return crc32c(sent[rel])
+with divert.sending(sink):
+    params.save_params(tree, f"{root}/diverted")
+same = {rel: open(f"{root}/written/{rel}", "rb").read() == data for rel, data in sent.items()}
+chunks = sorted(
+    os.path.relpath(os.path.join(d, f), f"{root}/written")
+    for d, _, fs in os.walk(f"{root}/written") for f in fs if f.startswith("c.")
+)
+print("RESULT " + json.dumps({"same": same, "chunks": chunks}))
+"""
+
+
+def test_sharded_arrays_divert_one_file_per_shard(tmp_path):
+    """On 4 devices: an array sharded over 4 devices has a chunk file per shard, each made from
+    its shard's buffer byte for byte as TensorStore writes it; replicated arrays are cut as
+    Orbax cuts them (its replica-parallel slices), each slice one file, byte for byte too."""
+    from tests.conftest import run_on_devices
+
+    out = run_on_devices(_SHARDED, 4, str(tmp_path))
+    assert sorted(out["same"]) == out["chunks"]
+    assert all(out["same"].values()), out["same"]
+    assert len([c for c in out["chunks"] if c.startswith("grid/")]) == 4
+    assert {c.split("/")[0] for c in out["chunks"]} == {"grid", "rows", "full"}
