@@ -127,10 +127,17 @@ def _serialization_module() -> Any:
     return serialization if hasattr(serialization, "async_serialize_from_host") else None
 
 
+def _single_process() -> bool:
+    """One JAX process writes the whole checkpoint (multi-host saves are left to Orbax)."""
+    import jax
+
+    return jax.process_count() == 1
+
+
 def _wrap(original: Any) -> Any:
     async def async_serialize_from_host(rslices_on_host: Any, tensorstore_spec: Any, **kw: Any):
         diversion = _find(tensorstore_spec)
-        if diversion is not None and kw.get("primary_host", 0) in (0, None):
+        if diversion is not None and _single_process():
             try:
                 fragments = [(f.index, f.value) for f in rslices_on_host.to_fragments().fragments]
             except AttributeError:  # another Orbax: write as usual

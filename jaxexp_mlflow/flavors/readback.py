@@ -89,6 +89,14 @@ def binds(params: Any) -> bool:
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(params)) > limit
 
 
+def _sent_from_memory(path: Path, conf: dict[str, Any]) -> bool:
+    """Whether this process's ``log_model`` sent some of the checkpoint's files from memory
+    (``codec.divert``): they are not in ``path``, so the params can only be bound."""
+    from jaxexp_mlflow.codec import divert
+
+    return bool(conf.get("params")) and bool(divert.sent_from_memory(Path(path, conf["params"])))
+
+
 def _portable_load(path: Path, conf: dict[str, Any], bind: Any = None) -> Any:
     """Deserialize the blob and restore the params to the export's avals (no placement);
     ``bind``: check the checkpoint against those avals and take these params instead."""
@@ -166,7 +174,7 @@ def read_back(
     conf = _flavor_conf(path, flavor_name)
     verdict = compat.assess(conf)
     result = ReadBack(loaded_here=verdict.status != compat.INCOMPATIBLE)
-    bind = params if binds(params) else None
+    bind = params if binds(params) or _sent_from_memory(path, conf) else None
     try:
         if result.loaded_here:
             model = load_directory(path, conf, bind=bind)
