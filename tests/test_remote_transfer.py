@@ -368,3 +368,41 @@ def test_log_through_the_server_stores_what_a_local_save_writes(
         assert client.list_logged_model_artifacts(cut.model_id) == []
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def test_a_put_from_memory_is_sent_whole_again_when_mlflow_retries():
+    """``EarlyUpload``'s body from memory (``transfer._Body``) through MLflow's own
+    ``http_request``: a 503 makes MLflow retry, and the retry carries the whole file again
+    (the array's bytes and the shard index), with the same Content-Length."""
+    import http.server
+    import threading
+
+    from mlflow.utils.rest_utils import MlflowHostCreds, augmented_raise_for_status, http_request
+
+    from jaxexp_mlflow.codec import shards
+    from jaxexp_mlflow.transfer import _Body
+
+    bodies = []
+
+    class Flaky(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(503 if len(bodies) == 1 else 200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        a = np.arange(1000, dtype=np.float32)
+        creds = MlflowHostCreds(f"http://127.0.0.1:{srv.server_address[1]}")
+        body = _Body(shards.parts(a))
+        resp = http_request(creds, "/params/w/c.0", "PUT", data=body, backoff_factor=0.01)
+        augmented_raise_for_status(resp)
+    finally:
+        srv.shutdown()
+    want = a.tobytes() + shards.trailer(a.nbytes)
+    assert len(body) == len(want) and bodies == [want, want]
