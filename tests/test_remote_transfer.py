@@ -355,6 +355,8 @@ def test_log_through_the_server_stores_what_a_local_save_writes(
             if rel.startswith("code/") or rel == "exported.bin" or rel in chunks:
                 assert got[rel] == want[rel], rel
         assert {f"params/{r}" for r in from_memory} == (chunks if early == "memory" else set())
+        model = mlflow.jaxexp.load_model(info.model_uri)  # checks every file against the manifest
+        np.testing.assert_array_equal(model(x), apply(params, x))
 
         def broken(*args, **kwargs):
             raise RuntimeError("read back failed")
