@@ -167,11 +167,11 @@ def _no_copy_registry(diverting: bool = False) -> Any:
     import numpy as np
     import orbax.checkpoint as ocp
 
+    from jaxexp_mlflow.codec import divert
+
     th = ocp.type_handlers
     standard = (int, float, bytes, np.number, jax.Array, str, type(ocp.PLACEHOLDER))
     pairs = [(t, th.get_type_handler(t)) for t in standard if th.has_type_handler(t)]
-    from jaxexp_mlflow.codec import divert
-
     make = divert.numpy_handler if diverting else th.NumpyHandler
     try:
         numpy_handler = make(deepcopy_host_arrays=False)
@@ -316,7 +316,9 @@ def save_params(
     streamed to disk one by one from their own buffers: no second copy of the tree is made.
     Returns the JSON-able description stored in MLmodel (see :func:`describe_checkpoint`).
     ``durable=False`` skips the final fsync pass: for a staging directory that is uploaded
-    and deleted (``log_model``), where durability is the artifact store's job.
+    and deleted (``log_model``), where durability is the artifact store's job. Inside
+    ``codec.divert.sending`` (``log_model`` through a server) the chunk files of big arrays go
+    to its sink instead of the disk; the manifest lists them all the same.
     """
     compression = _check_compression(compression)
     path = Path(directory)
