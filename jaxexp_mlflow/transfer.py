@@ -138,7 +138,7 @@ class EarlyUpload:
     * each params chunk file as soon as Orbax has written it (``__call__``, from
       ``codec.params.chunk_watcher``), checksummed before it goes up;
     * the ``code/`` copy of the package as soon as it is copied (:meth:`send_tree`: ~70 small
-      files, each a request the server answers in tens of milliseconds);
+      files, each a request of its own);
     * the other top-level files once the save is done (:meth:`send_files`), all but what
       ``Model.log`` itself uploads last (``MLmodel``);
     * through a proxied ``mlflow server``, the chunk files of big arrays straight from the

@@ -437,9 +437,10 @@ class _StagedFlavor:
 
     The params are written without the final fsync pass (the directory is deleted after the
     upload). Everything goes up on one pool as soon as it exists (``transfer.EarlyUpload``):
-    the ``code/`` copy as soon as it is made, each params array as Orbax finishes it, then the
-    rest of ``params/`` and the top-level files; with ``JAXEXP_EARLY_UPLOAD=0``, ``params/``
-    and ``code/`` go up in parallel after ``save_model`` (``transfer.stage_upload``).
+    the ``code/`` copy as soon as it is made, each params array as Orbax finishes it (through a
+    proxied server, big arrays straight from memory without being written: ``codec.divert``),
+    then the rest of ``params/`` and the top-level files; with ``JAXEXP_EARLY_UPLOAD=0``,
+    ``params/`` and ``code/`` go up in parallel after ``save_model`` (``transfer.stage_upload``).
     ``Model.log`` then uploads what is left, ``MLmodel`` last. See docs/remote.md.
     """
 
