@@ -1,10 +1,11 @@
 """The chunk file TensorStore writes for an array Orbax stores uncompressed, made from the array.
 
 Orbax stores each array (zarr3, compression off: ``codec.params``) as a ``sharding_indexed`` shard
-per write chunk. When the chunk is the whole array (one device, or a replicated array) and holds
-one inner chunk, the file is the array's bytes, little-endian in C order, followed by the shard
-index: the inner chunk's offset and length (two little-endian uint64) and the CRC-32C of those
-16 bytes (zarr3 sharding codec, ``index_location: end``).
+per write chunk: the whole array on one device, each shard (or Orbax's slice of a replicated
+shard) of a sharded one. When the shard holds one inner chunk, the file is the chunk's bytes,
+little-endian in C order, followed by the shard index: the inner chunk's offset and length (two
+little-endian uint64) and the CRC-32C of those 16 bytes (zarr3 sharding, ``index_location:
+end``).
 
 Hand-written (why): ``log_model`` through a tracking server sends such a file straight from the
 array's own buffer (``codec.divert``, ``transfer.EarlyUpload``) instead of having TensorStore
@@ -82,11 +83,10 @@ def plan(tspec: dict[str, Any], fragments: list[tuple[Any, Any]]) -> list[Chunk]
         or conf.get("index_codecs")
         != [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
         or conf.get("index_location", "end") != "end"
-        or grid is None
+        or not grid
         or tuple(conf.get("chunk_shape") or ()) != tuple(grid)
         or encoding.get("name") != "default"
         or encoding.get("configuration", {}).get("separator", "/") != "/"
-        or not grid
         or not fragments
     ):
         return None
