@@ -1,26 +1,90 @@
 #!/usr/bin/env bash
-# Set up the test environments from scratch and run the tests:
-#  - .venv        : the newest supported stack (jax/jaxlib 0.10.2), the whole default suite;
-#  - .venv-oldest : the oldest supported jax (0.6.2), the flavor and params tests.
-# Usage: bash scripts/test.sh [pytest args...]   (JAXEXP_SKIP_OLDEST=1 skips the second run)
+# Set up the test environments from scratch and run the tests (what CI runs via .ci/run):
+#  - main   (.venv):        Python 3.11, the frozen stack (jax/jaxlib 0.10.2, mlflow 3.17.2),
+#                           the whole default suite;
+#  - newest (.venv-newest): Python 3.13 (scripts/python313.sh finds or makes one) with the newest
+#                           jax, jaxlib, mlflow and orbax-checkpoint the registry serves, resolved
+#                           now: the canary, red the day a release breaks us; the whole default suite;
+#  - oldest (.venv-oldest): the oldest supported jax (0.6.2), the flavor and params tests.
+# Every stage runs even if an earlier one failed; the script fails if any did.
+# Usage: bash scripts/test.sh [pytest args...]
+#   JAXEXP_STAGES="main newest oldest" picks stages; JAXEXP_SKIP_OLDEST=1 drops the last one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+STAGES=${JAXEXP_STAGES:-main newest oldest}
+[ "${JAXEXP_SKIP_OLDEST:-0}" = 1 ] && STAGES=${STAGES//oldest/}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-setup() {  # setup <venv> <pip args...>
-  local venv=$1; shift
-  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+setup() {  # setup <python> <venv> <pip args...>
+  local py=$1 venv=$2; shift 2
+  [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q "$@"
 }
 
-setup .venv -e ".[test,iree]" "jax==0.10.2" "jaxlib==0.10.2" "mlflow==3.17.2"
-export PATH="$PWD/.venv/bin:$PATH"  # `mlflow models serve` and `jaxexp` come from the venv
-.venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts
-.venv/bin/pytest -q "$@"
+versions() {  # versions <venv>: what the stage resolved, for the log
+  "$1/bin/python" - <<'EOF'
+import sys
+from importlib.metadata import version
+pkgs = ("jax", "jaxlib", "mlflow", "mlflow-skinny", "orbax-checkpoint", "numpy")
+print(f"  python {sys.version.split()[0]}: " + ", ".join(f"{p} {version(p)}" for p in pkgs))
+EOF
+}
 
-if [ "${JAXEXP_SKIP_OLDEST:-0}" != 1 ]; then
-  setup .venv-oldest -e . "jax==0.6.2" "jaxlib==0.6.2" "mlflow==3.17.2" pytest hypothesis
-  PATH="$PWD/.venv-oldest/bin:$PATH" .venv-oldest/bin/pytest -q -p no:cacheprovider \
-    tests/test_flavor.py tests/test_params.py
+failed=()
+stage() {  # stage <name> <seconds-start> <status>
+  local name=$1 t0=$2 rc=$3
+  echo "== stage $name: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - t0 )) s"
+  [ "$rc" = 0 ] || failed+=("$name")
+}
+
+for s in $STAGES; do
+  t0=$(date +%s)
+  case $s in
+    main)
+      echo "== stage main: Python 3.11 + the frozen stack"
+      setup "$PY" .venv -e ".[test,iree]" "jax==0.10.2" "jaxlib==0.10.2" "mlflow==3.17.2"
+      versions .venv
+      rc=0
+      .venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts || rc=$?
+      # `mlflow models serve` and `jaxexp` come from the venv
+      PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -q -p no:cacheprovider "$@" || rc=$?
+      stage main "$t0" "$rc"
+      ;;
+    newest)
+      echo "== stage newest: Python 3.13 + the newest releases, resolved now"
+      PY313=$(bash scripts/python313.sh)
+      rc=0
+      if [ "$PY313" = "$PWD/scripts/in_trixie.sh" ]; then
+        # no host CPython 3.13: run this stage inside the Debian 13 root
+        IN_TRIXIE_CMD=/bin/bash JAXEXP_STAGES=newest-here PYTHON=/usr/bin/python3.13 \
+          bash scripts/in_trixie.sh scripts/test.sh "$@" || rc=$?
+      else
+        PYTHON=$PY313 JAXEXP_STAGES=newest-here bash scripts/test.sh "$@" || rc=$?
+      fi
+      stage newest "$t0" "$rc"
+      ;;
+    newest-here)  # the newest stage, with $PYTHON a CPython 3.13
+      setup "$PY" .venv-newest --upgrade -e ".[test,iree]" jax jaxlib mlflow orbax-checkpoint
+      versions .venv-newest
+      PATH="$PWD/.venv-newest/bin:$PATH" .venv-newest/bin/pytest -q -p no:cacheprovider "$@"
+      exit $?
+      ;;
+    oldest)
+      echo "== stage oldest: jax 0.6.2"
+      setup "$PY" .venv-oldest -e . "jax==0.6.2" "jaxlib==0.6.2" "mlflow==3.17.2" pytest hypothesis
+      versions .venv-oldest
+      rc=0
+      PATH="$PWD/.venv-oldest/bin:$PATH" .venv-oldest/bin/pytest -q -p no:cacheprovider \
+        tests/test_flavor.py tests/test_params.py || rc=$?
+      stage oldest "$t0" "$rc"
+      ;;
+    *) echo "unknown stage $s" >&2; exit 2 ;;
+  esac
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED stages: ${failed[*]}"
+  exit 1
 fi
