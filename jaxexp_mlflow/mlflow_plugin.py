@@ -31,14 +31,15 @@ class JaxRunContextProvider:
             return {}
         try:
             import jaxlib
-            from jax._src import xla_bridge
+
+            from jaxexp_mlflow.internals.jax_private import backends_initialized
 
             tags = {
                 "jaxexp.jax_version": jax.__version__,
                 "jaxexp.jaxlib_version": jaxlib.__version__,
             }
             # never start a backend just to tag a run (on GPU that allocates memory)
-            if not xla_bridge.backends_are_initialized():
+            if not backends_initialized():
                 return tags
             devices = jax.devices()
             return {

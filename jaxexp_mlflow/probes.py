@@ -55,22 +55,22 @@ class Probe:
 
 def dim_vars(avals: Sequence[Any]) -> list[str]:
     """The symbolic dimension variables appearing in ``avals`` (sorted)."""
-    from jax._src.export import shape_poly
+    from jaxexp_mlflow.internals import jax_private
 
-    return sorted(shape_poly.all_dim_vars(list(avals)))
+    return jax_private.dim_vars(avals)
 
 
 def instantiate(avals: Sequence[Any], sizes: dict[str, int]) -> list[tuple[int, ...]] | None:
     """Concrete shapes of ``avals`` with each variable set to ``sizes[var]``; None if a
     dimension comes out below 1."""
-    from jax._src import core
+    from jaxexp_mlflow.internals.jax_private import eval_dim, is_constant_dim
 
     shapes = []
     for aval in avals:
         shape = []
         for d in aval.shape:
-            n = int(d) if core.is_constant_dim(d) else int(d._evaluate(sizes))
-            if n < 0 or (n == 0 and not core.is_constant_dim(d)):
+            n = eval_dim(d, sizes)
+            if n < 0 or (n == 0 and not is_constant_dim(d)):
                 return None
             shape.append(n)
         shapes.append(tuple(shape))

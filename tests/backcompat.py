@@ -155,16 +155,17 @@ def _arg_specs(data: dict) -> list[str] | None:
 
 def exported_of(data: dict) -> Any:
     """An ``Exported`` around the module, built as JAX's ``run_serialized`` harness does."""
-    from jax import tree_util
-    from jax._src import core
-    from jax._src.export import _export, shape_poly
+    import jax
+    from jax import export, tree_util
+
+    from jaxexp_mlflow.internals import jax_private
 
     inputs = tuple(np.asarray(x) for x in data["inputs"])
     specs = _arg_specs(data)
-    args_specs = shape_poly.symbolic_args_specs(inputs, specs) if specs else inputs
+    args_specs = export.symbolic_args_specs(inputs, specs) if specs else inputs
 
     def aval(a: Any) -> Any:
-        return core.ShapedArray(a.shape, a.dtype)
+        return jax.core.ShapedArray(a.shape, a.dtype)
 
     in_avals, in_tree = tree_util.tree_flatten((tree_util.tree_map(aval, args_specs), {}))
     out_avals, out_tree = tree_util.tree_flatten(
@@ -186,17 +187,12 @@ def exported_of(data: dict) -> Any:
         calling_convention_version=data["xla_call_module_version"],
         nr_devices=data.get("nr_devices", 1),
         module_kept_var_idx=tuple(range(len(in_avals))),
-        uses_global_constants=any(not core.is_constant_shape(a.shape) for a in in_avals),
+        uses_global_constants=any(
+            not all(jax_private.is_constant_dim(d) for d in a.shape) for a in in_avals
+        ),
         _get_vjp=None,
     )
-    names = set(_export.Exported.__dataclass_fields__)
-    if "_has_named_shardings" in names:
-        fields.update(
-            _has_named_shardings=True,
-            _in_named_shardings=(None,) * len(in_avals),
-            _out_named_shardings=(None,) * len(out_avals),
-        )
-    return _export.Exported(**{k: v for k, v in fields.items() if k in names})
+    return jax_private.make_exported(**fields)
 
 
 def blob(module: Module) -> bytes:

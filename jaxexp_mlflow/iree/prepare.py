@@ -124,19 +124,15 @@ def _rewrite_op(op: Any, ir: Any, changes: set[str]) -> None:
 def rewrite(module: bytes, target_version: str) -> tuple[bytes, list[str]]:
     """The portable artifact ``module`` as IREE needs it, at ``target_version``, and the changes:
     the Shardy dialect stripped, dynamic broadcasts' expanding dimensions made explicit."""
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib.mlir import ir
+    from jaxexp_mlflow.internals.jax_private import portable_artifact_api
 
-    try:
-        from jax._src.lib import _jax
-    except ImportError:  # jaxlib < 0.7 names the extension xla_extension
-        from jax._src.lib import xla_client
-
-        _jax = xla_client._xla
-
+    api = portable_artifact_api()
+    if api is None:
+        return module, ["kept as stored (this jaxlib offers no portable-artifact reader)"]
+    make_ir_context, ir, artifacts = api
     changes: set[str] = set()
-    with jax_mlir.make_ir_context():
-        parsed = _jax.mlir.deserialize_portable_artifact(module)
+    with make_ir_context():
+        parsed = artifacts.deserialize_portable_artifact(module)
         text_api = isinstance(parsed, str)  # jaxlib < 0.7 passes modules as text
         if text_api:
             parsed = ir.Module.parse(parsed)
@@ -144,7 +140,7 @@ def rewrite(module: bytes, target_version: str) -> tuple[bytes, list[str]]:
         _rewrite_op(parsed.operation, ir, changes)
         if not changes:
             return module, []
-        out = _jax.mlir.serialize_portable_artifact(
+        out = artifacts.serialize_portable_artifact(
             str(parsed) if text_api else parsed, target_version
         )
     return bytes(out), sorted(changes)

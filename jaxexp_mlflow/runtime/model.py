@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -13,15 +12,14 @@ from jaxexp_mlflow.errors import (
     ParamsMismatchError,
     UnsupportedTransformError,
 )
+from jaxexp_mlflow.internals import jax_private
 
 
 def _guard_vjp(exported: Any, vjp_order: int, level: int = 0) -> Any:
     """Replace JAX's bare "No VJP is available" past ``vjp_order`` with an actionable error."""
-    inner = exported._get_vjp
+    inner = jax_private.get_vjp(exported)
     if inner is not None and level < vjp_order:
-        return dataclasses.replace(
-            exported, _get_vjp=lambda e: _guard_vjp(inner(e), vjp_order, level + 1)
-        )
+        return jax_private.with_vjp(exported, lambda e: _guard_vjp(inner(e), vjp_order, level + 1))
 
     def refuse(_: Any) -> Any:
         raise IncompatibleError(
@@ -30,7 +28,7 @@ def _guard_vjp(exported: Any, vjp_order: int, level: int = 0) -> Any:
             f"vjp_order>={level + 1} (log_model(..., vjp_order={level + 1}))."
         )
 
-    return dataclasses.replace(exported, _get_vjp=refuse)
+    return jax_private.with_vjp(exported, refuse)
 
 
 def _tracer_kinds(tree: Any) -> set[str]:
