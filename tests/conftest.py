@@ -29,6 +29,56 @@ def case_id(path: Path) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
+def _vkey(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split(".")[:3] if x.isdigit())
+
+
+def jax_refuses_expired() -> bool:
+    """Whether the installed jax is one that refuses expired blobs (jax >= 0.11.1)."""
+    import jax
+
+    return _vkey(jax.__version__) >= (0, 11, 1)
+
+
+def corpus_refusals(case: Path, *, expired_flag: bool = False) -> set[str]:
+    """Why the installed jax refuses to deserialize a corpus blob, as verdict codes (empty: it
+    reads it).
+
+    Measured (issue 23) with jax 0.11.0, 0.11.1 and 0.12.0.1, and read from their
+    ``jax/_src/export/serialization.py``: from 0.11.1 on, jax refuses every blob of schema < 5
+    (all of jax 0.4.35's and 0.6.2's) unless ``jax_export_deserialize_expired_versions`` is set
+    (``expired``), and every blob carrying an old-style HLO sharding (``sharded4`` of 0.4.35,
+    0.6.2 and 0.8.3) whatever the flag (``hlo_sharding``).
+    """
+    if not jax_refuses_expired():
+        return set()
+    version = case.parent.name.removeprefix("jax-")
+    codes = set()
+    if case.name == "sharded4" and version in ("0.4.35", "0.6.2", "0.8.3"):
+        codes.add("hlo_sharding")
+    if version in ("0.4.35", "0.6.2") and not expired_flag:
+        codes.add("expired")
+    return codes
+
+
+@pytest.fixture
+def expired_flag():
+    """jax's ``jax_export_deserialize_expired_versions`` set for one test; yields whether this
+    jax has the flag (jax >= 0.11.1, which refuses schema < 5 blobs without it)."""
+    import jax
+
+    name = "jax_export_deserialize_expired_versions"
+    if not hasattr(jax.config, name):
+        yield False
+        return
+    before = getattr(jax.config, name)
+    jax.config.update(name, True)
+    try:
+        yield True
+    finally:
+        jax.config.update(name, before)
+
+
 def load_case(path: Path) -> tuple[dict, list[np.ndarray], list[np.ndarray]]:
     """meta.json, flat inputs and flat outputs of a corpus case, with real dtypes restored."""
     from jaxexp_mlflow.codec.arrays import resolve_dtype

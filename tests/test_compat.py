@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,14 @@ import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.codec.reader import read_blob_file
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import compat
-from tests.conftest import CORPUS, case_id, corpus_cases, load_case
+from tests.conftest import (
+    CORPUS,
+    case_id,
+    corpus_cases,
+    corpus_refusals,
+    jax_refuses_expired,
+    load_case,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 needs_corpus = pytest.mark.skipif(not corpus_cases(), reason="corpus not available")
@@ -26,6 +34,23 @@ needs_corpus = pytest.mark.skipif(not corpus_cases(), reason="corpus not availab
 @pytest.fixture(scope="module")
 def env() -> compat.Environment:
     return compat.Environment.current()
+
+
+@pytest.fixture(scope="module")
+def env_0102(env) -> compat.Environment:
+    """This machine as jax/jaxlib 0.10.2 sees it (the last releases before the enforcing 0.11.1),
+    for the checks of the verdict's logic that do not depend on the installed jax."""
+    return env.replace(
+        jax_version="0.10.2", jaxlib_version="0.10.2", enforces_window=False, reads_expired=False
+    )
+
+
+@pytest.fixture(scope="module")
+def env_012(env) -> compat.Environment:
+    """This machine as jax/jaxlib 0.12.0.1 sees it (refuses schema < 5 and HLO shardings)."""
+    return env.replace(
+        jax_version="0.12.0.1", jaxlib_version="0.12.0.1", enforces_window=True, reads_expired=False
+    )
 
 
 def _judge(case: Path, env, *, bare: bool = False, **kw) -> compat.Verdict:
@@ -45,12 +70,22 @@ def test_corpus_verdicts(case, bare, env):
     expected = set()
     if case.name == "sharded4":
         expected.add("devices")
-    if version in ("0.4.35", "0.6.2"):  # built > 6 months before jaxlib 0.10.2 (2026-06-17)
+    refusals = corpus_refusals(case)  # jax >= 0.11.1: schema < 5, or HLO shardings
+    expected |= refusals
+    # the exporter's jaxlib built more than 6 months before the running one: a warning (0.4.35
+    # and 0.6.2 under jaxlib 0.10.2; 0.8.3 too under 0.12), left out when jax refuses the blob
+    # anyway; a bare blob's date is known only from calling convention 9 (jax <= 0.6)
+    built = compat.release_date(version)
+    if (
+        not refusals
+        and (compat.release_date(env.jaxlib_version) - built).days > 183
+        and (not bare or version in ("0.4.35", "0.6.2"))
+    ):
         expected.add("window_backward")
     if (version, case.name) == ("0.4.35", "linalg"):
         expected.add("custom_calls")
     assert set(v.codes()) == expected, str(v)
-    blocking = {"devices", "custom_calls"}
+    blocking = {"devices", "custom_calls", "expired", "hlo_sharding"}
     want = "incompatible" if expected & blocking else ("warn" if expected else "ok")
     assert v.status == want
     json.dumps(v.to_dict())  # JSON-able, for `jaxexp check --json`
@@ -59,8 +94,8 @@ def test_corpus_verdicts(case, bare, env):
 
 
 @needs_corpus
-def test_reasons_say_what_to_do(env):
-    linalg = _judge(CORPUS / "jax-0.4.35" / "linalg", env)
+def test_reasons_say_what_to_do(env_0102):
+    linalg = _judge(CORPUS / "jax-0.4.35" / "linalg", env_0102)
     (cc,) = [r for r in linalg.reasons if r.code == "custom_calls"]
     assert "blas_strsm" in cc.message and "NOT_FOUND" in cc.message
     assert "jaxlib 0.4.35" in cc.action and "export the function again" in cc.action
@@ -68,14 +103,15 @@ def test_reasons_say_what_to_do(env):
     assert "2024-10-22" in win.message and "2026-06-17" in win.message
     assert win.severity == "warn" and "refresh" in win.action
 
-    sharded = _judge(CORPUS / "jax-0.10.2" / "sharded4", env)
+    sharded = _judge(CORPUS / "jax-0.10.2" / "sharded4", env_0102)
     (dev,) = sharded.reasons
     assert "4 devices" in dev.message and "only 1 cpu device" in dev.message
     assert "--xla_force_host_platform_device_count=4" in dev.action
 
 
 @needs_corpus
-def test_bare_blob_build_date_is_bracketed_from_its_signals(env):
+def test_bare_blob_build_date_is_bracketed_from_its_signals(env_0102):
+    env = env_0102
     old = _judge(CORPUS / "jax-0.6.2" / "mlp", env, bare=True)
     # calling convention 9 is written until jax 0.7.0 (2025-07-22)
     assert old.exporter["jaxlib_version"] is None
@@ -87,15 +123,40 @@ def test_bare_blob_build_date_is_bracketed_from_its_signals(env):
 
 
 @needs_corpus
-def test_running_jax_that_enforces_the_window(env):
+def test_running_jax_that_enforces_the_window(env_012):
     case = CORPUS / "jax-0.4.35" / "mlp"
-    later = env.replace(jax_version="0.11.1", jaxlib_version="0.11.1", enforces_window=True)
-    v = _judge(case, later)
+    v = _judge(case, env_012)
     assert v.status == "incompatible"
-    assert set(v.codes()) == {"expired", "window_backward"}
-    text = str(v)
-    # which jaxlib to install: the newest within 6 months of 0.4.35, or the last lenient one
-    assert "==0.6.0" in text and "==0.11.0" in text and "jax_export_deserialize_expired" in text
+    assert v.codes() == ["expired"]  # no "refresh while it still reads it" beside a refusal
+    (expired,) = v.reasons
+    assert "schema 2" in expired.message and "0.12.0.1 refuses" in expired.message
+    # what works: the flag (13 of the 17 corpus blobs jax 0.12 refuses run with it), or an
+    # older jax: the newest within 6 months of 0.4.35, or the last one that does not enforce
+    assert "JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS=1" in expired.action
+    assert "==0.6.0" in expired.action and "==0.11.0" in expired.action
+    # with the flag set the blob is read: a warning to refresh it while that lasts
+    v = _judge(case, env_012.replace(reads_expired=True))
+    assert v.status == "warn" and set(v.codes()) == {"expired", "window_backward"}
+    # 0.8.3 blobs are schema 5: read without the flag, only outside the promised window
+    v = _judge(CORPUS / "jax-0.8.3" / "mlp", env_012)
+    assert v.status == "warn" and v.codes() == ["window_backward"]
+    # a jax before 0.11.1 reads them all
+    assert _judge(case, env_012.replace(enforces_window=False)).ok
+
+
+@needs_corpus
+@pytest.mark.parametrize("version", ["0.4.35", "0.6.2", "0.8.3", "0.10.2"])
+def test_old_style_shardings_are_refused_whatever_the_flag(env_012, version):
+    case = CORPUS / f"jax-{version}" / "sharded4"
+    env = env_012.replace(device_count=4, reads_expired=True)
+    v = _judge(case, env)
+    if version == "0.10.2":  # NamedSharding only
+        assert v.ok and "hlo_sharding" not in v.codes()
+        return
+    (hlo,) = [r for r in v.reasons if r.code == "hlo_sharding"]
+    assert v.status == "incompatible" and "devices=[" in hlo.message
+    assert compat.EXPIRED_FLAG in hlo.message and "does not help" in hlo.message
+    assert compat.EXPIRED_ENV not in hlo.action and "==0.11.0" in hlo.action
 
 
 @needs_corpus
@@ -158,7 +219,8 @@ def test_registered_targets_are_listed_without_compiling(env):
 
 
 @needs_corpus
-def test_load_refuses_linalg_before_calling_and_override(tmp_path, caplog):
+def test_load_refuses_linalg_before_calling_and_override(tmp_path, caplog, expired_flag):
+    # jax >= 0.11.1 reads this schema-2 blob only with its flag (set by the fixture there)
     case = CORPUS / "jax-0.4.35" / "linalg"
     _, inputs, _ = load_case(case)
     path = tmp_path / "linalg"
@@ -178,6 +240,52 @@ def test_load_refuses_linalg_before_calling_and_override(tmp_path, caplog):
         model = mlflow.jaxexp.load_model(str(tmp_path / "mlp"))
     assert model.verdict.status == "warn"
     assert any("[window_backward]" in r.getMessage() for r in caplog.records)
+    if expired_flag:
+        assert any("[expired]" in r.getMessage() for r in caplog.records)
+
+
+@needs_corpus
+def test_expired_blob_is_refused_before_deserializing_and_read_with_the_flag(tmp_path):
+    if not jax_refuses_expired():
+        pytest.skip(f"jax {jax.__version__} reads every corpus blob (the refusal is from 0.11.1)")
+    case = CORPUS / "jax-0.6.2" / "mlp"
+    _, inputs, outputs = load_case(case)
+    blob = (case / "exported.bin").read_bytes()
+    # saving it here is refused with the verdict (never log what cannot load) ...
+    with pytest.raises(IncompatibleError, match=r"(?s)cannot read.*\[expired\].*VERSIONS=1"):
+        mlflow.jaxexp.save_model(blob, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    # ... and goes through with the flag; loading it without the flag is refused before JAX
+    jax.config.update(compat.EXPIRED_FLAG, True)
+    try:
+        mlflow.jaxexp.save_model(blob, tmp_path / "m")
+    finally:
+        jax.config.update(compat.EXPIRED_FLAG, False)
+    with pytest.raises(IncompatibleError, match=r"(?s)\[expired\].*EXPIRED_VERSIONS=1"):
+        mlflow.jaxexp.load_model(str(tmp_path / "m"))
+    # the advice works: in a process with the variable set, it loads and reproduces
+    code = (
+        "import sys, jax, numpy as np, mlflow, jaxexp_mlflow\n"
+        "from tests.conftest import load_case\n"
+        "from pathlib import Path\n"
+        "_, x, y = load_case(Path(sys.argv[2]))\n"
+        "m = mlflow.jaxexp.load_model(sys.argv[1])\n"
+        "print(m.verdict.codes())\n"
+        "args, kwargs = jax.tree.unflatten(m.exported.in_tree, x)\n"
+        "out = m(*args, **kwargs)\n"
+        "assert np.allclose(np.asarray(out), y[0], rtol=1e-5, atol=1e-5)\n"
+    )
+    env = {**os.environ, compat.EXPIRED_ENV: "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "m"), str(case)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "'expired'" in proc.stdout
 
 
 def test_release_table_script_and_shipped_table():

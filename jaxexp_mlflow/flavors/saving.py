@@ -54,6 +54,7 @@ def resolve_exported(
     if isinstance(exported, bytes | bytearray | memoryview):
         data = bytes(exported)
         description = blob_codec.describe(data, source="the given blob")
+        _refuse_if_this_jax_cannot_read(description)
         exp = blob_codec.deserialize_checked(data, source="the given blob", description=description)
         depth = description.vjp_order
         if vjp_order > depth:
@@ -89,6 +90,25 @@ def resolve_exported(
     register_for_save(exp.out_tree)
     data = _serialize(exp, vjp_order)
     return exp, data, here, blob_codec.describe(data, source="the serialized export")
+
+
+def _refuse_if_this_jax_cannot_read(description: Any) -> None:
+    """A blob this jax refuses to deserialize (expired schema, HLO shardings, newer schema):
+    the verdict's reasons and what to do, instead of JAX's bare ValueError."""
+    from jaxexp_mlflow.runtime import compat
+
+    verdict = compat.assess({}, description=description)
+    unreadable = [
+        r
+        for r in verdict.reasons
+        if r.code in {"expired", "hlo_sharding", "schema"} and r.severity == compat.INCOMPATIBLE
+    ]
+    if unreadable:
+        raise IncompatibleError(
+            f"jax {verdict.environment.get('jax_version')} cannot read the given blob, so it "
+            "cannot be saved from here (a saved model is one this environment loads):\n- "
+            + "\n- ".join(str(r) for r in unreadable)
+        )
 
 
 def _refuse_if_it_cannot_run_here(conf: dict[str, Any], description: Any) -> None:

@@ -10,8 +10,11 @@ description from the jax-free reader) and a snapshot of the running environment
 ``devices``             fewer devices visible than the export's ``nr_devices``
 ``calling_convention``  the blob's calling convention is outside what the running jax reads
 ``schema``              the blob was written with a newer serialization schema than jax reads
-``expired``             the running jax refuses blobs older than its window (jax >= 0.11.1)
-``window_backward``     exporter's jaxlib built more than 6 months before the running one
+``expired``             jax >= 0.11.1 refuses blobs of schema < 5 (written by jax <= 0.7) unless
+                        its flag ``jax_export_deserialize_expired_versions`` is set
+``hlo_sharding``        jax >= 0.11.1 refuses blobs carrying old-style (HLO) shardings, flag or not
+``window_backward``     exporter's jaxlib built more than 6 months before the running one (a
+                        warning: no released jax refuses a blob by its date, see ``expired``)
 ``window_forward``      exporter's jaxlib built more than 3 weeks after the running one
 ``jaxlib_unknown``      a jaxlib version the shipped release table does not know
 ``custom_calls``        custom-call targets of the module the running jaxlib does not register
@@ -64,14 +67,20 @@ SCHEMA_DATES = {
     9: dt.date(2026, 3, 17),
     10: dt.date(2026, 4, 4),
     11: dt.date(2026, 5, 15),
+    12: dt.date(2026, 7, 29),
 }
 #: Blob signals only older writers produce (by default): value -> first jax that writes newer.
 CALLING_CONVENTION_WRITTEN_UNTIL = {9: "0.7.0"}  # jax 0.7.0 made calling convention 10 default
 SERIALIZATION_FIELD_WRITTEN_UNTIL = {2: "0.8.0"}  # the flatbuffer field reads 3 from jax 0.8.0
-#: jax >= 0.11.1 refuses blobs older than its backward window, and schemas before 6 at all.
+#: What jax >= 0.11.1 refuses when deserializing (``jax/_src/export/serialization.py``, read in
+#: 0.11.0, 0.11.1, 0.11.2 and 0.12.0.1): a blob without the 32-bit ``nr_devices`` field, i.e. of
+#: schema < 5 (jax <= 0.7), unless the config flag ``EXPIRED_FLAG`` is set; and any sharding
+#: given only as an HLO sharding proto (schema < 6, or 5 with shardings), whatever the flag.
+#: No release refuses a blob by its date (a TODO in 0.12 plans a minimum schema after 2027-01).
 ENFORCING_JAX = (0, 11, 1)
-OLDEST_SCHEMA_READ_BY_ENFORCING_JAX = 6
+OLDEST_SCHEMA_READ_BY_ENFORCING_JAX = 5
 EXPIRED_FLAG = "jax_export_deserialize_expired_versions"
+EXPIRED_ENV = EXPIRED_FLAG.upper()
 
 #: Custom-call targets handled by JAX/XLA themselves (never in a runtime registry).
 BUILTIN_TARGETS = frozenset(
@@ -280,6 +289,7 @@ class Environment:
     calling_convention_range: tuple[int, int] | None = None
     max_schema: int | None = None
     enforces_window: bool | None = None
+    reads_expired: bool | None = None
     custom_call_targets: frozenset[str] | None = None
 
     @classmethod
@@ -314,6 +324,7 @@ class Environment:
             ),
             max_schema=_running_schema(),
             enforces_window=hasattr(jax.config, EXPIRED_FLAG),
+            reads_expired=bool(getattr(jax.config, EXPIRED_FLAG, False)),
             custom_call_targets=registered_custom_call_targets(platform),
         )
 
@@ -341,12 +352,9 @@ class Environment:
 
 
 def _running_schema() -> int | None:
-    try:
-        from jax._src.export import serialization
-    except ImportError:
-        return None
-    version = getattr(serialization, "_SERIALIZATION_VERSION", None)
-    return int(version) if isinstance(version, int) else None
+    from jaxexp_mlflow.internals.jax_private import serialization_schema
+
+    return serialization_schema()
 
 
 def registered_custom_call_targets(platform: str) -> frozenset[str] | None:
@@ -356,11 +364,9 @@ def registered_custom_call_targets(platform: str) -> frozenset[str] | None:
     which is when jaxlib registers its kernels (LAPACK on CPU, cuSOLVER on GPU, ...). Returns
     ``None`` if this jaxlib offers no way to list them.
     """
-    try:
-        from jax._src.lib import xla_client
-    except ImportError:
-        return None
-    lister = getattr(xla_client, "custom_call_targets", None)
+    from jaxexp_mlflow.internals.jax_private import custom_call_lister
+
+    lister = custom_call_lister()
     if lister is None:
         return None
     names: set[str] = set()
@@ -630,19 +636,51 @@ def _window(meta: Mapping[str, Any], description: Any, env: Environment, add: An
         enforcing = _vkey(env.jax_version) >= ENFORCING_JAX
     who = f"jaxlib {version}" if version else "the exporting jaxlib"
     when_latest = f"built {latest}" if version else f"built on or before {latest}"
-    schema = getattr(description, "schema_generation", None)
-    if enforcing and schema and schema < OLDEST_SCHEMA_READ_BY_ENFORCING_JAX:
+    schema = getattr(description, "schema_generation", None) or meta.get("schema_generation")
+    older_jax = _suggest_back(latest or earliest)
+    refused = False
+    if enforcing and schema and int(schema) < OLDEST_SCHEMA_READ_BY_ENFORCING_JAX:
+        written = (
+            f"serialization schema {schema} (written before "
+            f"{SCHEMA_DATES[OLDEST_SCHEMA_READ_BY_ENFORCING_JAX]})"
+        )
+        if env.reads_expired:
+            add(
+                "expired",
+                WARN,
+                f"The blob is of {written}; jax {env.jax_version} reads it only because "
+                f"{EXPIRED_FLAG} is set, and a later jax may not read it at all.",
+                "Refresh it now (jaxexp_mlflow.refresh / `jaxexp refresh`, with the same flag): "
+                "the refreshed blob is of this jax's schema.",
+            )
+        else:
+            refused = True
+            add(
+                "expired",
+                INCOMPATIBLE,
+                f"The blob is of {written}; jax {env.jax_version} refuses it as older than its "
+                "backward-compatibility window.",
+                f"Read it with JAX's flag for expired blobs: set {EXPIRED_ENV}=1 in the "
+                f"environment (or jax.config.update({EXPIRED_FLAG!r}, True)) and load it again, "
+                "then refresh it (`jaxexp refresh`); or run it with jax/jaxlib "
+                f"{older_jax} (`jaxexp verify --env-manager uv` uses the recorded environment).",
+            )
+    hlo = hlo_shardings(description)
+    if enforcing and hlo:
+        refused = True
         add(
-            "expired",
+            "hlo_sharding",
             INCOMPATIBLE,
-            f"jax {env.jax_version} no longer deserializes blobs of serialization schema "
-            f"{schema} (written before {SCHEMA_DATES[OLDEST_SCHEMA_READ_BY_ENFORCING_JAX]}).",
-            f"Install jax/jaxlib {_suggest_back(latest or earliest)} in another environment, "
-            "load the model there and refresh it (jaxexp_mlflow.refresh).",
+            f"The blob gives {len(hlo)} sharding(s) in the old HLO form ({hlo[0]}); jax "
+            f"{env.jax_version} reads only NamedSharding and refuses it, whatever its flags "
+            f"({EXPIRED_FLAG} does not help).",
+            f"Run it with jax/jaxlib {older_jax} (`jaxexp verify --env-manager uv` uses the "
+            "recorded environment) and refresh it there (`jaxexp refresh`), or export the "
+            "function again from its Python source.",
         )
     if here is None:
         return exporter
-    if latest is not None and here - latest > BACKWARD_WINDOW:
+    if latest is not None and here - latest > BACKWARD_WINDOW and not refused:
         age = _months(here - latest)
         base = (
             f"{who} ({when_latest}) is {age} older than this jaxlib {env.jaxlib_version} "
@@ -650,25 +688,13 @@ def _window(meta: Mapping[str, Any], description: Any, env: Environment, add: An
             + (f" (estimated from {', '.join(evidence)})" if not version else "")
             + "."
         )
-        if enforcing:
-            add(
-                "window_backward",
-                INCOMPATIBLE,
-                base + f" jax {env.jax_version} refuses to deserialize it.",
-                f"Install jax/jaxlib {_suggest_back(latest)}, load the model there and refresh "
-                f"it (jaxexp_mlflow.refresh); or set "
-                f"jax.config.update({EXPIRED_FLAG!r}, True) and pass allow_incompatible=True "
-                "to try anyway.",
-            )
-        else:
-            add(
-                "window_backward",
-                WARN,
-                base + " It may still run, but JAX no longer promises it, and jax >= 0.11.1 "
-                "refuses such blobs.",
-                "Refresh it now while this jax still reads it (jaxexp_mlflow.refresh(model_uri) "
-                "or `jaxexp refresh`), which also checks it reproduces its reference outputs.",
-            )
+        add(
+            "window_backward",
+            WARN,
+            base + " It may still run, but JAX no longer promises it.",
+            "Refresh it now while this jax still reads it (jaxexp_mlflow.refresh(model_uri) "
+            "or `jaxexp refresh`), which also checks it reproduces its reference outputs.",
+        )
     if earliest is not None and earliest - here > FORWARD_WINDOW:
         age = _months(earliest - here)
         when = f"built {earliest}" if version else f"built on or after {earliest}"
@@ -683,6 +709,29 @@ def _window(meta: Mapping[str, Any], description: Any, env: Environment, add: An
             "with the matching jax).",
         )
     return exporter
+
+
+def _is_polymorphic(description: Any) -> bool:
+    """Whether the blob's avals have a symbolic dimension (``float32[b,4]``)."""
+    avals = (
+        *(getattr(description, "in_avals", None) or ()),
+        *(getattr(description, "out_avals", None) or ()),
+    )
+    return any(re.search(r"\[[^\]]*[A-Za-z_]", str(a)) for a in avals)
+
+
+def hlo_shardings(description: Any) -> list[str]:
+    """The blob's top-level shardings given only in the old HLO form (jax >= 0.11.1 refuses
+    them); the reader prints those as HLO text and NamedShardings as ``NamedSharding(...)``."""
+    found = [
+        s
+        for s in (
+            *(getattr(description, "in_shardings", None) or ()),
+            *(getattr(description, "out_shardings", None) or ()),
+        )
+        if s is not None and not str(s).startswith("NamedSharding")
+    ]
+    return found
 
 
 def _suggest_back(exported_on: dt.date | None) -> str:
@@ -795,6 +844,10 @@ def _kernel_abi(
     else:
         latest = None
     seen: set[str] = set()
+    # Under a symbolic dimension JAX's FFI lowering appends one shape operand per result when a
+    # result shape is dynamic (recorded in the op's ``indices_of_shape_operands``), so a
+    # shape-polymorphic module may call a kernel with ``operands + results`` operands.
+    polymorphic = _is_polymorphic(description)
     for target, n_ops, n_res in sorted(calls):
         if _is_builtin(target) or (registered is not None and target not in registered):
             continue  # builtins are variadic; unregistered targets are reported by custom_calls
@@ -810,7 +863,8 @@ def _kernel_abi(
         if not running or target in seen:
             continue
         if n_ops >= 0:
-            if any((s["operands"], s["results"]) == (n_ops, n_res) for s in running):
+            counts = {(n_ops, n_res)} | ({(n_ops - n_res, n_res)} if polymorphic else set())
+            if any((s["operands"], s["results"]) in counts for s in running):
                 continue
             old = [s for s in sigs if (s["operands"], s["results"]) == (n_ops, n_res)]
             called = f"with {n_ops} operand(s) and {n_res} result(s)"
