@@ -1,5 +1,6 @@
-"""Regenerate ``tests/data/backcompat_truth.json``: what the installed jax does with each of JAX's
-archived back-compat modules (run in child processes), for the verdict tests to compare against.
+"""Regenerate ``tests/data/backcompat_truth/jax-<installed version>.json``: what the installed
+jax does with each of JAX's archived back-compat modules (run in child processes), for the verdict
+tests to compare against.
 
     python scripts/backcompat_truth.py            # fetch older jax wheels, run, rewrite the file
     python scripts/backcompat_truth.py --no-fetch # only the installed wheel and cached ones
@@ -58,9 +59,10 @@ def build(fetch: bool = True) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-fetch", action="store_true", help="do not pip download older wheels")
-    ap.add_argument("--out", type=Path, default=backcompat.TRUTH_FILE)
+    ap.add_argument("--out", type=Path, default=None, help="default: the installed jax's file")
     args = ap.parse_args(argv)
     doc = build(fetch=not args.no_fetch)
+    args.out = args.out or backcompat.truth_file(doc["jax_version"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
     runs = sum(r["truth"] == "runs" for r in doc["modules"].values())

@@ -6,8 +6,8 @@ wheels carry older modules). :func:`modules` reads them (JAX's own test data, ex
 tests do), :func:`blob` wraps one into an ``Exported`` exactly as JAX's harness
 (``export_back_compat_test_util.CompatTestBase.run_serialized``) does and serializes it, and
 :func:`ground_truth` runs blobs in a child process to see what the running jax really does.
-``tests/data/backcompat_truth.json`` caches that ground truth (regenerate with
-``scripts/backcompat_truth.py``).
+``tests/data/backcompat_truth/jax-<version>.json`` caches that ground truth, one file per jax
+release measured (regenerate with ``scripts/backcompat_truth.py`` under that jax).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-TRUTH_FILE = REPO / "tests" / "data" / "backcompat_truth.json"
+#: One ground-truth file per jax release measured: ``jax-<version>.json``.
+TRUTH_DIR = REPO / "tests" / "data" / "backcompat_truth"
 DATA_SUBDIR = "jax/_src/internal_test_util/export_back_compat_test_data"
 #: Older jax wheels whose test data adds modules the installed one dropped (pure-Python wheels,
 #: a few MB each; see scripts/backcompat_truth.py --fetch).
@@ -275,6 +276,16 @@ def ground_truth(mods: list[Module], workdir: Path) -> dict[str, dict[str, Any]]
     return results
 
 
-def load_truth() -> dict[str, Any]:
-    """The checked-in ground truth (``tests/data/backcompat_truth.json``)."""
-    return json.loads(TRUTH_FILE.read_text())
+def truth_file(jax_version: str | None = None) -> Path:
+    """Where the ground truth of ``jax_version`` (default: the installed jax) is kept."""
+    if jax_version is None:
+        import jax
+
+        jax_version = jax.__version__
+    return TRUTH_DIR / f"jax-{jax_version}.json"
+
+
+def load_truth(jax_version: str | None = None) -> dict[str, Any] | None:
+    """The checked-in ground truth of ``jax_version`` (default: the installed jax), or None."""
+    path = truth_file(jax_version)
+    return json.loads(path.read_text()) if path.is_file() else None

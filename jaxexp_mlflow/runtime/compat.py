@@ -639,6 +639,7 @@ def _window(meta: Mapping[str, Any], description: Any, env: Environment, add: An
     schema = getattr(description, "schema_generation", None) or meta.get("schema_generation")
     older_jax = _suggest_back(latest or earliest)
     refused = False
+    hlo = hlo_shardings(description)
     if enforcing and schema and int(schema) < OLDEST_SCHEMA_READ_BY_ENFORCING_JAX:
         written = (
             f"serialization schema {schema} (written before "
@@ -653,6 +654,16 @@ def _window(meta: Mapping[str, Any], description: Any, env: Environment, add: An
                 "Refresh it now (jaxexp_mlflow.refresh / `jaxexp refresh`, with the same flag): "
                 "the refreshed blob is of this jax's schema.",
             )
+        elif hlo:  # the flag would not open it: see hlo_sharding below
+            refused = True
+            add(
+                "expired",
+                INCOMPATIBLE,
+                f"The blob is of {written}; jax {env.jax_version} refuses it as older than its "
+                "backward-compatibility window.",
+                f"Run it with jax/jaxlib {older_jax} (`jaxexp verify --env-manager uv` uses the "
+                "recorded environment) and refresh it there (`jaxexp refresh`).",
+            )
         else:
             refused = True
             add(
@@ -665,7 +676,6 @@ def _window(meta: Mapping[str, Any], description: Any, env: Environment, add: An
                 "then refresh it (`jaxexp refresh`); or run it with jax/jaxlib "
                 f"{older_jax} (`jaxexp verify --env-manager uv` uses the recorded environment).",
             )
-    hlo = hlo_shardings(description)
     if enforcing and hlo:
         refused = True
         add(
