@@ -14,10 +14,11 @@ cd "$(dirname "$0")/.."
 
 ok() { "$1" -c 'import sys, venv, ensurepip; assert sys.version_info[:2] == (3, 13)' 2>/dev/null; }
 
-for cand in "${JAXEXP_PYTHON313:-}" "$(command -v python3.13 || true)"; do
+# JAXEXP_FORCE_TRIXIE=1 skips 1-3 (to test the fallback on a machine that has a 3.13)
+[ "${JAXEXP_FORCE_TRIXIE:-0}" = 1 ] || for cand in "${JAXEXP_PYTHON313:-}" "$(command -v python3.13 || true)"; do
   if [ -n "$cand" ] && ok "$cand"; then echo "$cand"; exit 0; fi
 done
-if command -v pyenv >/dev/null 2>&1 || [ -d "${PYENV_ROOT:-$HOME/.pyenv}/versions" ]; then
+if [ "${JAXEXP_FORCE_TRIXIE:-0}" != 1 ] && { command -v pyenv >/dev/null 2>&1 || [ -d "${PYENV_ROOT:-$HOME/.pyenv}/versions" ]; }; then
   root=$(pyenv root 2>/dev/null || echo "${PYENV_ROOT:-$HOME/.pyenv}")
   for cand in $(ls -d "$root"/versions/3.13*/bin/python3.13 2>/dev/null | sort -V -r); do
     if ok "$cand"; then echo "$cand"; exit 0; fi

@@ -165,7 +165,8 @@ def test_corpus_blob_agrees_with_jax(path: Path, expired_flag: bool) -> None:
         with pytest.raises(ValueError, match="backward-compatibility window"):
             export.deserialize(bytearray(raw))
         meta = json.loads((path.parent / "meta.json").read_text())
-        assert len(d.in_avals) == len(meta["in_avals"]) and len(d.out_avals) == len(meta["out_avals"])
+        assert len(d.in_avals) == len(meta["in_avals"])
+        assert len(d.out_avals) == len(meta["out_avals"])
         assert d.nr_devices == meta["nr_devices"] == 4 and d.fun_name == meta["fun_name"]
         assert all(s is not None and not s.startswith("NamedSharding") for s in d.in_shardings)
         return
@@ -430,3 +431,115 @@ def test_reader_imports_no_jax_numpy_mlflow_or_flatbuffers() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     assert out.strip().endswith("[]"), out
+
+
+# -- custom calls on the installed jax: targets and (target, operands, results) ---------------
+
+
+def _mlir_custom_calls(exp) -> list[tuple[str, int, int]]:
+    """(target, operand count, result count) of every custom call of ``exp.mlir_module()``, read
+    by MLIR's own parser (jaxlib's bindings), in module order."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir
+
+    calls: list[tuple[str, int, int]] = []
+
+    def visit(op) -> None:
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    child = child.operation
+                    if child.name in ("stablehlo.custom_call", "mhlo.custom_call"):
+                        target = ir.StringAttr(child.attributes["call_target_name"]).value
+                        calls.append((target, len(child.operands), len(child.results)))
+                    visit(child)
+
+    with jax_mlir.make_ir_context():
+        visit(ir.Module.parse(exp.mlir_module()).operation)
+    return calls
+
+
+def _linalg_solve(a, y):
+    import jax.numpy as jnp
+
+    return jnp.linalg.solve(a, y)
+
+
+def _linalg_eigh(a):
+    import jax.numpy as jnp
+
+    w, v = jnp.linalg.eigh(a)
+    return w, v
+
+
+def _linalg_both(a, y):
+    import jax.numpy as jnp
+
+    return jnp.linalg.solve(a, y), jnp.linalg.eigh(a)[0]
+
+
+# (function, input shapes; "b" is a symbolic batch dimension, "a" a symbolic size)
+_CUSTOM_CALL_CASES = {
+    "shape_assertion": (lambda x, y: x[: y.shape[0]] + y, [("a",), ("a",)]),
+    "shape_assertion_2a": (lambda x: x.reshape(2, -1), [("2*a",)]),
+    "solve": (_linalg_solve, [(3, 3), (3, 2)]),
+    "solve_batch": (_linalg_solve, [("b", 3, 3), ("b", 3, 1)]),
+    "eigh": (_linalg_eigh, [(4, 4)]),
+    "eigh_batch": (_linalg_eigh, [("b", 4, 4)]),
+    "solve_eigh_batch": (_linalg_both, [("b", 3, 3), ("b", 3, 1)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_CUSTOM_CALL_CASES))
+def test_reader_custom_calls_agree_with_mlir_text(case: str) -> None:
+    """The jax-free reader finds the custom calls the installed jax writes (StableHLO 1.15 with
+    ``vhlo.custom_call_v1`` on jax 0.10, 1.18 with ``vhlo.custom_call_v2`` on jax 0.12)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    fun, shapes = _CUSTOM_CALL_CASES[case]
+    a, b = export.symbolic_shape("a, b")
+    dims = {"a": a, "b": b, "2*a": 2 * a}
+    args = [
+        jax.ShapeDtypeStruct(tuple(dims.get(d, d) for d in shape), jnp.float32) for shape in shapes
+    ]
+    exp = export.export(jax.jit(fun), platforms=["cpu"])(*args)
+    blob = bytes(exp.serialize())
+    d = read_blob(blob)
+    expected = _mlir_custom_calls(exp)
+    assert expected, f"{case}: the export has no custom call to check"
+    assert d.module_error is None
+    assert d.custom_call_targets == tuple(sorted({t for t, _, _ in expected}))
+    assert d.custom_call_targets == _jax_custom_calls(exp)  # the regex on the text agrees
+    assert d.custom_calls == tuple(sorted(set(expected)))
+    symbolic = any(isinstance(x, str) for shape in shapes for x in shape)
+    assert ("shape_assertion" in d.custom_call_targets) == symbolic
+    if case.startswith("solve"):
+        assert {"lapack_sgetrf_ffi", "lapack_strsm_ffi"} <= set(d.custom_call_targets)
+    if "eigh" in case:
+        assert "lapack_ssyevd_ffi" in d.custom_call_targets
+    assert d.stablehlo_producer is not None and d.stablehlo_producer.startswith("StableHLO_v")
+
+
+def test_unknown_vhlo_custom_call_version_is_reported_not_missed() -> None:
+    """A ``vhlo.custom_call_vN`` this reader does not know makes the targets unknown (None, with
+    ``module_error``): never an empty tuple, which would claim "no custom calls"."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    a, b = export.symbolic_shape("a, b")
+    exp = export.export(jax.jit(_linalg_solve), platforms=["cpu"])(
+        jax.ShapeDtypeStruct((b, 3, 3), jnp.float32), jax.ShapeDtypeStruct((b, 3, 1), jnp.float32)
+    )
+    blob = bytes(exp.serialize())
+    assert read_blob(blob).custom_call_targets  # read as written
+    names = re.findall(rb"custom_call_v[0-9]", blob)
+    assert len(set(names)) == 1, names  # one op name in the module's string table
+    for newer in (b"custom_call_v9", b"custom_call_v0"):
+        d = read_blob(blob.replace(names[0], newer))
+        assert d.custom_call_targets is None and d.custom_calls is None
+        assert d.module_error is not None
+        assert f"vhlo.{newer.decode()}" in d.module_error and "does not know" in d.module_error
+        assert d.fun_name == exp.fun_name  # the rest of the blob is still described

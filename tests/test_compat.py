@@ -359,3 +359,43 @@ def test_kernel_signatures_read_from_the_module(env):
     dated = {**meta, "jaxlib_version": "0.6.2", "custom_call_targets": ["lapack_strsm_ffi"]}
     v = compat.assess(dated, env=env)
     assert "kernel_abi" in v.codes() and v.status == "warn"
+
+
+def test_batch_polymorphic_lapack_call_is_judged_by_its_kernel_operands(tmp_path):
+    """Under a symbolic batch JAX's FFI lowering appends one shape operand per result to a
+    kernel call (``indices_of_shape_operands``): ``lapack_strsm_ffi`` is then called with 3
+    operands, which is also the count of its retired 2024 signature. It must not be refused."""
+    import jax.numpy as jnp
+
+    def solve(params, b):
+        return jnp.linalg.solve(params["a"], b)
+
+    a = np.eye(4, dtype=np.float32) * 2.0 + 0.1
+    b = np.arange(12, dtype=np.float32).reshape(3, 4, 1)
+    params = {"a": np.broadcast_to(a, (3, 4, 4)).copy()}
+    mlflow.jaxexp.save_model(
+        jax.jit(solve), tmp_path / "m", params=params, input_example=b, batch_polymorphic=False
+    )
+    # the polymorphic export: params and input share the leading symbolic dimension
+    bdim = jax.export.symbolic_shape("b")[0]
+    exp = jax.export.export(jax.jit(solve))(
+        {"a": jax.ShapeDtypeStruct((bdim, 4, 4), jnp.float32)},
+        jax.ShapeDtypeStruct((bdim, 4, 1), jnp.float32),
+    )
+    blob = exp.serialize()
+    desc = compat_reader_blob(blob)
+    calls = {t: (o, r) for t, o, r in (desc.custom_calls or ())}
+    assert calls.get("lapack_strsm_ffi") == (3, 1), calls  # 2 real operands + 1 shape operand
+    v = compat.assess({}, description=desc)
+    assert v.ok and "kernel_abi" not in v.codes(), str(v)
+    mlflow.jaxexp.save_model(blob, tmp_path / "poly")
+    model = mlflow.jaxexp.load_model(str(tmp_path / "poly"))
+    np.testing.assert_allclose(
+        np.asarray(model(params, b)), np.linalg.solve(params["a"], b), rtol=1e-5, atol=1e-5
+    )
+
+
+def compat_reader_blob(blob: bytes):
+    from jaxexp_mlflow.codec.reader import read_blob
+
+    return read_blob(blob)

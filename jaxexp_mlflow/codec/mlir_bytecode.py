@@ -2,16 +2,27 @@
 
 ``Exported.mlir_module_serialized`` is a StableHLO *portable artifact*: MLIR bytecode of the VHLO
 dialect (``magic "ML\\xefR"``, a bytecode version, a producer string such as
-``"StableHLO_v1.15.0"``, then sections). This module walks the bytecode as MLIR's own
+``"StableHLO_v1.18.0"``, then sections). This module walks the bytecode as MLIR's own
 ``BytecodeReader`` does (string, dialect, attribute/type offset, properties and IR sections) and
 collects the ``call_target_name`` of every custom-call operation:
 
-* ``vhlo.custom_call_v1`` ops (bytecode version >= 5) keep their inherent attributes in the
-  properties section, written by ODS in the alphabetical order of the attribute names
-  (``api_version, backend_config, call_target_name, called_computations, ...``), so the target
-  is the third attribute of the op's properties; it must be a VHLO ``StringV1Attr``.
+* ``vhlo.custom_call_v1`` (VHLO 0.9.0 to 1.17.0: jax 0.4.35 writes StableHLO 1.7.0, jax 0.10.2
+  1.15.0) and ``vhlo.custom_call_v2`` (VHLO 1.18.0 onwards, which adds ``result_tilings``: jax
+  0.12 writes 1.18.0; still current in StableHLO 1.20.0) ops (bytecode version >= 5) keep their
+  inherent attributes in the properties section, written by ODS in the alphabetical order of the
+  attribute names (``api_version, backend_config, call_target_name, called_computations, ...``),
+  so the target is the third attribute of the op's properties in both versions; it must be a
+  VHLO ``StringV1Attr``.
 * Ops whose attributes are an attribute dictionary (older bytecode, ``stablehlo.custom_call`` or
   ``mhlo.custom_call`` in non-portable modules) are read through their ``call_target_name`` key.
+* Any other ``vhlo.custom_call_vN`` (a StableHLO newer than this reader) is an error: the module
+  is reported unreadable rather than read as one without custom calls.
+
+It is hand-written because the only complete readers are MLIR's own (C++, in jaxlib): the
+reader must work without JAX, in milliseconds, on hostile bytes. The price is that each new
+VHLO version of an op it depends on (the custom call, ``StringV1Attr`` = attribute code 14, the
+builtin dictionary) must be added here; the differential tests against the installed jax's
+``exp.mlir_module()`` catch a new one.
 
 The walk is linear in the module size: every count is checked against the bytes left before it
 is used, nesting is bounded, and any inconsistency raises :class:`MlirBytecodeError`, which the
@@ -28,6 +39,7 @@ __all__ = ["MlirBytecodeError", "MlirModuleInfo", "scan_module", "read_header", 
 MAGIC = b"ML\xefR"
 MAX_REGION_DEPTH = 100  # 3 Python frames per level: stays far below the recursion limit
 _MAX_VERSION = 6  # the newest MLIR bytecode version whose layout this reader implements
+_NEWEST_STABLEHLO = "1.20.0"  # the newest VHLO op set checked against this reader
 
 # Section ids (mlir/Bytecode/Encoding.h)
 _S_STRING, _S_DIALECT, _S_ATTRTYPE, _S_ATTRTYPE_OFFSET, _S_IR = 0, 1, 2, 3, 4
@@ -41,12 +53,20 @@ _V_ELIDE_UNKNOWN_BLOCK_ARG_LOC, _V_NATIVE_PROPERTIES = 4, 5
 # Attribute codes of the dialect-defined encodings used here
 _BUILTIN_DICTIONARY, _BUILTIN_STRING, _BUILTIN_STRING_WITH_TYPE = 1, 2, 3
 _VHLO_STRING_V1 = 14
+# Custom-call ops whose layout is known. Their properties hold call_target_name at the same
+# alphabetical index: custom_call_v1 (VHLO 0.9.0 to 1.17.0) has api_version, backend_config,
+# call_target_name, called_computations, has_side_effect, operand_layouts,
+# output_operand_aliases, result_layouts; custom_call_v2 (VHLO 1.18.0 to current, i.e. 1.20.0)
+# adds result_tilings, which sorts last. stablehlo/mhlo.custom_call also start with
+# api_version, backend_config, call_target_name.
 _CUSTOM_CALL_OPS = {
     ("vhlo", "custom_call_v1"),
+    ("vhlo", "custom_call_v2"),
     ("stablehlo", "custom_call"),
     ("mhlo", "custom_call"),
 }
-_CALL_TARGET_PROPERTY_INDEX = 2  # alphabetical position of call_target_name in custom_call_v1
+_VHLO_CUSTOM_CALL_PREFIX = "custom_call_v"  # any other vhlo.custom_call_vN: unknown layout
+_CALL_TARGET_PROPERTY_INDEX = 2  # alphabetical position of call_target_name (v1 and v2)
 
 
 class MlirBytecodeError(ValueError):
@@ -211,6 +231,15 @@ class _Scanner:
         self.ir = sections[_S_IR]
         self.custom_call_ids = {
             i for i, (d, name, _) in enumerate(self.op_names) if (d, name) in _CUSTOM_CALL_OPS
+        }
+        # A newer VHLO custom-call version (a StableHLO newer than this reader) may have moved
+        # call_target_name: the module cannot be fully read, which is reported, never guessed.
+        self.unknown_custom_call_ids = {
+            i
+            for i, (d, name, _) in enumerate(self.op_names)
+            if d == "vhlo"
+            and name.startswith(_VHLO_CUSTOM_CALL_PREFIX)
+            and (d, name) not in _CUSTOM_CALL_OPS
         }
         # (attr dict, props, registered, operand count, result count) of each custom call
         self.found: list[tuple[int | None, int | None, bool, int, int]] = []
@@ -435,6 +464,13 @@ class _Scanner:
                     num_operands = n
         if self.version >= _V_USE_LIST_ORDERING and mask & _HAS_USE_LIST_ORDERS:
             p = self._walk_use_list(b, p, e, num_results)
+        if name_idx in self.unknown_custom_call_ids:
+            _, name, _ = self.op_names[name_idx]
+            raise MlirBytecodeError(
+                f"vhlo.{name} is a custom-call version this reader does not know (it knows "
+                f"vhlo.custom_call_v1 and custom_call_v2, StableHLO up to {_NEWEST_STABLEHLO}): "
+                "its call targets cannot be read"
+            )
         if name_idx in self.custom_call_ids:
             registered = bool(self.op_names[name_idx][2])
             self.found.append((attr_dict, props, registered, num_operands, num_results))
