@@ -403,7 +403,10 @@ def test_tree_str_rendering() -> None:
     ],
 )
 def test_hlo_sharding_text_matches_xla(kwargs: dict) -> None:
-    from jax._src.lib import xla_client as xc
+    from jaxexp_mlflow.internals.jax_private import xla_client
+
+    xc = xla_client()
+    assert xc is not None and hasattr(xc, "OpSharding"), "jaxlib's xla_client moved"
 
     types = xc.OpSharding.Type
     proto = xc.OpSharding()
@@ -439,9 +442,11 @@ def test_reader_imports_no_jax_numpy_mlflow_or_flatbuffers() -> None:
 def _mlir_custom_calls(exp) -> list[tuple[str, int, int]]:
     """(target, operand count, result count) of every custom call of ``exp.mlir_module()``, read
     by MLIR's own parser (jaxlib's bindings), in module order."""
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib.mlir import ir
+    from jaxexp_mlflow.internals.jax_private import portable_artifact_api
 
+    api = portable_artifact_api()
+    assert api is not None, "jaxlib's MLIR bindings (internals/jax_private) are gone"
+    make_ir_context, ir, _ = api
     calls: list[tuple[str, int, int]] = []
 
     def visit(op) -> None:
@@ -454,7 +459,7 @@ def _mlir_custom_calls(exp) -> list[tuple[str, int, int]]:
                         calls.append((target, len(child.operands), len(child.results)))
                     visit(child)
 
-    with jax_mlir.make_ir_context():
+    with make_ir_context():
         visit(ir.Module.parse(exp.mlir_module()).operation)
     return calls
 

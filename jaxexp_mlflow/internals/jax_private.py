@@ -24,6 +24,11 @@ PRIVATE_NAMES: dict[str, tuple[str, str, str]] = {
         "the newest blob schema this jax reads (a newer blob would be misread)",
         "None: the schema check is skipped; the calling-convention range still applies",
     ),
+    "xla_client.OpSharding": (
+        "jax._src.lib.xla_client",
+        "tests only: the jax-free reader's HLO sharding text checked against XLA's",
+        "the test fails naming the move",
+    ),
     "xla_client.custom_call_targets": (
         "jax._src.lib.xla_client",
         "the kernels this jaxlib registers, to refuse a module calling a removed kernel",
@@ -77,13 +82,18 @@ def serialization_schema() -> int | None:
     return int(version) if isinstance(version, int) else None
 
 
-def custom_call_lister() -> Callable[[str], Any] | None:
-    """jaxlib's ``custom_call_targets(platform)`` registry reader, or None."""
+def xla_client() -> Any:
+    """jaxlib's ``xla_client`` module (custom-call registry, ``OpSharding``), or None."""
     try:
-        from jax._src.lib import xla_client
+        from jax._src.lib import xla_client as client
     except ImportError:
         return None
-    return getattr(xla_client, "custom_call_targets", None)
+    return client
+
+
+def custom_call_lister() -> Callable[[str], Any] | None:
+    """jaxlib's ``custom_call_targets(platform)`` registry reader, or None."""
+    return getattr(xla_client(), "custom_call_targets", None)
 
 
 def backends_initialized() -> bool:
