@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
 # Run python3.13 (or, with IN_TRIXIE_CMD set, that command) inside the Debian 13 root that
-# scripts/python313.sh made, with the project at the same path, so that a venv made through this
-# wrapper works unchanged from inside the root: bash scripts/in_trixie.sh -m venv .venv-newest
-# gives a venv whose bin/ scripts must then also be run through this wrapper
-# (IN_TRIXIE_CMD=.venv-newest/bin/pytest bash scripts/in_trixie.sh -q).
+# scripts/python313.sh made, with the project, ../shared, /tmp and pip's configuration bound in
+# at the same paths, so that paths mean the same inside and out. The binds are undone when the
+# command ends (also on failure), so that nothing under .cache/trixie points at host files.
+#   bash scripts/in_trixie.sh -c 'import sys; print(sys.version)'
+#   IN_TRIXIE_CMD=/bin/bash JAXEXP_STAGES=newest-here bash scripts/in_trixie.sh scripts/test.sh
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 ROOT="$HERE/.cache/trixie"
-bind() {  # bind <host path> : mount it at the same path inside the root, once
+[ -x "$ROOT/usr/bin/python3.13" ] || { echo "no Debian 13 root at $ROOT (scripts/python313.sh)" >&2; exit 2; }
+
+unbind_all() {  # every mount under the root, deepest first
+  { grep -o " $ROOT/[^ ]*" /proc/mounts || true; } | sort -r | while read -r m; do umount -l "$m" || true; done
+}
+bind() {  # bind <host path>: mount it at the same path inside the root
   local p=$1
   [ -e "$p" ] || return 0
   if [ -d "$p" ]; then mkdir -p "$ROOT$p"; else mkdir -p "$(dirname "$ROOT$p")"; touch "$ROOT$p"; fi
-  mountpoint -q "$ROOT$p" 2>/dev/null || mount --bind "$p" "$ROOT$p"
+  mount --bind "$p" "$ROOT$p"
 }
-for p in /proc /sys /dev /dev/shm /tmp "$HERE" "$(dirname "$HERE")/shared" /etc/pip.conf /etc/xdg/pip \
-  /opt/wheels /opt/pypi /opt/pypi-more /etc/resolv.conf /etc/hosts; do
+unbind_all
+trap unbind_all EXIT
+for p in /proc /sys /dev /dev/pts /dev/shm /tmp "$HERE" "$(dirname "$HERE")/shared" /etc/pip.conf \
+  /etc/xdg/pip /opt/wheels /opt/pypi /opt/pypi-more /etc/resolv.conf /etc/hosts /etc/ssl/certs; do
   bind "$p"
 done
 cmd=${IN_TRIXIE_CMD:-/usr/bin/python3.13}
-exec chroot "$ROOT" /usr/bin/env -C "$PWD" PATH="$(dirname "$cmd"):/usr/local/bin:/usr/bin:/bin" \
-  HOME=/root "$cmd" "$@"
+rc=0
+chroot "$ROOT" /usr/bin/env -C "$PWD" PATH="/usr/local/bin:/usr/bin:/bin" HOME=/root \
+  "$cmd" "$@" || rc=$?
+exit $rc

@@ -34,6 +34,9 @@ if [ ! -x "$ROOT/usr/bin/python3.13" ]; then
   }
   mirror=$(awk '/^URIs:/ && $2 ~ /debian\/?$/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
   [ -n "$mirror" ] || mirror=$(awk '/^deb / && $2 ~ /debian\/?$/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+  # never remove a root with host directories still bound into it
+  { grep -o " $ROOT/[^ ]*" /proc/mounts || true; } | sort -r | while read -r m; do umount -l "$m" || true; done
+  if grep -q " $ROOT/" /proc/mounts; then echo "python313: $ROOT still has mounts" >&2; exit 1; fi
   rm -rf "$ROOT"
   debootstrap --variant=minbase \
     --include=python3,python3-venv,python3-dev,gcc,ca-certificates,git,procps \
