@@ -61,16 +61,25 @@ for s in $STAGES; do
       if [ "$PY313" = "$PWD/scripts/in_trixie.sh" ]; then
         # no host CPython 3.13: run this stage inside the Debian 13 root
         IN_TRIXIE_CMD=/bin/bash JAXEXP_STAGES=newest-here PYTHON=/usr/bin/python3.13 \
-          bash scripts/in_trixie.sh scripts/test.sh "$@" || rc=$?
+          JAXEXP_NEWEST_VENV=.venv-trixie bash scripts/in_trixie.sh scripts/test.sh "$@" || rc=$?
       else
         PYTHON=$PY313 JAXEXP_STAGES=newest-here bash scripts/test.sh "$@" || rc=$?
       fi
       stage newest "$t0" "$rc"
       ;;
     newest-here)  # the newest stage, with $PYTHON a CPython 3.13
-      setup "$PY" .venv-newest --upgrade -e ".[test,iree]" jax jaxlib mlflow orbax-checkpoint
-      versions .venv-newest
-      PATH="$PWD/.venv-newest/bin:$PATH" .venv-newest/bin/pytest -q -p no:cacheprovider "$@"
+      venv=${JAXEXP_NEWEST_VENV:-.venv-newest}
+      setup "$PY" "$venv" --upgrade -e ".[test,iree]" jax jaxlib mlflow orbax-checkpoint
+      versions "$venv"
+      # installing the package into this environment (newest jax) changes no JAX version
+      "$venv/bin/python" -m pip install -q --dry-run --report "$venv/install-report.json" -e .
+      "$venv/bin/python" - "$venv/install-report.json" <<'EOF'
+import json, sys
+names = {i["metadata"]["name"].lower() for i in json.load(open(sys.argv[1]))["install"]}
+assert not names & {"jax", "jaxlib"}, f"installing jaxexp-mlflow would change {names}"
+print("  pip install -e . beside this stack changes no JAX version")
+EOF
+      PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pytest" -q -p no:cacheprovider "$@"
       exit $?
       ;;
     oldest)
