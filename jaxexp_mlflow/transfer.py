@@ -4,9 +4,10 @@ MLflow's ``HttpArtifactRepository.log_artifacts`` (``mlflow server`` proxying ar
 one file after the other, and ``download_artifacts`` lists a directory tree one request per
 directory before it downloads. A jaxexp model is ~100 files (params arrays, the ``code/`` copy of
 this package), so both add up. Here the files go through the same repository objects MLflow
-uses (``log_artifact`` / ``_download_file``: MLflow's retries, auth, multipart uploads to S3),
-several at a time, biggest first, with a byte progress bar on a terminal (tqdm, what MLflow's
-own artifact progress bars use), silent otherwise. See docs/remote.md.
+uses (``log_artifact`` and their one-file download, reached through ``internals.mlflow_private``:
+MLflow's retries, auth, multipart uploads to S3), several at a time, biggest first, with a byte
+progress bar on a terminal (tqdm, what MLflow's own artifact progress bars use), silent
+otherwise. See docs/remote.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from jaxexp_mlflow.internals import mlflow_private
 
 #: Parallel transfers per model (files in flight). Override with ``JAXEXP_TRANSFER_WORKERS``.
 DEFAULT_WORKERS = 8
@@ -170,8 +173,9 @@ class EarlyUpload:
         self.from_memory = (
             self.enabled
             and isinstance(self.repo, HttpArtifactRepository)
-            and not getattr(self.repo, "_is_multipart_upload_enabled", lambda: True)()
+            and not mlflow_private.multipart_upload_enabled(self.repo)
             and os.environ.get("JAXEXP_UPLOAD_FROM_MEMORY", "1") != "0"
+            and mlflow_private.host_creds(self.repo) is not None
         )
         self.subdir = subdir  # the params directory, whose chunk files ``__call__`` receives
         self.sent: dict[str, int] = {}  # params chunk file (relative to subdir) -> CRC-32C sent
@@ -216,13 +220,11 @@ class EarlyUpload:
     def _put(self, key: str, parts: tuple[memoryview, bytes], size: int) -> None:
         """What ``HttpArtifactRepository.log_artifact`` does for a file (same endpoint, auth,
         retries, content type), with the body sent from memory."""
-        from mlflow.utils.mime_type_utils import _guess_mime_type
         from mlflow.utils.rest_utils import augmented_raise_for_status, http_request
 
-        headers = {"Content-Type": _guess_mime_type(posixpath.basename(key))}
-        resp = http_request(
-            self.repo._host_creds, f"/{key}", "PUT", data=_Body(parts), extra_headers=headers
-        )
+        headers = {"Content-Type": mlflow_private.guess_mime_type(posixpath.basename(key))}
+        creds = mlflow_private.host_creds(self.repo)
+        resp = http_request(creds, f"/{key}", "PUT", data=_Body(parts), extra_headers=headers)
         augmented_raise_for_status(resp)
         self.bar.update(size)
 
@@ -393,11 +395,10 @@ def resolve_repository(model_uri: str) -> tuple[Any, Any, str] | None:
     from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
     from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
     from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
-    from mlflow.tracking.artifact_utils import _get_root_uri_and_artifact_path
 
     if os.path.exists(model_uri):
         return None
-    root_uri, artifact_path = _get_root_uri_and_artifact_path(model_uri)
+    root_uri, artifact_path = mlflow_private.root_uri_and_artifact_path(model_uri)
     outer = get_artifact_repository(root_uri)
     if isinstance(outer, RunsArtifactRepository):
         return None
@@ -503,7 +504,7 @@ class _Tree:
 
         local.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self.repo._download_file(info.path, str(local))
+            mlflow_private.download_file(self.repo, info.path, local)
         except MlflowException:
             raise
         except Exception as err:  # requests' HTTPError, boto's ClientError... (after retries)
@@ -564,16 +565,16 @@ def download_model(
     Files go straight to their final place, several at a time, while the tree is still being
     listed (``_Tree``), and big files are checksummed as they land, so that loading from a
     private download need not read them again (``codec.params.restore_params``)."""
-    from mlflow.tracking.artifact_utils import _download_artifact_from_uri
+    from mlflow.artifacts import download_artifacts
     from mlflow.utils.file_utils import create_tmp_dir
 
     resolved = resolve_repository(model_uri)
     if resolved is None:
-        return Download(_download_artifact_from_uri(model_uri, output_path=dst_path), False, {})
+        return Download(download_artifacts(artifact_uri=model_uri, dst_path=dst_path), False, {})
     outer, repo, root = resolved
     listing = repo.list_artifacts(root or None)
     if not listing:  # a file URI, or nothing there: let MLflow say what it is
-        return Download(_download_artifact_from_uri(model_uri, output_path=dst_path), False, {})
+        return Download(download_artifacts(artifact_uri=model_uri, dst_path=dst_path), False, {})
     dst = Path(dst_path or create_tmp_dir()).absolute()
     local_root = dst / posixpath.basename(root.rstrip("/")) if root else dst
     known = sum(i.file_size or 0 for i in listing if not i.is_dir)
@@ -581,5 +582,6 @@ def download_model(
         tree = _Tree(repo, root, local_root, _keep(root, skip), bar)
         tree.run(listing)
     if outer is not repo and (local_root / "MLmodel").is_file():
-        outer._add_registered_model_meta_file(str(local_root))  # as MLflow's download does
+        # as MLflow's download does: registered_model_meta up to MLflow 3.17, nothing since 3.18
+        mlflow_private.add_registered_model_meta(outer, local_root)
     return Download(str(local_root), True, tree.crc32c)

@@ -49,11 +49,10 @@ def load(
             exported = deserialize_checked(data, source=source, description=desc)
             placement = devices.plan(exported, **options)
         return JaxExpModel(placement.exported, None, {}, placement=placement)
-    from mlflow.utils.model_utils import _add_code_from_conf_to_system_path
-
+    from jaxexp_mlflow.internals import mlflow_private
     from jaxexp_mlflow.runtime.loader import load_directory
 
-    _add_code_from_conf_to_system_path(str(target.path), target.flavor)
+    mlflow_private.add_code_to_system_path(target.path, target.flavor)
     label = "Loading the model (checks, deserialize"
     label += ", restore params)" if target.flavor.get("params") else ")"
     with step(label):

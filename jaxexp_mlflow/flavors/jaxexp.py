@@ -18,25 +18,9 @@ from typing import Any
 from mlflow import pyfunc
 from mlflow.models import Model, ModelInputExample, ModelSignature
 from mlflow.models.model import MLMODEL_FILE_NAME, ModelInfo
-from mlflow.tracking._model_registry import DEFAULT_AWAIT_MAX_SLEEP_SECONDS
-from mlflow.utils.environment import (
-    _CONDA_ENV_FILE_NAME,
-    _CONSTRAINTS_FILE_NAME,
-    _PYTHON_ENV_FILE_NAME,
-    _REQUIREMENTS_FILE_NAME,
-    _mlflow_conda_env,
-    _process_conda_env,
-    _process_pip_requirements,
-    _PythonEnv,
-    _validate_env_arguments,
-)
 from mlflow.utils.file_utils import get_total_file_size, write_to
-from mlflow.utils.model_utils import (
-    _add_code_from_conf_to_system_path,
-    _validate_and_copy_code_paths,
-)
-from mlflow.utils.requirements_utils import _get_pinned_requirement
 
+from jaxexp_mlflow.internals import mlflow_private
 from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
 
 FLAVOR_NAME = "jaxexp"
@@ -74,7 +58,7 @@ def get_default_pip_requirements() -> list[str]:
     model's ``code/`` directory (``include_package=True``), from where MLflow imports the loader.
     """
     return [
-        _get_pinned_requirement(name)
+        mlflow_private.pinned_requirement(name)
         for name in ("jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy", "mlflow")
     ]
 
@@ -85,7 +69,7 @@ def _package_dir() -> str:
 
 def get_default_conda_env() -> dict[str, Any]:
     """The default conda environment for jaxexp models (pip requirements inside)."""
-    return _mlflow_conda_env(additional_pip_deps=get_default_pip_requirements())
+    return mlflow_private.mlflow_conda_env(additional_pip_deps=get_default_pip_requirements())
 
 
 def save_model(
@@ -141,7 +125,7 @@ def save_model(
     if "_jax_params" in kwargs:  # from log_model: Model.log keeps ``params`` for MLflow's own
         params = kwargs.pop("_jax_params")
     kwargs.pop("validate_serving_input", None)  # Model.log's own option, passed along to us
-    _validate_env_arguments(conda_env, pip_requirements, extra_pip_requirements)
+    mlflow_private.validate_env_arguments(conda_env, pip_requirements, extra_pip_requirements)
     # log_model's staging directory is uploaded then deleted: no fsync (docs/remote.md)
     durable = bool(kwargs.pop("durable", True))
     code_ready = kwargs.pop("_code_ready", None)  # log_model: upload code/ as soon as it is there
@@ -205,7 +189,7 @@ def _save_into(
     from jaxexp_mlflow.flavors import saving
     from jaxexp_mlflow.flavors import signature as sig
 
-    code_dir_subpath = _validate_and_copy_code_paths(code_paths, path)
+    code_dir_subpath = mlflow_private.copy_code_paths(code_paths, path)
     if code_ready is not None and code_dir_subpath:
         code_ready(os.path.join(path, code_dir_subpath), code_dir_subpath)
 
@@ -265,18 +249,17 @@ def _save_into(
     if input_example is not None:
         example = sig.serving_example(in_specs, input_example)
         if example is not None:
-            from mlflow.models.utils import _save_example
-
-            _save_example(mlflow_model, example, path)
+            mlflow_private.save_input_example(mlflow_model, example, path)
     if metadata is not None:
         mlflow_model.metadata = metadata
 
+    env_files = mlflow_private.env_file_names()
     pyfunc.add_to_model(
         mlflow_model,
         loader_module=__name__,
         model_config=dict.fromkeys(PYFUNC_CONFIG_KEYS),  # keys model_config may set at load
-        conda_env=_CONDA_ENV_FILE_NAME,
-        python_env=_PYTHON_ENV_FILE_NAME,
+        conda_env=env_files.conda,
+        python_env=env_files.python_env,
         code=code_dir_subpath,
     )
     mlflow_model.add_flavor(FLAVOR_NAME, code=code_dir_subpath, **flavor_conf)
@@ -337,19 +320,20 @@ def _write_environment(
     """conda.yaml, requirements.txt, constraints and python_env.yaml, as MLflow's flavors do."""
     if conda_env is None:
         default_reqs = get_default_pip_requirements() if pip_requirements is None else None
-        conda_env, pip_requirements, pip_constraints = _process_pip_requirements(
+        conda_env, pip_requirements, pip_constraints = mlflow_private.process_pip_requirements(
             default_reqs, pip_requirements, extra_pip_requirements
         )
     else:
-        conda_env, pip_requirements, pip_constraints = _process_conda_env(conda_env)
+        conda_env, pip_requirements, pip_constraints = mlflow_private.process_conda_env(conda_env)
     import yaml
 
-    with open(os.path.join(path, _CONDA_ENV_FILE_NAME), "w") as f:
+    names = mlflow_private.env_file_names()
+    with open(os.path.join(path, names.conda), "w") as f:
         yaml.safe_dump(conda_env, stream=f, default_flow_style=False)
     if pip_constraints:
-        write_to(os.path.join(path, _CONSTRAINTS_FILE_NAME), "\n".join(pip_constraints))
-    write_to(os.path.join(path, _REQUIREMENTS_FILE_NAME), "\n".join(pip_requirements))
-    _PythonEnv.current().to_yaml(os.path.join(path, _PYTHON_ENV_FILE_NAME))
+        write_to(os.path.join(path, names.constraints), "\n".join(pip_constraints))
+    write_to(os.path.join(path, names.requirements), "\n".join(pip_requirements))
+    mlflow_private.write_python_env(os.path.join(path, names.python_env))
 
 
 def log_model(
@@ -361,7 +345,7 @@ def log_model(
     signature: ModelSignature | None = None,
     input_example: ModelInputExample | None = None,
     registered_model_name: str | None = None,
-    await_registration_for: int = DEFAULT_AWAIT_MAX_SLEEP_SECONDS,
+    await_registration_for: int = mlflow_private.await_registration_default(),
     pip_requirements: list[str] | str | None = None,
     extra_pip_requirements: list[str] | str | None = None,
     conda_env: Any = None,
@@ -540,7 +524,7 @@ def load_model(
     # (docs/remote.md, "How a model travels").
     private = download.ours and dst_path is None
     flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
-    _add_code_from_conf_to_system_path(local_path, flavor_conf)
+    mlflow_private.add_code_to_system_path(local_path, flavor_conf)
     if backend == "iree":
         from jaxexp_mlflow.iree.loader import load_directory as load_iree
 

@@ -50,10 +50,10 @@ class ReadBack:
 
 
 def _flavor_conf(path: Path, flavor_name: str) -> dict[str, Any]:
-    from mlflow.utils.model_utils import _get_flavor_configuration
+    from mlflow.models import Model
 
     try:
-        return _get_flavor_configuration(model_path=str(path), flavor_name=flavor_name)
+        return Model.load(str(path)).flavors[flavor_name]
     except Exception as err:  # noqa: BLE001 - any failure here means MLmodel is unusable
         raise ArtifactError(
             f"The MLmodel file just written to {path} cannot be read back ({err}). Check that "
