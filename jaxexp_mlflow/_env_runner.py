@@ -14,16 +14,28 @@ import time
 import traceback
 
 
+def _add_model_code(model_dir: str) -> None:
+    """Put the model's own ``code/`` (its jaxexp-mlflow copy) first on ``sys.path``, through
+    MLflow's public ``Model.load``; only a relative directory inside the model is accepted."""
+    import os
+
+    from mlflow.models import Model
+
+    conf = Model.load(os.path.join(model_dir, "MLmodel")).flavors["jaxexp"]
+    code = conf.get("code")
+    if not code:
+        return
+    root = os.path.realpath(model_dir)
+    path = os.path.realpath(os.path.join(root, str(code)))
+    if not isinstance(code, str) or os.path.isabs(code) or not path.startswith(root + os.sep):
+        raise ValueError(f"MLmodel jaxexp.code is {code!r}: expected a directory inside the model")
+    sys.path.insert(0, path)
+
+
 def main(model_dir: str, out_dir: str) -> int:
     result = {"python": platform.python_version()}
     try:
-        from mlflow.utils.model_utils import (
-            _add_code_from_conf_to_system_path,
-            _get_flavor_configuration,
-        )
-
-        conf = _get_flavor_configuration(model_path=model_dir, flavor_name="jaxexp")
-        _add_code_from_conf_to_system_path(model_dir, conf)
+        _add_model_code(model_dir)
         import jax
         import numpy as np
 

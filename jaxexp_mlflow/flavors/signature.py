@@ -354,8 +354,9 @@ def validated_by_model(signature: Any) -> Any:
     MLflow for type-hinted ``PythonModel``s); the signature still documents the inputs for the
     UI, ``spark_udf`` and serving. See docs/serving.md, "The input contract".
     """
-    if hasattr(signature, "_is_signature_from_type_hint"):
-        signature._is_signature_from_type_hint = True
+    from jaxexp_mlflow.internals.mlflow_private import mark_signature_validated
+
+    mark_signature_validated(signature)
     return signature
 
 
