@@ -191,11 +191,18 @@ def test_calling_convention_schema_platform_devices(env):
     assert v.codes() == ["calling_convention"] and "Upgrade jax" in v.reasons[0].action
 
     class Desc:  # a blob written with a schema newer than the running jax knows
-        schema_generation = 99
+        schema_generation = 12
         custom_call_targets = ()
+        jax_version = "0.12.0.1"
 
-    v = compat.assess(meta, description=Desc(), env=env)
+    # schema 10 moved avals into shared tables: a jax that knows up to 9 would misread it
+    v = compat.assess(meta, description=Desc(), env=env.replace(max_schema=9))
     assert v.codes() == ["schema"] and v.status == "incompatible"
+    assert "schema 10 moved" in v.reasons[0].message and "0.12.0.1" in v.reasons[0].action
+    # schema 12 only adds the writer's version: jax 0.10.2 (schema 11) reads it (measured,
+    # tests/test_stablehlo_ops.py), so a warning
+    v = compat.assess(meta, description=Desc(), env=env.replace(max_schema=11))
+    assert v.codes() == ["schema"] and v.status == "warn"
 
     tpu = {**meta, "platforms": ["tpu"]}
     v = compat.assess(tpu, env=env)

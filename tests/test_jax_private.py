@@ -35,6 +35,7 @@ LOOKUPS = {
         "jax._src.interpreters.mlir",
         "make_ir_context",
     ),
+    "hlo.get_current_version": ("jax._src.lib.mlir.dialects", "hlo.get_current_version"),
 }
 #: the jax releases that have each name on purpose: (first, last) (read from the wheels:
 #: named shardings arrived in 0.9 and 0.12 dropped ``_has_named_shardings``, reading them only)
@@ -82,6 +83,9 @@ def test_private_paths_work_on_this_jax():
     assert lister is not None and "lapack_sgetrf_ffi" in set(lister("cpu"))
     assert jax_private.backends_initialized() is True
     assert jax_private.portable_artifact_api() is not None
+    from jaxlib.mlir.dialects import stablehlo  # the public jaxlib module jax aliases as hlo
+
+    assert jax_private.stablehlo_version() == stablehlo.get_current_version()
 
 
 def test_dimension_fallbacks_agree_with_jax():

@@ -4,7 +4,9 @@
 dialect (``magic "ML\\xefR"``, a bytecode version, a producer string such as
 ``"StableHLO_v1.18.0"``, then sections). This module walks the bytecode as MLIR's own
 ``BytecodeReader`` does (string, dialect, attribute/type offset, properties and IR sections) and
-collects the ``call_target_name`` of every custom-call operation:
+collects the ``call_target_name`` of every custom-call operation, and the names of the VHLO ops
+the module uses (``vhlo_ops``: each VHLO op name is versioned, ``custom_call_v2`` exists from
+StableHLO 1.18.0, so the names say which StableHLO a reader needs):
 
 * ``vhlo.custom_call_v1`` (VHLO 0.9.0 to 1.17.0: jax 0.4.35 writes StableHLO 1.7.0, jax 0.10.2
   1.15.0) and ``vhlo.custom_call_v2`` (VHLO 1.18.0 onwards, which adds ``result_tilings``: jax
@@ -85,6 +87,10 @@ class MlirModuleInfo:
     #: ``(target, operand count, result count)`` of every custom call (sorted, unique): the
     #: kernel ABI the module was written against (a changed operand count fails at execution).
     custom_calls: tuple[tuple[str, int, int], ...] | None = None
+    #: Names of the VHLO ops the module uses, without the dialect prefix (``"custom_call_v2"``),
+    #: sorted and unique, as listed by the dialect section; ``None`` when that section (or one
+    #: read before it) is unreadable. Set even when the IR walk fails later.
+    vhlo_ops: tuple[str, ...] | None = None
 
 
 class _Reader:
@@ -180,18 +186,22 @@ def scan_module(data: bytes) -> MlirModuleInfo:
         version, producer, r = read_header(data)
     except MlirBytecodeError as e:
         return MlirModuleInfo(None, None, None, str(e))
+    ops: tuple[str, ...] | None = None
     try:
         scanner = _Scanner(data, version, r)
+        ops = scanner.vhlo_ops()
         targets = scanner.custom_call_targets()
     except MlirBytecodeError as e:
-        return MlirModuleInfo(version, producer, None, str(e))
+        return MlirModuleInfo(version, producer, None, str(e), vhlo_ops=ops)
     except IndexError:
-        return MlirModuleInfo(version, producer, None, "module is truncated (read past its end)")
+        error = "module is truncated (read past its end)"
+        return MlirModuleInfo(version, producer, None, error, vhlo_ops=ops)
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as e:
         # Defensive: the module is an opaque payload for jax.export too; whatever is wrong in
         # it must not make the blob unreadable. Reported, never raised.
-        return MlirModuleInfo(version, producer, None, f"unreadable module ({e!r})")
-    return MlirModuleInfo(version, producer, targets, None, tuple(sorted(set(scanner.calls))))
+        return MlirModuleInfo(version, producer, None, f"unreadable module ({e!r})", vhlo_ops=ops)
+    calls = tuple(sorted(set(scanner.calls)))
+    return MlirModuleInfo(version, producer, targets, None, calls, ops)
 
 
 def module_dialects(data: bytes) -> tuple[str, ...] | None:
@@ -245,6 +255,11 @@ class _Scanner:
         self.found: list[tuple[int | None, int | None, bool, int, int]] = []
         self.calls: list[tuple[str, int, int]] = []
         self.ops_left = self.ir.left()  # every op takes >= 3 bytes: a hard bound on the walk
+
+    def vhlo_ops(self) -> tuple[str, ...]:
+        """The VHLO op names of the dialect section (MLIR's writer lists the ops it numbered
+        while walking the module, i.e. exactly those used), without the prefix; sorted."""
+        return tuple(sorted({name for d, name, _ in self.op_names if d == "vhlo"}))
 
     # -- tables ---------------------------------------------------------------------------
     def _strings(self, r: _Reader) -> list[bytes]:

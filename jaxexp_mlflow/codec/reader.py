@@ -166,6 +166,10 @@ class BlobDescription:
     unknown_fields: tuple[int, ...] = field(default=())
     #: ``(target, operand count, result count)`` of each custom call, or None (unreadable).
     custom_calls: tuple[tuple[str, int, int], ...] | None = None
+    #: VHLO op names the module uses (``("add_v1", "custom_call_v2", ...)``), or None.
+    vhlo_ops: tuple[str, ...] | None = None
+    #: ``Exported.jax_version``: the jax that wrote the blob (schema >= 12), else None.
+    jax_version: str | None = None
 
     def in_tree_str(self) -> str:
         """``in_tree`` as JAX prints it."""
@@ -229,6 +233,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> BlobDescription:
         module_size=len(module),
         module_error=info.error,
         custom_calls=info.custom_calls,
+        vhlo_ops=info.vhlo_ops,
         size=len(buf),
         sha256=hashlib.sha256(buf).hexdigest(),
     )
@@ -370,6 +375,7 @@ def _read_exported(t: Table, gen: _Gen, depth: int) -> dict[str, Any]:
         "module_kept_var_idx": kept,
         "uses_global_constants": bool(t.u8(S.uses_global_constants, "uses_global_constants")),
         "unknown_fields": unknown,
+        "jax_version": t.string(S.jax_version, "jax_version"),
         "_module": module,
     }
 

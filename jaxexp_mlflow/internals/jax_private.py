@@ -69,6 +69,11 @@ PRIVATE_NAMES: dict[str, tuple[str, str, str]] = {
         "read and rewrite the blob's StableHLO for the IREE backend",
         "the IREE backend compiles the stored module without the rewrite",
     ),
+    "hlo.get_current_version": (
+        "jax._src.lib.mlir.dialects",
+        "the newest StableHLO version this jaxlib reads (a module using a newer VHLO op fails)",
+        "None: the stablehlo check is skipped (the first call fails instead)",
+    ),
 }
 
 
@@ -232,3 +237,18 @@ def portable_artifact_api() -> tuple[Any, Any, Any] | None:
     if not all(hasattr(api, f"{d}serialize_portable_artifact") for d in ("", "de")):
         return None
     return jax_mlir.make_ir_context, ir, api
+
+
+def stablehlo_version() -> str | None:
+    """The StableHLO version this jaxlib reads and writes at most (``"1.17.0"`` for jaxlib
+    0.10.2, ``"1.22.0"`` for 0.12.0.1), or None."""
+    try:
+        from jax._src.lib.mlir.dialects import hlo
+    except ImportError:
+        return None
+    get = getattr(hlo, "get_current_version", None)
+    try:
+        version = get() if get is not None else None
+    except Exception:  # a binding that changed its signature: unknown, the check is skipped
+        return None
+    return version if isinstance(version, str) and version.count(".") == 2 else None

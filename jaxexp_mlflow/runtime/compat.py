@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from jaxexp_mlflow.runtime import stablehlo_ops
+
 OK, WARN, INCOMPATIBLE = "ok", "warn", "incompatible"
 _RANK = {OK: 0, WARN: 1, INCOMPATIBLE: 2}
 
@@ -80,6 +82,12 @@ SERIALIZATION_FIELD_WRITTEN_UNTIL = {2: "0.8.0"}  # the flatbuffer field reads 3
 ENFORCING_JAX = (0, 11, 1)
 OLDEST_SCHEMA_READ_BY_ENFORCING_JAX = 5
 EXPIRED_FLAG = "jax_export_deserialize_expired_versions"
+#: Schema generations an older reader misreads rather than partly ignores (flatbuffers skip
+#: unknown fields): 5 moved ``nr_devices`` to a 32-bit field (an older reader sees 0 devices),
+#: 10 moved avals and shardings into shared tables indexed per argument. The others add fields
+#: or values (f0 dtype, namedtuples, PRNG keys, memory spaces, named shardings beside the HLO
+#: ones, abstract devices, the writer's jax version) that a blob uses only when it needs them.
+BREAKING_SCHEMAS = (5, 10)
 EXPIRED_ENV = EXPIRED_FLAG.upper()
 
 #: Custom-call targets handled by JAX/XLA themselves (never in a runtime registry).
@@ -291,6 +299,7 @@ class Environment:
     enforces_window: bool | None = None
     reads_expired: bool | None = None
     custom_call_targets: frozenset[str] | None = None
+    stablehlo_version: str | None = None
 
     @classmethod
     def current(cls) -> Environment:
@@ -302,6 +311,7 @@ class Environment:
         from jax import export as jax_export
 
         from jaxexp_mlflow.codec.metadata import package_version
+        from jaxexp_mlflow.internals.jax_private import stablehlo_version
 
         platform = jax.default_backend()
         devices = jax.devices()
@@ -326,6 +336,7 @@ class Environment:
             enforces_window=hasattr(jax.config, EXPIRED_FLAG),
             reads_expired=bool(getattr(jax.config, EXPIRED_FLAG, False)),
             custom_call_targets=registered_custom_call_targets(platform),
+            stablehlo_version=stablehlo_version(),
         )
 
     def replace(self, **changes: Any) -> Environment:
@@ -579,16 +590,34 @@ def assess(
 
     # serialization schema (a newer writer than this reader)
     schema = getattr(description, "schema_generation", None)
+    writer = exporter_jax or getattr(description, "jax_version", None)
     if schema and env.max_schema and schema > env.max_schema:
-        add(
-            "schema",
-            INCOMPATIBLE,
-            f"The blob was written with serialization schema {schema}; jax {env.jax_version} "
-            f"knows schemas up to {env.max_schema} and would misread it.",
+        upgrade = (
             "Upgrade jax and jaxlib"
-            + (f" to {exporter_jax} or newer" if exporter_jax else " to the newest release")
-            + ".",
+            + (f" to {writer} or newer" if writer else " to the newest release")
+            + "."
         )
+        breaking = [g for g in BREAKING_SCHEMAS if env.max_schema < g <= schema]
+        if breaking:
+            add(
+                "schema",
+                INCOMPATIBLE,
+                f"The blob was written with serialization schema {schema}; jax {env.jax_version} "
+                f"knows schemas up to {env.max_schema}, and schema {breaking[-1]} moved fields "
+                "it reads, so it would misread the blob.",
+                upgrade,
+            )
+        else:
+            add(
+                "schema",
+                WARN,
+                f"The blob was written with serialization schema {schema}; jax {env.jax_version} "
+                f"knows schemas up to {env.max_schema}. The fields added since only add "
+                "information, which this jax ignores; what it reads means the same.",
+                upgrade + " (`jaxexp verify` checks that it reproduces here).",
+            )
+
+    stablehlo_ops.check(description, env.stablehlo_version, exporter_jax, add)
 
     # build-date window
     exporter = _window(meta, description, env, add)
