@@ -13,6 +13,12 @@ model says so in its tags (``jaxexp.refresh.proof``, ``jaxexp.refresh.synthetic_
 The module inside is the old one, inlined: a refresh renews the serialization, not the kernels.
 A blob that calls custom-call targets this jaxlib no longer registers (LAPACK kernels of
 jax 0.4.x) cannot be refreshed; export it again from its Python source.
+
+jax >= 0.11.1 reads a blob of serialization schema < 5 (jax <= 0.7) only with its flag
+``jax_export_deserialize_expired_versions`` (``JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS=1``): with
+it set, the refresh runs (the verdict's ``expired`` is then a warning); without, it is refused
+naming the flag. A blob with old-style HLO shardings it does not read at all: refresh it with an
+older jax (e.g. the model's recorded environment).
 """
 
 from __future__ import annotations
@@ -85,8 +91,21 @@ def _judge(meta: dict, description: Any, model_uri: str, options: dict) -> compa
     if blocking:
         why = "\n- ".join(str(r) for r in blocking)
         extra = ""
-        if any(r.code in ("custom_calls", "kernel_abi") for r in blocking):
-            extra = (
+        codes = {r.code for r in blocking}
+        if "expired" in codes and not codes & {"hlo_sharding", "custom_calls", "kernel_abi"}:
+            extra += (
+                f"\nSet {compat.EXPIRED_ENV}=1 and run the refresh again: the refreshed model is "
+                "of this jax's schema and loads without the flag."
+            )
+        if "hlo_sharding" in codes:
+            extra += (
+                "\nA refresh must read the blob, and this jax cannot read its old-style "
+                "shardings: run `jaxexp refresh` with an older jax/jaxlib that still does (e.g. "
+                "in the model's recorded environment, the one `jaxexp verify --env-manager uv` "
+                "builds), then use the refreshed model here."
+            )
+        if codes & {"custom_calls", "kernel_abi"}:
+            extra += (
                 "\nA refresh re-serializes the same module, so it would keep calling these "
                 "kernels: it cannot fix this. Export the function again from its Python source "
                 "with this jax (its new lowering uses the kernels this jaxlib has), or keep "
@@ -180,16 +199,16 @@ def refresh(
     """
     import jax
     import mlflow
+    from mlflow.artifacts import download_artifacts
     from mlflow.models import Model
     from mlflow.models.model import MLMODEL_FILE_NAME
-    from mlflow.tracking.artifact_utils import _download_artifact_from_uri
 
     from jaxexp_mlflow import artifact
     from jaxexp_mlflow.codec import blob, mlmodel
     from jaxexp_mlflow.codec.metadata import package_version
     from jaxexp_mlflow.flavors import jaxexp as flavor
 
-    local = Path(_download_artifact_from_uri(artifact_uri=model_uri))
+    local = Path(download_artifacts(artifact_uri=model_uri))
     meta = mlmodel.flavor_section(mlmodel.read_mlmodel(local), flavor.FLAVOR_NAME)
     source_model = Model.load(os.path.join(local, MLMODEL_FILE_NAME))
     data = artifact.read_blob(local, meta)

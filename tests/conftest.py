@@ -152,3 +152,56 @@ def tracking_uri(tmp_path, monkeypatch):
     yield uri
     mlflow.end_run()
     mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture
+def without_expired_flag():
+    """A context manager that unsets jax's ``jax_export_deserialize_expired_versions`` for its
+    block (inside a test that set it with ``expired_flag``): what a user without the flag sees."""
+    import contextlib
+
+    import jax
+
+    name = "jax_export_deserialize_expired_versions"
+
+    @contextlib.contextmanager
+    def unset():
+        if not hasattr(jax.config, name):
+            yield
+            return
+        before = getattr(jax.config, name)
+        jax.config.update(name, False)
+        try:
+            yield
+        finally:
+            jax.config.update(name, before)
+
+    return unset
+
+
+def as_logged_by_older_jax(model_dir: Path, blob: Path) -> None:
+    """Make ``model_dir`` (a saved bare-blob model of the same function) hold ``blob`` instead,
+    as an older jax that could still read it would have saved it: the blob file, its checksum
+    and the format facts MLmodel records of it. For blobs the installed jax cannot read at all
+    (old-style HLO shardings under jax >= 0.11.1), so cannot save."""
+    import hashlib
+
+    import yaml
+
+    from jaxexp_mlflow.codec.reader import read_blob_file
+
+    data = blob.read_bytes()
+    desc = read_blob_file(blob)
+    mlmodel = yaml.safe_load((model_dir / "MLmodel").read_text())
+    conf = mlmodel["flavors"]["jaxexp"]
+    (model_dir / conf.get("exported_file", "exported.bin")).write_bytes(data)
+    conf.update(
+        exported_sha256=hashlib.sha256(data).hexdigest(),
+        exported_nbytes=len(data),
+        calling_convention_version=int(desc.calling_convention_version),
+        serialization_version=int(desc.serialization_version),
+        schema_generation=int(desc.schema_generation),
+        in_shardings=[None if s is None else str(s) for s in desc.in_shardings],
+        out_shardings=[None if s is None else str(s) for s in desc.out_shardings],
+    )
+    (model_dir / "MLmodel").write_text(yaml.safe_dump(mlmodel))

@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 
+import jax
 import mlflow
 import pytest
 from click.testing import CliRunner
@@ -13,11 +14,18 @@ from click.testing import CliRunner
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.cli.audit import plan
 from jaxexp_mlflow.runtime import compat
-from tests.conftest import CORPUS, corpus_cases
+from tests.conftest import CORPUS, corpus_cases, corpus_refusals
 from tests.models import batch, export_mlp, mlp_params
 
 pytestmark = pytest.mark.skipif(not corpus_cases(), reason="corpus not available")
 AS_OF = "2026-11-22"
+#: jax >= 0.11.1 without its expired-versions flag refuses the 0.6.2 and 0.4.35 blobs (schema < 5)
+REFUSES_MLP = "expired" in corpus_refusals(CORPUS / "jax-0.6.2" / "mlp")
+
+
+def _live_window() -> dt.date:
+    """When the window of a model logged by the running jaxlib closes (6 months after its build)."""
+    return compat.release_date(compat.Environment.current().jaxlib_version) + compat.BACKWARD_WINDOW
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +40,11 @@ def archive(tmp_path_factory):
         exp_id = mlflow.create_experiment("archive", artifact_location=(root / "art").as_uri())
         mlflow.set_experiment(experiment_id=exp_id)
         params = mlp_params()
+        # logged as a jax that still read them would have (jax >= 0.11.1 needs its flag for
+        # the blobs of jax <= 0.7); the audits below run without the flag, as a user would
+        flag, before = compat.EXPIRED_FLAG, getattr(jax.config, compat.EXPIRED_FLAG, None)
+        if before is not None:
+            jax.config.update(flag, True)
         with mlflow.start_run():
             mlflow.jaxexp.log_model(
                 export_mlp(params),
@@ -52,6 +65,8 @@ def archive(tmp_path_factory):
                     blob, name=f"{case}-{version}".replace(".", "_"), registered_model_name=case
                 )
             mlflow.pyfunc.log_model(name="other", python_model=_Echo())
+        if before is not None:
+            jax.config.update(flag, before)
         yield uri
         mlflow.set_tracking_uri(None)
         os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
@@ -62,8 +77,11 @@ class _Echo(mlflow.pyfunc.PythonModel):
         return model_input
 
 
-def test_audit_registry_ranks_what_to_refresh_first(archive):
-    result = CliRunner().invoke(main, ["audit", "--as-of", AS_OF, "--json"], catch_exceptions=False)
+def test_audit_registry_ranks_what_to_refresh_first(archive, expired_flag, without_expired_flag):
+    with without_expired_flag():
+        result = CliRunner().invoke(
+            main, ["audit", "--as-of", AS_OF, "--json"], catch_exceptions=False
+        )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["scope"] == "registry" and doc["as_of"] == AS_OF
@@ -72,9 +90,16 @@ def test_audit_registry_ranks_what_to_refresh_first(archive):
     assert [r["rank"] for r in doc["models"]] == list(range(1, 7))
     # jax 0.6.2 blob (calling convention 9, bare: built on or before 2025-07-22): closed
     old = rows["mlp"]
-    assert old["status"] == "warn" and old["window"] == "by"
+    assert old["window"] == "by"
     assert old["window_closes"] == "2026-01-21" and old["months_left"] < 0
-    assert old["action"] == "refresh now (window closed)"
+    if REFUSES_MLP:  # jax >= 0.11.1 without the flag: refused, refresh it with the flag set
+        assert old["status"] == "incompatible" and old["codes"] == ["expired"]
+        assert old["action"] == (
+            "refresh now with JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS=1 (window closed)"
+        )
+    else:
+        assert old["status"] == "warn" and old["codes"] == ["window_backward"]
+        assert old["action"] == "refresh now (window closed)"
     # refresh-now models come first, ordered by the date their window closes
     assert doc["models"][0]["name"] == "mlp"
     # the kernels of 0.4.35 linalg are gone: a refresh cannot help
@@ -82,11 +107,25 @@ def test_audit_registry_ranks_what_to_refresh_first(archive):
     assert "custom_calls" in rows["linalg"]["codes"]
     # 4-device blob on 1 device: refresh it where it runs
     assert rows["sharded4"]["action"] == "refresh with enough devices before the window closes"
-    # live model logged by this jax (0.10.2, built 2026-06-17): its window closes 2026-12-17
+    # live model logged by this jax: its window closes 6 months after this jaxlib's build
+    # (jaxlib 0.10.2, built 2026-06-17: 2026-12-17, within a month; 0.12.0.1: 2027-04-21)
     live = rows["live"]
+    closes = _live_window()
     assert live["status"] == "ok" and live["window"] == "exact"
-    assert live["window_closes"] == "2026-12-17" and live["action"] == "refresh now"
+    assert live["window_closes"] == closes.isoformat()
+    soon = (closes - dt.date.fromisoformat(AS_OF)).days
+    assert live["action"] == (
+        "refresh now" if soon <= 31 else "refresh soon" if soon <= 92 else "ok"
+    )
     assert doc["summary"]["refresh now"] >= 2
+    # with the flag set, the 0.6.2 blob is read here: a warning, refresh it now
+    if expired_flag:
+        flagged = CliRunner().invoke(
+            main, ["audit", "--model", "mlp", "--as-of", AS_OF, "--json"], catch_exceptions=False
+        )
+        (row,) = json.loads(flagged.stdout)["models"]
+        assert row["status"] == "warn" and set(row["codes"]) == {"expired", "window_backward"}
+        assert row["action"] == "refresh now (window closed)"
 
 
 def test_audit_table_experiment_scope_and_later_date(archive):
@@ -114,9 +153,16 @@ def test_audit_table_experiment_scope_and_later_date(archive):
     # a bare 0.8.3 blob: only a lower bound of its build date, so its window may have closed
     poly = next(ln for ln in lines if "mlp_poly" in ln)
     assert "after 2026-05-25" in poly and "refresh now (window may have closed)" in poly
-    # as of June 2026 the live model (window to 2026-12-17) still has months left
+    # as of June 2026 the live model (window to 2026-12-17 on jaxlib 0.10.2) has months left
     live = next(ln for ln in lines if ln.split()[1:2] and ln.split()[1].startswith("live"))
-    assert "+6.5" in live and live.rstrip().endswith("ok")
+    months = (_live_window() - dt.date(2026, 6, 1)).days / 30.44
+    assert f"{months:+.1f}" in live and live.rstrip().endswith("ok")
+    # the 0.6.2 blob: refreshed with jax's flag set where this jax refuses it without
+    mlp = next(ln for ln in lines if "mlp-0_6_2" in ln)
+    if REFUSES_MLP:
+        assert "incompatible" in mlp and "with JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS=1" in mlp
+    else:
+        assert "warn" in mlp and "refresh now (window closed)" in mlp
     # progress goes to stderr, only when asked for (a terminal, or JAXEXP_PROGRESS=1)
     assert "Auditing" not in result.stderr
     shown = CliRunner().invoke(
@@ -137,6 +183,16 @@ def test_plan_and_window_rules():
         "refresh now"
     )
     assert plan("incompatible", ["kernel_abi"], None, day)[0] == 1
+    # jax >= 0.11.1: an expired blob is refreshed here with the flag; HLO shardings elsewhere
+    past = day - dt.timedelta(days=30)
+    assert plan("incompatible", ["expired"], past, day, "by") == (
+        0,
+        "refresh now with JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS=1 (window closed)",
+    )
+    sharded = plan("incompatible", ["devices", "expired", "hlo_sharding"], past, day)
+    assert sharded[0] == 2 and "older jax" in sharded[1] and "--env-manager uv" in sharded[1]
+    linalg = plan("incompatible", ["expired", "custom_calls"], past, day)
+    assert linalg[1].startswith("export again from source")
     exact = {"build_date_earliest": "2026-06-17", "build_date_latest": "2026-06-17"}
     assert compat.window_closes(exact) == (dt.date(2026, 12, 17), "exact")
     assert compat.window_closes({"build_date_earliest": "2026-04-04"})[1] == "after"

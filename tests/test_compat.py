@@ -272,6 +272,9 @@ def test_expired_blob_is_refused_before_deserializing_and_read_with_the_flag(tmp
     jax.config.update(compat.EXPIRED_FLAG, True)
     try:
         mlflow.jaxexp.save_model(blob, tmp_path / "m")
+        # the isolation child reads it alike (the flag set in Python reaches it)
+        isolated = mlflow.jaxexp.load_model(str(tmp_path / "m"), isolate=True)
+        assert isolated.verdict.codes()[0] == "expired" and isolated.verdict.status == "warn"
     finally:
         jax.config.update(compat.EXPIRED_FLAG, False)
     with pytest.raises(IncompatibleError, match=r"(?s)\[expired\].*EXPIRED_VERSIONS=1"):

@@ -16,9 +16,10 @@ from click.testing import CliRunner
 import jaxexp_mlflow
 from jaxexp_mlflow import probes
 from jaxexp_mlflow.cli import main
+from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.reexport import _bind, _check_on_probes
-from jaxexp_mlflow.runtime import devices
-from tests.conftest import CORPUS
+from jaxexp_mlflow.runtime import compat, devices
+from tests.conftest import CORPUS, corpus_refusals
 from tests.models import export_mlp, mlp_params
 
 
@@ -65,20 +66,37 @@ def test_probes_retry_sizes_that_break_shape_constraints():
         probes.run_probes(avals, lambda leaves: 1 / 0)
 
 
-def test_bare_blob_saved_with_a_synthetic_reference_that_verify_reproduces(tmp_path):
+def test_bare_blob_saved_with_a_synthetic_reference_that_verify_reproduces(
+    tmp_path, expired_flag, without_expired_flag
+):
+    # a jax 0.6.2 blob (schema 2): jax >= 0.11.1 reads it only with its expired-versions flag,
+    # set here by the fixture; without it, saving is refused with the verdict, naming the flag
+    case = CORPUS / "jax-0.6.2" / "mlp_poly"
     path = tmp_path / "m"
-    blob = (CORPUS / "jax-0.6.2" / "mlp_poly" / "exported.bin").read_bytes()
+    blob = (case / "exported.bin").read_bytes()
+    if "expired" in corpus_refusals(case):
+        with without_expired_flag(), pytest.raises(IncompatibleError) as err:
+            mlflow.jaxexp.save_model(blob, tmp_path / "refused")
+        assert "[expired]" in str(err.value) and f"{compat.EXPIRED_ENV}=1" in str(err.value)
+        assert not (tmp_path / "refused").exists()
     mlflow.jaxexp.save_model(blob, path)
     conf = _flavor(path)
     assert conf["reference_synthetic"] == {"dims": {"b": 2}, "seed": probes.SEED}
     assert (path / "reference" / "inputs.npz").is_file()
-    result = CliRunner().invoke(main, ["verify", str(path)], catch_exceptions=False)
+    # the command line reads the flag from the environment (verify's isolated child too)
+    env = {compat.EXPIRED_ENV: "1"} if expired_flag else None
+    result = CliRunner(env=env).invoke(main, ["verify", str(path)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert (
         "Reference synthetic probe (b=2; seed" in result.output and "all 1 output" in result.output
     )
-    out = CliRunner().invoke(main, ["verify", str(path), "--json"], catch_exceptions=False)
+    out = CliRunner(env=env).invoke(main, ["verify", str(path), "--json"], catch_exceptions=False)
     assert json.loads(out.stdout)["reference"]["synthetic"] is True
+    if expired_flag:  # and without the flag, verify refuses it before running, naming the flag
+        with without_expired_flag():
+            refused = CliRunner().invoke(main, ["verify", str(path)], catch_exceptions=False)
+        assert refused.exit_code == 1, refused.output
+        assert "[expired]" in refused.output and f"{compat.EXPIRED_ENV}=1" in refused.output
     # a blob that cannot run here (4 devices on 1) is saved without a reference, as before
     sharded = tmp_path / "s"
     mlflow.jaxexp.save_model(
@@ -87,7 +105,10 @@ def test_bare_blob_saved_with_a_synthetic_reference_that_verify_reproduces(tmp_p
     assert "reference" not in _flavor(sharded) and not (sharded / "reference").exists()
 
 
-def test_refresh_without_any_reference_uses_probes_and_says_so(tmp_path, tracking_uri):
+def test_refresh_without_any_reference_uses_probes_and_says_so(
+    tmp_path, tracking_uri, expired_flag, without_expired_flag
+):
+    # a jax 0.6.2 blob: saved and refreshed with jax's expired-versions flag where it needs one
     path = tmp_path / "old"
     blob = (CORPUS / "jax-0.6.2" / "mlp_poly" / "exported.bin").read_bytes()
     mlflow.jaxexp.save_model(blob, path)
@@ -103,8 +124,10 @@ def test_refresh_without_any_reference_uses_probes_and_says_so(tmp_path, trackin
     assert "b=2" in tags["jaxexp.refresh.proof"] and "b=5" in tags["jaxexp.refresh.proof"]
     local = mlflow.artifacts.download_artifacts(new.model_uri)
     assert _flavor(Path(local))["reference_synthetic"]["dims"] == {"b": 2}
-    verify = CliRunner().invoke(main, ["verify", new.model_uri], catch_exceptions=False)
+    with without_expired_flag():  # the refreshed blob is of this jax's schema: no flag needed
+        verify = CliRunner().invoke(main, ["verify", new.model_uri], catch_exceptions=False)
     assert verify.exit_code == 0, verify.output
+    assert "[expired]" not in verify.output
 
 
 def test_probe_comparison_catches_a_different_function(tmp_path):

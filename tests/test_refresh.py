@@ -3,6 +3,12 @@
 Shown on every reproducible case of the shared corpus (jax 0.4.35 to 0.10.2); the sharded ones
 in a subprocess with 4 devices. ``linalg`` from jax 0.4.35 calls LAPACK kernels jaxlib 0.10.2 no
 longer has: refresh must refuse it, and log nothing.
+
+jax >= 0.11.1 reads the blobs of jax 0.4.35 and 0.6.2 (serialization schema < 5) only with its
+flag ``jax_export_deserialize_expired_versions``: their refresh is shown with the flag set (the
+``expired_flag`` fixture), and without it the refresh must be refused naming the flag. Blobs with
+old-style HLO shardings (``sharded4`` up to jax 0.8.3) it refuses whatever the flag: their refresh
+must be refused with the advice of an older jax (``jaxexp verify --env-manager uv``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,15 @@ import pytest
 
 import jaxexp_mlflow
 from jaxexp_mlflow.reexport import RefreshError
-from tests.conftest import CORPUS, case_id, corpus_cases, load_case, run_on_devices
+from jaxexp_mlflow.runtime import compat
+from tests.conftest import (
+    CORPUS,
+    case_id,
+    corpus_cases,
+    corpus_refusals,
+    load_case,
+    run_on_devices,
+)
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,13 +82,35 @@ def _close(got, want) -> None:
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol)
 
 
+def _n_logged() -> int:
+    return len(mlflow.search_logged_models(output_format="list"))
+
+
+def _assert_refused_without_the_flag(model_uri: str, without_expired_flag) -> None:
+    """jax >= 0.11.1 without its expired-versions flag: the refresh is refused before JAX reads
+    the blob, naming the flag, and logs nothing."""
+    before = _n_logged()
+    with without_expired_flag(), pytest.raises(RefreshError) as err:
+        jaxexp_mlflow.refresh(model_uri, name="refreshed")
+    msg = str(err.value)
+    assert "Cannot refresh" in msg and "[expired]" in msg, msg
+    assert f"{compat.EXPIRED_ENV}=1" in msg and compat.EXPIRED_FLAG in msg
+    assert "run the refresh again" in msg
+    assert _n_logged() == before
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_refresh_corpus_case(case, shared_store):
+def test_refresh_corpus_case(case, shared_store, expired_flag, without_expired_flag):
+    # every case here is read by this jax, with its expired-versions flag where it has one
+    assert corpus_refusals(case, expired_flag=expired_flag) == set()
     info, meta, args, outputs = _log_corpus_case(case)
+    if "expired" in corpus_refusals(case):  # jax >= 0.11.1, a blob of jax <= 0.7
+        _assert_refused_without_the_flag(info.model_uri, without_expired_flag)
     new = jaxexp_mlflow.refresh(info.model_uri, name="refreshed")
     assert new.model_uri != info.model_uri
 
-    model = mlflow.jaxexp.load_model(new.model_uri)
+    with without_expired_flag():  # the refreshed model is current: it loads without the flag
+        model = mlflow.jaxexp.load_model(new.model_uri)
     conf = model.metadata
     # written by the running JAX, with what the source had kept
     assert conf["jax_version"] == jax.__version__ and conf["jaxlib_version"]
@@ -128,19 +164,27 @@ def test_refresh_live_model_with_params_and_registration(tracking_uri):
     assert model.metadata["params"] == "params"
 
 
-def test_linalg_from_0_4_35_is_refused_clearly(tracking_uri):
+def test_linalg_from_0_4_35_is_refused_clearly(tracking_uri, expired_flag, without_expired_flag):
     case = CORPUS / "jax-0.4.35" / "linalg"
     if not case.is_dir():
         pytest.skip("corpus not available")
     # its reference cannot even be computed here (the kernels are gone): log it without one
     info, *_ = _log_corpus_case(case, reference=False)
-    before = len(mlflow.search_logged_models(output_format="list"))
+    before = _n_logged()
+    # read with the flag where jax needs it: still refused, its kernels are gone
     with pytest.raises(RefreshError) as err:
         jaxexp_mlflow.refresh(info.model_uri)
     msg = str(err.value)
     assert "blas_strsm" in msg and "Cannot refresh" in msg
     assert "export the function again from its Python source" in msg
-    assert len(mlflow.search_logged_models(output_format="list")) == before  # nothing logged
+    assert "[expired]" not in msg  # the flag is set (or not needed): not a reason
+    assert _n_logged() == before  # nothing logged
+    if "expired" in corpus_refusals(case):  # jax >= 0.11.1 without the flag: both reasons
+        with without_expired_flag(), pytest.raises(RefreshError) as err:
+            jaxexp_mlflow.refresh(info.model_uri)
+        msg = str(err.value)
+        assert "[expired]" in msg and f"{compat.EXPIRED_ENV}=1" in msg and "blas_strsm" in msg
+        assert _n_logged() == before
 
 
 def test_refresh_refuses_when_the_reference_is_not_reproduced(tmp_path, tracking_uri):
@@ -168,11 +212,16 @@ def test_refresh_refuses_when_the_reference_is_not_reproduced(tmp_path, tracking
 
 SHARDED_WORKER = textwrap.dedent(
     """
-    import json, sys, tempfile
+    import json, shutil, sys, tempfile
+    from pathlib import Path
     import numpy as np, jax, mlflow
     import jaxexp_mlflow
-    from tests.conftest import CORPUS, load_case
+    from jaxexp_mlflow.reexport import RefreshError
+    from tests.conftest import CORPUS, as_logged_by_older_jax, corpus_refusals, load_case
 
+    flag = "jax_export_deserialize_expired_versions"
+    if hasattr(jax.config, flag):  # jax >= 0.11.1 reads schema < 5 blobs only with it
+        jax.config.update(flag, True)
     tmp = tempfile.mkdtemp()
     mlflow.set_tracking_uri(f"sqlite:///{tmp}/mlflow.db")
     exp_id = mlflow.create_experiment("t", artifact_location=f"file://{tmp}/artifacts")
@@ -181,6 +230,21 @@ SHARDED_WORKER = textwrap.dedent(
     for version in sys.argv[1:]:
         case = CORPUS / f"jax-{version}" / "sharded4"
         _, ins, outs = load_case(case)
+        if corpus_refusals(case, expired_flag=True):  # this jax cannot read it at all
+            # as a jax that still read it saved it: the same function's model, with this blob
+            src = Path(tmp) / f"old-{version}"
+            newest = CORPUS / "jax-0.10.2" / "sharded4" / "exported.bin"
+            mlflow.jaxexp.save_model(newest.read_bytes(), src, input_example=tuple(ins))
+            as_logged_by_older_jax(src, case / "exported.bin")
+            before = len(mlflow.search_logged_models(output_format="list"))
+            try:
+                jaxexp_mlflow.refresh(str(src))
+                res[version] = {"refused": False}
+            except RefreshError as err:
+                after = len(mlflow.search_logged_models(output_format="list"))
+                res[version] = {"refused": True, "message": str(err), "logged": after - before}
+            shutil.rmtree(src)
+            continue
         with mlflow.start_run():
             src = mlflow.jaxexp.log_model((case / "exported.bin").read_bytes(), name="s",
                                           input_example=tuple(ins))
@@ -190,6 +254,7 @@ SHARDED_WORKER = textwrap.dedent(
         exp = jax.export.deserialize(bytearray(open(data, "rb").read()))
         y = model(*ins)
         res[version] = {
+            "refused": False,
             "match": bool(np.allclose(np.asarray(y), outs[0], rtol=1e-5, atol=1e-6)),
             "nr_devices": exp.nr_devices,
             "named": [None if s is None else list(s.spec) for s in exp._in_named_shardings],
@@ -204,12 +269,24 @@ SHARDED_WORKER = textwrap.dedent(
 
 
 def test_refresh_sharded_corpus_cases_on_4_devices():
-    versions = sorted({c.parent.name.removeprefix("jax-") for c in corpus_cases()})
-    if not versions:
+    cases = [c for c in corpus_cases() if c.name == "sharded4"]
+    if not cases:
         pytest.skip("corpus not available")
+    versions = sorted(c.parent.name.removeprefix("jax-") for c in cases)
     res = run_on_devices(SHARDED_WORKER, 4, *versions)
-    for v in versions:
+    for case in cases:
+        v = case.parent.name.removeprefix("jax-")
         r = res[v]
+        if "hlo_sharding" in corpus_refusals(case, expired_flag=True):
+            # jax >= 0.11.1 reads no old-style (HLO) sharding, flag or not: refused before
+            # reading, with where it can be refreshed (an older jax, the recorded environment)
+            assert r["refused"] and r["logged"] == 0, (v, r)
+            msg = r["message"]
+            assert "Cannot refresh" in msg and "[hlo_sharding]" in msg, msg
+            assert "--env-manager uv" in msg and "==0.11.0" in msg, msg
+            assert f"{compat.EXPIRED_FLAG} does not help" in msg, msg
+            continue
+        assert not r["refused"], (v, r)
         assert r["match"] and r["nr_devices"] == 4 and r["source_uri"], (v, r)
         assert r["jax_version"] == jax.__version__
         # blobs from jax <= 0.8 had HLO shardings only: the refresh writes NamedShardings,

@@ -8,7 +8,10 @@ then ranked: those that run here and whose window has closed or closes within a 
 first ("refresh now"), then those JAX still runs but no longer promises (older calling
 convention, window past), then "refresh soon" (within 3 months); models that cannot be
 refreshed here say where they can be (another platform, more devices, an older jax) or that
-they must be exported again from source (kernels gone or changed).
+they must be exported again from source (kernels gone or changed). A blob jax >= 0.11.1 reads
+only with its expired-versions flag is "refresh now with JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS=1"
+(run the refresh with the flag set); one with old-style shardings, which no flag helps, is
+"refresh with an older jax".
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from jaxexp_mlflow.cli._common import (
     setup_logging,
     table,
 )
+from jaxexp_mlflow.runtime.compat import EXPIRED_ENV  # jax-free
 
 NOW_DAYS, SOON_DAYS = 31, 92
 #: Verdict codes a refresh cannot fix: the module itself calls kernels this jaxlib lacks.
@@ -41,7 +45,8 @@ _ELSEWHERE = {
     "devices": "with enough devices",
     "calling_convention": "with an older jax that reads it",
     "schema": "with a newer jax",
-    "expired": "with an older jax that still reads it",
+    "expired": f"with {EXPIRED_ENV}=1",
+    "hlo_sharding": "with an older jax (its recorded environment: --env-manager uv)",
     "window_backward": "with an older jax that still reads it",
 }
 
@@ -75,18 +80,27 @@ def plan(
         blocking = set(codes) - {"window_backward", "jaxlib_unknown", "window_forward"}
         if blocking & _SOURCE_ONLY:
             return 1, "export again from source (its kernels are gone or changed)"
+        if blocking == {"expired"}:  # this jax reads it with its flag: refresh it here, now
+            return 0, f"refresh now with {EXPIRED_ENV}=1" + _closed(closes, as_of, how)
+        if "hlo_sharding" in blocking:  # no flag helps: only an older jax reads it
+            return 2, "refresh with an older jax (its recorded environment: --env-manager uv)"
         where = [_ELSEWHERE[c] for c in codes if c in _ELSEWHERE]
         return 2, "refresh " + (where[0] if where else "elsewhere") + " before the window closes"
     if closes is None:
         return 3, "refresh soon (window unknown)"
     left = (closes - as_of).days
     if left <= NOW_DAYS or "calling_convention" in codes:
-        if left >= 0:
-            return 0, "refresh now"
-        return 0, "refresh now (window " + ("may have " if how == "after" else "") + "closed)"
+        return 0, "refresh now" + _closed(closes, as_of, how)
     if left <= SOON_DAYS:
         return 3, "refresh soon"
     return 5, "ok"
+
+
+def _closed(closes: dt.date | None, as_of: dt.date, how: str) -> str:
+    """`` (window closed)`` (or ``may have closed`` for a lower bound) once it has, else ''."""
+    if closes is None or closes >= as_of:
+        return ""
+    return " (window " + ("may have " if how == "after" else "") + "closed)"
 
 
 def _registry(client: Any, only: tuple[str, ...]) -> Iterator[tuple[str, dict]]:

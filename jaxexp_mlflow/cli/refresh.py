@@ -51,7 +51,8 @@ def refresh(
 
     The new export is checked against the old one on the stored reference input (within
     --rtol/--atol) before it is logged; the original model is left untouched. Prints the new
-    model's URIs and, with --register, its registered version.
+    model's URIs and, with --register, its registered version. A model of jax <= 0.7 that
+    jax >= 0.11.1 refuses as expired is read with JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS=1 set.
     """
     setup_logging(debug)
     from jaxexp_mlflow.reexport import refresh as do_refresh

@@ -50,6 +50,15 @@ os._exit(0)
 """
 
 
+def _expired_flag_set() -> bool:
+    """Whether this process's jax reads expired blobs (``jax_export_deserialize_expired_versions``
+    set through ``jax.config.update``, which a child does not inherit)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    return bool(getattr(jax.config, "jax_export_deserialize_expired_versions", False))
+
+
 def probe(
     data: bytes | bytearray | memoryview,
     *,
@@ -68,6 +77,8 @@ def probe(
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    if _expired_flag_set():  # set in this process with jax.config.update: the child reads alike
+        env["JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS"] = "1"
     cmd = [sys.executable, "-c", _CHILD, str(cap), *(node_types or [])]
     try:
         proc = subprocess.run(
