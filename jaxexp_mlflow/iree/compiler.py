@@ -2,8 +2,17 @@
 
 The cache key is the sha256 of (module sha256, IREE compiler and runtime versions, target,
 flags, host CPU): a ``.vmfb`` is only valid for the IREE release that wrote it and, with
-``--iree-llvmcpu-target-cpu=host``, for this kind of CPU. A hit costs a file lookup and the
-runtime's ``mmap``; the compiler is imported only on a miss.
+``--iree-llvmcpu-target-cpu=host``, for this kind of CPU. A hit costs reading the file and a
+sha256 of it; the compiler is imported only on a miss.
+
+Each entry (``<key>.entry``) is a header line, a JSON line ``{"key", "sha256", "size"}`` and the
+``.vmfb`` bytes. It is verified before the runtime sees it: its key must be the one looked up
+(an entry copied or renamed from another module is refused), its size and the sha256 of its bytes
+those it records. A damaged or truncated entry is discarded with a warning and the module
+recompiled; it is never run (damaged ``.vmfb`` files made IREE produce wrong outputs, SIGILL,
+SIGSEGV). Entries are written to a temporary file, synced, then renamed into place, so a crash
+never leaves a partial entry under a key; the verified bytes are loaded from memory (never
+mapped: a file rewritten under a mapping ends the process with SIGBUS).
 
 Settings, first match wins (as ``runtime.cache`` for JAX's cache):
 
@@ -104,29 +113,108 @@ def compile_module(module: bytes, flags: tuple[str, ...] = FLAGS) -> bytes:
         ) from None
 
 
+#: First line of every cache entry; a new format gets a new line (old entries are not read).
+ENTRY_MAGIC = b"jaxexp-mlflow iree cache entry 1\n"
+ENTRY_SUFFIX = ".entry"
+_MAX_HEADER = 4096
+
+
+class _Damaged(Exception):
+    """A cache entry that does not verify (the message says how)."""
+
+
+def pack_entry(key: str, vmfb: bytes) -> bytes:
+    """The bytes of the cache entry of ``vmfb`` under ``key`` (header, then the ``.vmfb``)."""
+    header = {"key": key, "sha256": hashlib.sha256(vmfb).hexdigest(), "size": len(vmfb)}
+    return ENTRY_MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + bytes(vmfb)
+
+
+def unpack_entry(raw: bytes, key: str) -> memoryview:
+    """The ``.vmfb`` inside the cache entry ``raw``, verified; ``_Damaged`` says what is wrong."""
+    if not raw.startswith(ENTRY_MAGIC):
+        raise _Damaged(f"no entry header ({len(raw)} bytes)")
+    end = raw.find(b"\n", len(ENTRY_MAGIC), len(ENTRY_MAGIC) + _MAX_HEADER)
+    if end < 0:
+        raise _Damaged("header cut short")
+    try:
+        header = json.loads(raw[len(ENTRY_MAGIC) : end])
+    except (ValueError, RecursionError):
+        raise _Damaged("unreadable header") from None
+    if not isinstance(header, dict):
+        raise _Damaged("unreadable header")
+    if header.get("key") != key:
+        raise _Damaged(f"it records the key {str(header.get('key'))[:16]}..., another module's")
+    payload = memoryview(raw)[end + 1 :]
+    if header.get("size") != len(payload):
+        raise _Damaged(f"expected {header.get('size')} bytes of module, found {len(payload)}")
+    found = hashlib.sha256(payload).hexdigest()
+    if header.get("sha256") != found:
+        raise _Damaged(f"expected sha256 {header.get('sha256')}, found {found}")
+    return payload
+
+
+def _read_entry(path: Path, key: str) -> memoryview | None:
+    """The verified ``.vmfb`` stored at ``path``, or None (absent; damaged: removed, warned)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        _logger.warning("jaxexp: IREE cache entry %s unreadable (%s): recompiling", path, err)
+        return None
+    try:
+        return unpack_entry(raw, key)
+    except _Damaged as why:
+        _logger.warning(
+            "jaxexp: IREE cache entry %s is damaged (%s): discarded, recompiling the module",
+            path,
+            why,
+        )
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        return None
+
+
+def _write_entry(directory: Path, path: Path, key: str, vmfb: bytes) -> None:
+    """Store ``vmfb`` at ``path`` atomically: temporary file, fsync, rename."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(pack_entry(key, vmfb))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a concurrent reader sees the whole entry or none
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def compiled(
     module: bytes, *, cache: Any = None, flags: tuple[str, ...] | None = None
-) -> bytes | Path:
-    """The ``.vmfb`` for ``module``: a cache file path on a hit or after storing, else bytes.
+) -> bytes | memoryview:
+    """The ``.vmfb`` for ``module``: from a verified cache entry, else compiled (and stored).
 
     ``cache`` is the setting described in the module docstring (None: env var, then default);
     ``flags`` default to :func:`active_flags`.
     """
     flags = active_flags() if flags is None else flags
     directory = cache_settings.resolve(cache, env_var=ENV_VAR, kind="iree")
-    path = None if directory is None else directory / f"{cache_key(module, flags)}.vmfb"
-    if path is not None and path.is_file():
-        return path
+    key = cache_key(module, flags)
+    path = None if directory is None else directory / f"{key}{ENTRY_SUFFIX}"
+    if path is not None:
+        hit = _read_entry(path, key)
+        if hit is not None:
+            return hit
     vmfb = compile_module(module, flags)
-    if path is None:
-        return vmfb
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(vmfb)
-        os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
-    except OSError as err:
-        _logger.warning("jaxexp: IREE cache disabled, cannot write %s: %s", directory, err)
-        return vmfb
-    return path
+    if path is not None:
+        try:
+            _write_entry(directory, path, key, vmfb)
+        except OSError as err:
+            _logger.warning("jaxexp: IREE cache disabled, cannot write %s: %s", directory, err)
+    return vmfb

@@ -3,11 +3,18 @@
 Order, as in ``runtime.loader``: read and verify the blob, describe it with the jax-free reader,
 reach the IREE verdict (refuse what cannot run, with the reason), then read the params, compile
 (or find in the cache) and bind.
+
+The save-time ``iree`` section and its prepared module are tied to the blob: the section records
+the sha256 of the blob it was prepared from (``blob_sha256``), checked before the prepared module
+is read or compiled; the compiled function's interface is then checked against the blob's avals
+(``model.check_interface``), and every result buffer at each call.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,44 @@ def param_leaf_names(description: Any, prepared: dict[str, Any] | None) -> list[
     return names
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def prepared_section(meta: dict[str, Any], data: bytes) -> dict[str, Any] | None:
+    """The MLmodel ``iree`` section, checked: a mapping whose ``blob_sha256`` (when recorded;
+    models saved before it have none) is the sha256 of ``data``, the blob being loaded."""
+    prepared = meta.get("iree") or None
+    if prepared is None:
+        return None
+    if not isinstance(prepared, dict):
+        raise ArtifactError(
+            f"The model's MLmodel jaxexp.iree: expected a mapping (the save-time IREE "
+            f"preparation), found {type(prepared).__name__}. The file is damaged or was altered; "
+            "download the model again."
+        )
+    module, digest = prepared.get("module"), prepared.get("module_sha256")
+    if module is not None and (
+        not isinstance(module, str) or not isinstance(digest, str) or not _SHA256.fullmatch(digest)
+    ):
+        raise ArtifactError(
+            "The model's MLmodel jaxexp.iree: expected a relative 'module' path and its "
+            f"'module_sha256' (64 hex digits), found {str(module)[:100]!r} and "
+            f"{str(digest)[:100]!r}. The file is damaged or was altered; download the model again."
+        )
+    recorded = prepared.get("blob_sha256")
+    if recorded is not None:
+        found = hashlib.sha256(data).hexdigest()
+        if recorded != found:
+            raise ArtifactError(
+                f"The model's MLmodel jaxexp.iree.blob_sha256: expected {found} (the sha256 of "
+                f"the blob being loaded), found {str(recorded)[:100]!r}: the IREE preparation "
+                "and its prepared module belong to another blob, so they were not compiled. "
+                "Download the model again, or run `jaxexp refresh` where JAX is installed to "
+                "prepare it anew; the JAX backend reads the blob itself."
+            )
+    return prepared
+
+
 def build(
     data: bytes,
     meta: dict[str, Any],
@@ -62,7 +107,7 @@ def build(
     params arrays for ``[(name, shape, dtype)]``; both None for a bare blob.
     """
     description = blob.describe(data, source=source)
-    prepared = meta.get("iree") or None
+    prepared = prepared_section(meta, data)
     original = reader.read_module(data)
     verdict = iree_verdict.assess(
         description,
@@ -71,7 +116,13 @@ def build(
         allow_other_platform=allow_other_platform,
     )
     iree_verdict.enforce(verdict, allow_incompatible=allow_incompatible)
-    module = read_module(prepared) if prepared and prepared.get("module") else original
+    use_prepared = bool(prepared and prepared.get("module"))
+    if use_prepared and read_module is None:
+        raise ArtifactError(
+            "This model's IREE preparation names a prepared module, which only a model "
+            "directory holds: load the model directory, not the bare blob."
+        )
+    module = read_module(prepared) if use_prepared else original
     params: list[Any] = []
     if meta.get("params") and read_params is not None:
         names = param_leaf_names(description, prepared)
@@ -89,6 +140,11 @@ def build(
         platform_index=platform_index(description.platforms),
         constraints=tuple((prepared or {}).get("shape_constraints") or ()),
         driver=iree_driver,
+        source=(
+            f"the prepared module {prepared['module']}"
+            if use_prepared
+            else "the blob's StableHLO module"
+        ),
     )
     model.verdict = verdict
     return model

@@ -6,17 +6,27 @@ the flat leaves in ``in_tree`` order, only those at ``module_kept_var_idx`` pass
 index first for multi-platform exports, bfloat16 and the other ml_dtypes types passed by their
 bits with the HAL element type set. Shapes are checked first (``shapes.bind_dims``): IREE drops
 JAX's shape assertions. Nothing here imports JAX.
+
+What runs is checked against what the blob declares, since the module compiled (a prepared
+module from the model directory, an entry of the compile cache) is not the blob itself: at load,
+the compiled function's interface (its ``iree.abi.declaration``: element types, ranks, static
+sizes) must be the blob's avals; at each call, every result buffer's element type and shape (the
+runtime's buffer view, symbolic dims solved from the inputs) must be the out aval's, and its
+bytes must cover them, before it is read. A mismatch is an ``ArtifactError``; no buffer is ever
+read past its end.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jaxexp_mlflow.errors import IncompatibleError, InputError
+from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
 from jaxexp_mlflow.iree import shapes, trees
 
 #: IREE's CPU drivers: ``local-task`` runs dispatches on a thread pool (IREE's default),
@@ -48,6 +58,119 @@ _ELEMENT_TYPES = {
     "float8_e5m2fnuz": "FLOAT_8_E5M2_FNUZ",
 }
 
+#: numpy dtype name -> MLIR element type (as StableHLO and IREE's ABI declaration print it).
+_MLIR_TYPES = {
+    "bool": "i1",
+    "int8": "i8",
+    "int16": "i16",
+    "int32": "i32",
+    "int64": "i64",
+    "uint8": "ui8",
+    "uint16": "ui16",
+    "uint32": "ui32",
+    "uint64": "ui64",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float32": "f32",
+    "float64": "f64",
+    "complex64": "complex<f32>",
+    "complex128": "complex<f64>",
+    "float8_e4m3fn": "f8E4M3FN",
+    "float8_e4m3fnuz": "f8E4M3FNUZ",
+    "float8_e5m2": "f8E5M2",
+    "float8_e5m2fnuz": "f8E5M2FNUZ",
+}
+_TENSOR = r"tensor<((?:[^<>]|<[^<>]*>)*)>"
+_ENCODING = re.compile(r"iree\.abi\.encoding\s*=\s*" + _TENSOR)
+
+MISMATCH_HINT = (
+    "The compiled module does not compute what the blob declares: the model's prepared module "
+    "(iree/) or an entry of the IREE compile cache was altered or belongs to another model. "
+    "Download the model again (or run `jaxexp refresh` where JAX is installed to prepare it "
+    "anew), or clear the IREE cache (JAXEXP_IREE_CACHE); the JAX backend reads the blob itself."
+)
+
+
+def _tensor_types(text: str, label: str) -> list[tuple[list[str], str]] | None:
+    """The ``%input0: tensor<?x3xf32>`` items of one side of an ABI declaration as
+    ``(["?", "3"], "f32")`` (the ``iree.abi.encoding`` type where IREE records one, e.g. for
+    unsigned ints); ``([], "?")`` for a non-tensor item; None when the side is not labelled."""
+    segments = re.split(rf"%{label}\d+\s*:", text)
+    if len(segments) < 2:
+        return None
+    out = []
+    for segment in segments[1:]:
+        match = _ENCODING.search(segment) or re.search(_TENSOR, segment)
+        if match is None:
+            out.append(([], "?"))
+            continue
+        parts = re.split(r"x(?![^<]*>)", match.group(1))  # not inside complex<...>
+        out.append((parts[:-1], parts[-1]))
+    return out
+
+
+def _accepted(rt: Any, dtype: str) -> frozenset[int]:
+    """The HAL element types a result of ``dtype`` may come back as (IREE returns signless
+    ints: ``INT_32`` for an ``int32`` result)."""
+    names = {_ELEMENT_TYPES[dtype]}
+    if dtype.startswith(("int", "uint")):
+        names.add(f"INT_{np.dtype(dtype).itemsize * 8}")
+    return frozenset(int(getattr(rt.HalElementType, n)) for n in names)
+
+
+def _fits(aval: shapes.Aval, tensor: tuple[list[str], str]) -> bool:
+    dims, element = tensor
+    want = _MLIR_TYPES.get(aval.dtype)
+    if want is not None and element != want:
+        return False
+    if len(dims) != len(aval.dims):
+        return False
+    pairs = zip(aval.dims, dims, strict=True)
+    return all(not isinstance(a, int) or d in ("?", str(a)) for a, d in pairs)
+
+
+def _mlir(aval: shapes.Aval) -> str:
+    dims = ["?" if isinstance(d, str) else str(d) for d in aval.dims]
+    return f"tensor<{'x'.join([*dims, _MLIR_TYPES.get(aval.dtype, aval.dtype)])}>"
+
+
+def check_interface(
+    function: Any,
+    inputs: list[shapes.Aval],
+    outputs: list[shapes.Aval],
+    source: str,
+) -> None:
+    """Refuse (``ArtifactError``) a compiled ``function`` whose declared interface is not
+    ``inputs -> outputs``: element types, ranks and static sizes, from IREE's ABI declaration.
+
+    A function without a readable declaration is left to the call-time buffer checks.
+    """
+    declaration = (getattr(function, "reflection", None) or {}).get("iree.abi.declaration")
+    if not isinstance(declaration, str) or "->" not in declaration:
+        return
+    args, results = declaration.split("->", 1)
+    for side, avals, found in (
+        ("input", inputs, _tensor_types(args, "input")),
+        ("output", outputs, _tensor_types(results, "output")),
+    ):
+        if found is None:  # a declaration form this check does not know: left to the call
+            if avals:
+                continue
+            found = []
+        if len(found) != len(avals):
+            raise ArtifactError(
+                f"{source}: expected {len(avals)} {side}s as the blob declares "
+                f"({[str(a) for a in avals]}), found a module with {len(found)} "
+                f"({declaration[:300]}). {MISMATCH_HINT}"
+            )
+        for i, (aval, tensor) in enumerate(zip(avals, found, strict=True)):
+            if not _fits(aval, tensor):
+                got = f"tensor<{'x'.join([*tensor[0], tensor[1]])}>"
+                raise ArtifactError(
+                    f"{source}: {side} {i} is {got}, expected {aval} ({_mlir(aval)}) as the "
+                    f"blob declares. {MISMATCH_HINT}"
+                )
+
 
 DTYPES_HINT = (
     f"which the IREE backend does not pass: expected some of {sorted(_ELEMENT_TYPES)}. Load it "
@@ -66,7 +189,8 @@ class IreeModel:
 
     ``description`` is the blob's ``BlobDescription``; ``params`` the flat param leaves (numpy);
     ``platform_index`` the position of the cpu lowering for multi-platform exports (else None);
-    ``constraints`` the exporter's symbolic shape constraints (``"b >= 4"``).
+    ``constraints`` the exporter's symbolic shape constraints (``"b >= 4"``); ``source`` names
+    the module that was compiled, in errors.
     """
 
     backend = "iree"
@@ -81,6 +205,7 @@ class IreeModel:
         platform_index: int | None = None,
         constraints: tuple[str, ...] = (),
         driver: str | None = None,
+        source: str = "the compiled module",
     ) -> None:
         import iree.runtime as rt
 
@@ -92,6 +217,7 @@ class IreeModel:
         self._rt = rt
         self._config = rt.Config(driver or os.environ.get(ENV_DRIVER) or DEFAULT_DRIVER)
         instance = self._config.vm_instance
+        self._source = source
         if isinstance(vmfb, Path):
             module = rt.VmModule.mmap(instance, str(vmfb))
         else:
@@ -106,9 +232,16 @@ class IreeModel:
         out_dtypes = [np.dtype(resolve_dtype(a.dtype)) for a in self.out_avals]
         # outputs are read by their bits where numpy's own dtype is not the stored one
         self._out_dtypes = [(_bits(d), d) for d in out_dtypes]
-        self._shapes_seen: set[tuple] = set()  # input shapes already checked (bounded)
+        # input shapes already checked -> the result shapes they imply (bounded)
+        self._shapes_seen: dict[tuple, list[tuple[int | None, ...]]] = {}
         if unknown := unsupported_dtypes(description):
             raise IncompatibleError(f"The model uses dtypes {unknown}, {DTYPES_HINT}")
+        passed = [self.in_avals[i] for i in description.module_kept_var_idx]
+        if platform_index is not None:
+            passed.insert(0, shapes.Aval("int32", ()))
+        check_interface(self._vm_function, passed, self.out_avals, source)
+        self._out_element_types = [_accepted(rt, a.dtype) for a in self.out_avals]
+        self._hal_names = {int(v): k for k, v in rt.HalElementType.__members__.items()}
         self._element_types = [
             getattr(rt.HalElementType, _ELEMENT_TYPES[a.dtype]) for a in self.in_avals
         ]
@@ -171,10 +304,12 @@ class IreeModel:
             )
         arrays = [self._as_input(x, n + i) for i, x in enumerate(leaves)]
         key = tuple(a.shape for a in arrays)
-        if key not in self._shapes_seen:  # the checks depend on the shapes only
-            shapes.bind_dims(self._input_avals, key, self._input_names, self._constraints)
+        expected = self._shapes_seen.get(key)
+        if expected is None:  # the checks depend on the shapes only
+            env = shapes.bind_dims(self._input_avals, key, self._input_names, self._constraints)
+            expected = [_resolve(a, env) for a in self.out_avals]
             if len(self._shapes_seen) < 1024:
-                self._shapes_seen.add(key)
+                self._shapes_seen[key] = expected
         rt = self._rt
         args = rt.VmVariantList(len(self._kept) + 1)
         if self._platform_arg is not None:
@@ -183,12 +318,54 @@ class IreeModel:
             args.push_ref(self._params[i] if i < n else self._upload(arrays[i - n], i))
         results = rt.VmVariantList(len(self._out_dtypes))
         self._vm_context.invoke(self._vm_function, args, results)
+        if results.size != len(self._out_dtypes):
+            raise ArtifactError(
+                f"{self._source} returned {results.size} results, expected "
+                f"{len(self._out_dtypes)} ({[str(a) for a in self.out_avals]}). {MISMATCH_HINT}"
+            )
         outs = []
         for i, (bits, dtype) in enumerate(self._out_dtypes):
-            view = results.get_as_object(i, rt.HalBufferView)
+            view = self._checked_view(results, i, expected[i], bits)
             host = view.map().asarray(view.shape, bits)
             outs.append(np.array(host).view(dtype))  # a copy: the mapping ends with the view
         return outs
+
+    def _checked_view(self, results: Any, i: int, shape: tuple, bits: np.dtype) -> Any:
+        """Result ``i`` as a buffer view whose element type, shape and size are the out aval's
+        (``shape``: None for a dimension that could not be solved); else ``ArtifactError``."""
+        rt, aval = self._rt, self.out_avals[i]
+        try:
+            view = results.get_as_object(i, rt.HalBufferView)
+            element, found = int(view.element_type), tuple(int(d) for d in view.shape)
+            nbytes = int(view.byte_length)
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise ArtifactError(
+                f"output {i} of {self._source}: expected a buffer of {aval}, found "
+                f"{type(err).__name__}: {str(err)[:200]}. {MISMATCH_HINT}"
+            ) from None
+        want = ", ".join("?" if d is None else str(d) for d in shape)
+        if element not in self._out_element_types[i]:
+            expected_names = sorted(self._hal_names.get(e, "?") for e in self._out_element_types[i])
+            raise ArtifactError(
+                f"output {i} of {self._source}: expected {aval.dtype}[{want}] ({aval}, element "
+                f"type {' or '.join(expected_names)}), found element type "
+                f"{self._hal_names.get(element, f'0x{element:08x}')} with shape {list(found)}. "
+                f"{MISMATCH_HINT}"
+            )
+        if len(found) != len(shape) or any(
+            w is not None and w != f for w, f in zip(shape, found, strict=True)
+        ):
+            raise ArtifactError(
+                f"output {i} of {self._source}: expected {aval.dtype}[{want}] ({aval}), found "
+                f"{aval.dtype}{list(found)}. {MISMATCH_HINT}"
+            )
+        if nbytes < math.prod(found) * bits.itemsize:
+            raise ArtifactError(
+                f"output {i} of {self._source}: expected {math.prod(found) * bits.itemsize} "
+                f"bytes for {aval.dtype}{list(found)}, found a buffer of {nbytes}. "
+                f"{MISMATCH_HINT}"
+            )
+        return view
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the model on ``inputs`` with the bound params; returns the exported out pytree."""
@@ -207,6 +384,21 @@ class IreeModel:
     def __repr__(self) -> str:
         d = self.description
         return f"IreeModel({d.fun_name!r}, in={list(d.in_avals)}, out={list(d.out_avals)})"
+
+
+def _resolve(aval: shapes.Aval, env: dict[str, int]) -> tuple[int | None, ...]:
+    """The shape of ``aval`` with its dimension expressions evaluated (None where they cannot
+    be: the result's size is then only checked against its buffer)."""
+    out: list[int | None] = []
+    for d in aval.dims:
+        if isinstance(d, int):
+            out.append(d)
+            continue
+        try:
+            out.append(shapes.evaluate(d, env))
+        except (KeyError, ValueError, ZeroDivisionError, SyntaxError):
+            out.append(None)
+    return tuple(out)
 
 
 def _bits(dtype: np.dtype) -> np.dtype:

@@ -196,6 +196,8 @@ def prepare(
     section: dict[str, Any] = {
         "module": None,
         "module_sha256": None,
+        # ties the section and its module to this blob (checked before the module is compiled)
+        "blob_sha256": hashlib.sha256(data).hexdigest(),
         "changes": [],
         "param_leaves": _param_leaf_names(exported, n_param_leaves),
         "shape_constraints": _shape_constraints(exported),

@@ -1,0 +1,263 @@
+"""A model directory and the IREE compile cache are untrusted input (issue 25, defects 5 and 8).
+
+* Results: the buffers the compiled module returns are checked against the blob's out avals
+  (element type and shape, symbolic dims solved from the inputs) before they are read; a
+  prepared module is tied to its blob (``iree.blob_sha256``) and its interface to the blob's
+  avals, and refused before it runs.
+* Compile cache: every entry carries the sha256 of its bytes and of its key; a damaged or
+  truncated entry is discarded and recompiled (a warning), never run. Damaged entries are loaded
+  in a child process: before the fix they ended processes (SIGBUS on the mapped entry, SIGILL,
+  SIGSEGV) or raised untyped errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("iree.runtime")
+pytest.importorskip("iree.compiler")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import yaml  # noqa: E402
+
+import jaxexp_mlflow.flavors.jaxexp as flavor  # noqa: E402
+from jaxexp_mlflow.codec import blob  # noqa: E402
+from jaxexp_mlflow.errors import ArtifactError  # noqa: E402
+from jaxexp_mlflow.iree import compiler, loader  # noqa: E402
+from jaxexp_mlflow.iree import model as iree_model  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
+
+#: The blob says float32[b, 3] -> float32[b, 3]; these modules return something else.
+RETURNS_I8 = """
+func.func @main(%a: tensor<?x3xf32>) -> tensor<?x3xi8> {
+  %0 = stablehlo.convert %a : (tensor<?x3xf32>) -> tensor<?x3xi8>
+  return %0 : tensor<?x3xi8>
+}
+"""
+RETURNS_TWICE_THE_ROWS = """
+func.func @main(%a: tensor<?x3xf32>) -> tensor<?x3xf32> {
+  %0 = stablehlo.concatenate %a, %a, dim = 0 : (tensor<?x3xf32>, tensor<?x3xf32>) -> tensor<?x3xf32>
+  return %0 : tensor<?x3xf32>
+}
+"""
+#: The sdy model below takes float32[b]; a prepared module returning int8 instead.
+PREPARED_RETURNS_I8 = """
+func.func public @main(%a: tensor<?xf32>) -> tensor<?xi8> {
+  %0 = stablehlo.convert %a : (tensor<?xf32>) -> tensor<?xi8>
+  return %0 : tensor<?xi8>
+}
+"""
+
+
+def _mlmodel(path):
+    return yaml.safe_load((path / "MLmodel").read_text())
+
+
+def _write_mlmodel(path, mlmodel):
+    (path / "MLmodel").write_text(yaml.safe_dump(mlmodel))
+
+
+@pytest.fixture(scope="module")
+def doubling():
+    """A float32[b, 3] -> float32[b, 3] blob's description."""
+    (b,) = jax.export.symbolic_shape("b")
+    exp = jax.export.export(jax.jit(lambda x: x * 2))(jax.ShapeDtypeStruct((b, 3), jnp.float32))
+    data = exp.serialize()
+    return data, blob.describe(data, source="doubling")
+
+
+def _sdy_model(path, fn):
+    """Save a single-device sharded export of ``fn`` on float32[b]: save stores a prepared
+    module (sdy stripped) beside the blob."""
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    jitted = jax.jit(fn, in_shardings=sharding, out_shardings=sharding)
+    (b,) = jax.export.symbolic_shape("b")
+    exp = jax.export.export(jitted)(jax.ShapeDtypeStruct((b,), jnp.float32))
+    flavor.save_model(exp.serialize(), path)
+    assert _mlmodel(path)["flavors"]["jaxexp"]["iree"]["module"]
+    return exp
+
+
+@pytest.fixture(scope="module")
+def sdy_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sdy")
+    sin = _sdy_model(root / "sin", lambda a: jnp.sin(a) * 2)
+    cos = _sdy_model(root / "cos", lambda a: jnp.cos(a) * 3)
+    return root, sin, cos
+
+
+# -- defect 5: results read as the blob declares them ------------------------------------------
+
+
+def test_result_of_another_dtype_is_refused_not_read(doubling):
+    """A module returning int8 where the blob says float32: before, its 12-byte buffer was read
+    as 48 bytes (a 256 MiB result crashed the process). Refused at load (the module's interface)
+    or, if that is bypassed, before the buffer is read."""
+    _, description = doubling
+    vmfb = compiler.compile_module(RETURNS_I8.encode())
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    with pytest.raises(ArtifactError, match="int8|i8") as err:
+        iree_model.IreeModel(vmfb, description, {}, [])(x)
+    assert "float32" in str(err.value)
+
+
+def test_result_buffer_checked_even_when_interface_check_is_bypassed(doubling, monkeypatch):
+    """The call-time check stands on its own: element type read from the runtime's buffer view."""
+    _, description = doubling
+    monkeypatch.setattr(iree_model, "check_interface", lambda *a, **k: None, raising=False)
+    vmfb = compiler.compile_module(RETURNS_I8.encode())
+    model = iree_model.IreeModel(vmfb, description, {}, [])
+    with pytest.raises(ArtifactError, match="element type"):
+        model(np.ones((4, 3), np.float32))
+
+
+def test_result_of_another_shape_is_refused(doubling):
+    """Symbolic dims are solved from the inputs: b = 4 expects float32[4, 3], not [8, 3]."""
+    _, description = doubling
+    vmfb = compiler.compile_module(RETURNS_TWICE_THE_ROWS.encode())
+    model = iree_model.IreeModel(vmfb, description, {}, [])
+    with pytest.raises(ArtifactError, match=r"\(4, 3\).*\(8, 3\)|\[4, 3\].*\[8, 3\]"):
+        model(np.ones((4, 3), np.float32))
+
+
+def test_prepared_module_swapped_for_another_dtype_is_refused_before_running(
+    sdy_models, tmp_path, monkeypatch
+):
+    """The prepared module replaced by one returning int8, its MLmodel checksum updated to
+    match (what a hostile directory does): refused at load, before any call."""
+    root, _, _ = sdy_models
+    path = tmp_path / "m"
+    shutil.copytree(root / "sin", path)
+    mlmodel = _mlmodel(path)
+    section = mlmodel["flavors"]["jaxexp"]["iree"]
+    text = PREPARED_RETURNS_I8.encode()
+    (path / section["module"]).write_bytes(text)
+    section["module_sha256"] = hashlib.sha256(text).hexdigest()
+    _write_mlmodel(path, mlmodel)
+
+    def never_run(self, leaves):
+        raise AssertionError("the swapped module was run")
+
+    monkeypatch.setattr(iree_model.IreeModel, "call_flat", never_run)
+    with pytest.raises(ArtifactError, match="prepared module") as err:
+        flavor.load_model(str(path), backend="iree")(np.ones(4, np.float32))
+    assert "i8" in str(err.value) and "float32" in str(err.value)
+
+
+def test_prepared_module_of_another_blob_is_refused_before_compiling(
+    sdy_models, tmp_path, monkeypatch
+):
+    """The iree section and module of another model (same avals, another function) copied in:
+    before, it ran cos*3 in place of sin*2 silently. The section records its blob's sha256."""
+    root, sin, _ = sdy_models
+    path = tmp_path / "m"
+    shutil.copytree(root / "sin", path)
+    other = _mlmodel(root / "cos")["flavors"]["jaxexp"]["iree"]
+    shutil.copy(root / "cos" / other["module"], path / other["module"])
+    mlmodel = _mlmodel(path)
+    mlmodel["flavors"]["jaxexp"]["iree"] = other
+    _write_mlmodel(path, mlmodel)
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled a prepared module not tied to the blob")
+
+    monkeypatch.setattr(compiler, "compiled", no_compile)
+    with pytest.raises(ArtifactError, match="blob_sha256"):
+        flavor.load_model(str(path), backend="iree")
+    monkeypatch.undo()
+    x = np.linspace(0, 1, 5, dtype=np.float32)  # the untouched model still runs, right
+    model = flavor.load_model(str(root / "sin"), backend="iree")
+    np.testing.assert_allclose(model(x), np.asarray(sin.call(x)), rtol=1e-6)
+
+
+# -- defect 8: compile-cache entries verified before they are loaded ----------------------------
+
+DAMAGED_CACHE = r"""
+import json, logging, os, sys
+import numpy as np
+from jaxexp_mlflow.iree import loader
+
+data, cache = open(sys.argv[1], "rb").read(), sys.argv[2]
+kind = sys.argv[3]
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger("jaxexp_mlflow").addHandler(Keep())
+entries = [os.path.join(cache, n) for n in os.listdir(cache) if not n.endswith(".tmp")]
+for entry in entries:
+    raw = open(entry, "rb").read()
+    if kind == "truncated":
+        raw = raw[: len(raw) // 2]
+    elif kind == "empty":
+        raw = b""
+    elif kind == "bitflip":  # a few bits in the middle of the compiled code
+        mid = bytearray(raw)
+        for i in range(len(mid) // 2, len(mid) // 2 + 64, 8):
+            mid[i] ^= 0x10
+        raw = bytes(mid)
+    open(entry, "wb").write(raw)
+x = np.arange(12, dtype=np.float32).reshape(4, 3)
+model = loader.build(data, {}, source="doubling", iree_cache=cache)
+y = model(x)
+again = loader.build(data, {}, source="doubling", iree_cache=cache)(x)  # the entry is good again
+print("RESULT " + json.dumps({"ok": bool(np.array_equal(y, x * 2) and np.array_equal(again, x * 2)),
+      "warnings": [r for r in records if "cache" in r]}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["truncated", "bitflip", "empty"])
+def test_damaged_cache_entry_is_recompiled_never_run(doubling, tmp_path, kind):
+    data, _ = doubling
+    cache = tmp_path / "cache"
+    (tmp_path / "blob").write_bytes(data)
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    np.testing.assert_array_equal(
+        loader.build(data, {}, source="doubling", iree_cache=str(cache))(x), x * 2
+    )
+    assert [p for p in cache.iterdir() if p.suffix != ".tmp"]
+    proc = subprocess.run(
+        [sys.executable, "-c", DAMAGED_CACHE, str(tmp_path / "blob"), str(cache), kind],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.returncode, proc.stderr[-3000:])
+    result = json.loads(lines[-1][len("RESULT ") :])
+    assert result["ok"], result
+    assert len(result["warnings"]) == 1, result["warnings"]  # discarded once, then good again
+    assert "recompil" in result["warnings"][0]
+
+
+def test_cache_entry_of_another_key_is_not_run(doubling, tmp_path, caplog):
+    """An intact entry stored under another module's key (renamed or copied): refused by the key
+    it records, recompiled."""
+    data, _ = doubling
+    cache = tmp_path / "cache"
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    loader.build(data, {}, source="doubling", iree_cache=str(cache))
+    (entry,) = [p for p in cache.iterdir() if p.suffix != ".tmp"]
+    triple = jax.export.export(jax.jit(lambda x: x * 3))(
+        jax.ShapeDtypeStruct((jax.export.symbolic_shape("b")[0], 3), jnp.float32)
+    )
+    tdata = triple.serialize()
+    loader.build(tdata, {}, source="triple", iree_cache=str(cache))
+    (tentry,) = [p for p in cache.iterdir() if p.suffix != ".tmp" and p != entry]
+    shutil.copy(tentry, entry)  # the x*3 module under the x*2 key
+    with caplog.at_level("WARNING", logger="jaxexp_mlflow"):
+        y = loader.build(data, {}, source="doubling", iree_cache=str(cache))(x)
+    np.testing.assert_array_equal(y, x * 2)
+    assert any("recompil" in r.getMessage() for r in caplog.records)
