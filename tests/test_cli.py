@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
-from tests.conftest import CORPUS, load_case
+from jaxexp_mlflow.runtime import compat
+from tests.conftest import CORPUS, corpus_refusals, load_case
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 JAXEXP = Path(sys.executable).with_name("jaxexp")
@@ -80,6 +81,21 @@ def run_script(*args: str, env: dict | None = None, python_flags: tuple = ()):
 
 def sha_of(result) -> str:
     return json.loads(result.stdout)["blob"]["sha256"]
+
+
+@pytest.fixture
+def expired_env(expired_flag, monkeypatch):
+    """jax's flag for expired blobs set as a user sets it for the CLI: in this process (the
+    ``expired_flag`` fixture) and in the environment the CLI's child processes inherit (its
+    isolated deserialization probe). Yields whether this jax has the flag (jax >= 0.11.1)."""
+    if expired_flag:
+        monkeypatch.setenv(compat.EXPIRED_ENV, "1")
+    return expired_flag
+
+
+def incompatible_codes(payload: dict) -> set[str]:
+    """The codes of the blocking reasons of a ``--json`` verdict."""
+    return {r["code"] for r in payload["reasons"] if r["severity"] == "incompatible"}
 
 
 # -- help, errors, exit codes ------------------------------------------------------------------
@@ -224,17 +240,138 @@ def test_inspect_never_imports_jax_console_script(store):
 def test_check_ok_and_incompatible(store):
     ok = run_cli("check", str(store["local"]))
     assert ok.exit_code == 0 and "Verdict      ok" in ok.output
-    linalg = CORPUS / "jax-0.4.35" / "linalg" / "exported.bin"
+    # jax 0.4.35's LAPACK kernels are gone from every jaxlib tested; jax >= 0.11.1 also refuses
+    # to read the blob at all (schema 2: "expired") unless its flag is set
+    case = CORPUS / "jax-0.4.35" / "linalg"
+    linalg = case / "exported.bin"
     bad = run_cli("check", str(linalg), "--json")
     assert bad.exit_code == 1
     verdict = json.loads(bad.stdout)
     assert verdict["status"] == "incompatible"
-    assert "custom_calls" in [r["code"] for r in verdict["reasons"]]
+    assert incompatible_codes(verdict) == {"custom_calls"} | corpus_refusals(case)
     text = run_cli("check", str(linalg))
-    assert text.exit_code == 1 and "[custom_calls]" in text.output
-    devices = run_cli("check", str(CORPUS / "jax-0.8.3" / "sharded4"), "--json")
+    assert text.exit_code == 1 and "[custom_calls]" in text.output and "blas_strsm" in text.output
+    if corpus_refusals(case):  # what was found, and what to do: the flag, or an older jax
+        assert "[expired]" in text.output and "serialization schema 2" in text.output
+        assert f"{compat.EXPIRED_ENV}=1" in text.output and "==0.11.0" in text.output
+    # jax 0.8.3's sharded4 needs 4 devices; jax >= 0.11.1 refuses its HLO shardings, flag or not
+    case = CORPUS / "jax-0.8.3" / "sharded4"
+    devices = run_cli("check", str(case), "--json")
     assert devices.exit_code == 1
-    assert [r["code"] for r in json.loads(devices.stdout)["reasons"]] == ["devices"]
+    payload = json.loads(devices.stdout)
+    assert {r["code"] for r in payload["reasons"]} == {"devices"} | corpus_refusals(case)
+    for r in payload["reasons"]:
+        if r["code"] == "hlo_sharding":
+            assert "devices=[4" in r["message"] and "does not help" in r["message"]
+            assert compat.EXPIRED_ENV not in r["action"] and "==0.11.0" in r["action"]
+
+
+def test_check_expired_blobs_with_the_flag(expired_env):
+    """With jax's flag for expired blobs set (jax >= 0.11.1), the 0.4.35 and 0.6.2 blobs are read
+    again: only a warning to refresh them stays; 0.4.35's linalg still calls a removed kernel."""
+    mlp = CORPUS / "jax-0.6.2" / "mlp"
+    result = run_cli("check", str(mlp / "exported.bin"), "--json")
+    assert result.exit_code == 0, result.output  # read in the isolated probe too
+    payload = json.loads(result.stdout)
+    assert payload["status"] == "warn" and not corpus_refusals(mlp, expired_flag=True)
+    codes = {r["code"]: r for r in payload["reasons"]}
+    # read outside the promised window; on jax >= 0.11.1 only thanks to the flag: refresh it
+    assert set(codes) == {"window_backward"} | ({"expired"} if expired_env else set())
+    if expired_env:
+        assert codes["expired"]["severity"] == "warn" and "refresh" in codes["expired"]["action"]
+    linalg = CORPUS / "jax-0.4.35" / "linalg"
+    result = run_cli("check", str(linalg / "exported.bin"), "--json")
+    assert result.exit_code == 1
+    assert incompatible_codes(json.loads(result.stdout)) == {"custom_calls"}
+
+
+def test_check_across_the_version_line(tmp_path):
+    """Blobs written in this process, judged for the environment across the version line (jax
+    0.10.2 <-> 0.12), and corpus blobs judged for jax 0.12. ``jaxexp check`` judges the running
+    jax only (it has no option naming another jax/jaxlib): the other side is ``compat.assess``
+    fed what ``jaxexp check`` feeds it (``blob_meta`` of the jax-free reader's description),
+    against this environment with the other jax's measured facts."""
+    from jaxexp_mlflow.cli.check import blob_meta
+    from jaxexp_mlflow.codec.metadata import package_version
+    from jaxexp_mlflow.codec.reader import read_blob_file
+
+    here = compat.Environment.current()
+    jax_0102 = here.replace(  # measured with jax/jaxlib 0.10.2
+        jax_version="0.10.2",
+        jaxlib_version="0.10.2",
+        calling_convention_range=(9, 10),
+        max_schema=11,
+        stablehlo_version="1.17.0",
+        enforces_window=False,
+        reads_expired=False,
+    )
+    jax_012 = here.replace(  # measured with jax/jaxlib 0.12.0.1
+        jax_version="0.12.0.1",
+        jaxlib_version="0.12.0.1",
+        calling_convention_range=(9, 10),
+        max_schema=12,
+        stablehlo_version="1.22.0",
+        enforces_window=True,
+        reads_expired=False,
+    )
+
+    def judge(blob: Path, env: compat.Environment, **meta) -> compat.Verdict:
+        desc = read_blob_file(blob)
+        return compat.assess({**blob_meta(desc), **meta}, description=desc, env=env)
+
+    params = mlp_params()
+    poly = tmp_path / "poly.bin"  # batch-polymorphic: shape assertions in the module
+    poly.write_bytes(bytes(export_mlp(params).serialize()))
+    concrete = tmp_path / "concrete.bin"
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    exp = jax.export.export(jax.jit(mlp_apply))(specs, jax.ShapeDtypeStruct((4, 8), np.float32))
+    concrete.write_bytes(bytes(exp.serialize()))
+    for blob in (poly, concrete):  # the running jax reads what it writes
+        mine = run_cli("check", str(blob), "--json")
+        assert mine.exit_code == 0 and json.loads(mine.stdout)["status"] == "ok", mine.output
+    recorded = {"jax_version": jax.__version__, "jaxlib_version": package_version("jaxlib")}
+    schema = read_blob_file(poly).schema_generation
+    assert (schema > 11) == (here.max_schema > 11)
+    if schema > 11:  # written by jax 0.12 (schema 12, which records the writer's jax)
+        assert read_blob_file(poly).serialization_version >= 3
+        for meta in (recorded, {}):  # as logged here (jaxlib recorded), and as bare bytes
+            # batch-polymorphic: its shape assertions use vhlo.custom_call_v2 (StableHLO 1.18),
+            # which jaxlib 0.10.2 (1.17) cannot read: refused, naming the jax it needs
+            v = judge(poly, jax_0102, **meta)
+            assert v.status == "incompatible", str(v)
+            (op,) = [r for r in v.reasons if r.code == "stablehlo"]
+            assert op.severity == "incompatible" and "custom_call_v2" in op.message
+            assert f"Upgrade jax and jaxlib to {jax.__version__} or newer" in op.action
+            # concrete shapes: read and run by 0.10.2 (measured), with the newer schema named
+            v = judge(concrete, jax_0102, **meta)
+            assert v.status == "warn" and "stablehlo" not in v.codes(), str(v)
+            (sch,) = [r for r in v.reasons if r.code == "schema"]
+            assert f"schema {schema}" in sch.message and "up to 11" in sch.message
+            assert f"Upgrade jax and jaxlib to {jax.__version__} or newer" in sch.action
+            if meta:  # the exporter's recorded jaxlib, months newer than 0.10.2
+                (fwd,) = [r for r in v.reasons if r.code == "window_forward"]
+                assert package_version("jaxlib") in fwd.message and "jaxlib>=" in fwd.action
+    else:  # written by jax 0.10.2: jax 0.12 reads both (within 6 months of its jaxlib)
+        for blob in (poly, concrete):
+            for meta in (recorded, {}):
+                assert judge(blob, jax_012, **meta).status == "ok", (blob.name, meta)
+    # jax 0.10.2's corpus blobs, bare, for jax 0.12: ok or a warning, nothing blocking (with
+    # the 4 devices sharded4 needs)
+    for case in sorted((CORPUS / "jax-0.10.2").iterdir()):
+        v = judge(case / "exported.bin", jax_012.replace(device_count=4))
+        assert v.status in ("ok", "warn"), (case.name, str(v))
+    # jax 0.6.2's, for jax 0.12: expired (schema 2), the flag as the first thing to do
+    old = CORPUS / "jax-0.6.2" / "mlp" / "exported.bin"
+    v = judge(old, jax_012)
+    assert v.status == "incompatible" and v.codes() == ["expired"], str(v)
+    (expired,) = v.reasons
+    assert "serialization schema 2" in expired.message and "0.12.0.1 refuses" in expired.message
+    assert f"{compat.EXPIRED_ENV}=1" in expired.action and "`jaxexp refresh`" in expired.action
+    # with the flag set there: read, with a warning to refresh it while that lasts
+    v = judge(old, jax_012.replace(reads_expired=True))
+    assert v.status == "warn" and set(v.codes()) == {"expired", "window_backward"}, str(v)
+    # and for jax 0.10.2 (no window enforced): read, only outside the promised window
+    assert judge(old, jax_0102).codes() == ["window_backward"]
 
 
 # -- predict -----------------------------------------------------------------------------------
@@ -271,32 +408,70 @@ def test_predict_files_in_and_out(store, tmp_path):
     np.testing.assert_allclose(payload["outputs"][0]["values"], want, rtol=1e-6, atol=1e-6)
 
 
-def test_predict_bare_blob_with_pytrees_matches_the_corpus(tmp_path):
-    case = CORPUS / "jax-0.6.2" / "pytree_io"
-    _, _, outputs = load_case(case)
+def _predict_corpus(case: Path, tmp_path: Path, *extra: str):
     out = tmp_path / "out.npz"
-    result = run_cli(
-        "predict",
-        str(case / "exported.bin"),
-        "--input",
-        str(case / "inputs.npz"),
-        "--output",
-        str(out),
-    )
-    assert result.exit_code == 0, result.stderr
+    args = ["predict", str(case / "exported.bin"), "--input", str(case / "inputs.npz")]
+    return run_cli(*args, "--output", str(out), *extra), out
+
+
+def _assert_reproduces(case: Path, out: Path) -> None:
+    _, _, outputs = load_case(case)
     with np.load(out, allow_pickle=False) as data:
         for i, want in enumerate(outputs):
             np.testing.assert_allclose(data[f"out_{i}"], want, rtol=1e-5, atol=1e-6)
 
 
-def test_predict_refuses_an_incompatible_blob_with_exit_1():
+def test_predict_bare_blob_with_pytrees_matches_the_corpus(tmp_path):
+    case = CORPUS / "jax-0.6.2" / "pytree_io"
+    result, out = _predict_corpus(case, tmp_path)
+    if corpus_refusals(case):  # jax >= 0.11.1 without its flag: refused before running
+        assert corpus_refusals(case) == {"expired"}
+        assert result.exit_code == 1 and not out.exists()
+        err = result.stderr
+        assert "[expired]" in err and "serialization schema 2" in err and "refuses" in err
+        assert f"{compat.EXPIRED_ENV}=1" in err and "--allow-incompatible" in err
+        return
+    assert result.exit_code == 0, result.stderr
+    _assert_reproduces(case, out)
+
+
+def test_predict_expired_blob_with_the_flag_matches_the_corpus(tmp_path, expired_env):
+    """The advice works: with jax's flag for expired blobs set, jax 0.6.2's blob runs and
+    reproduces on every jax (older ones read it without the flag)."""
+    case = CORPUS / "jax-0.6.2" / "pytree_io"
+    assert not corpus_refusals(case, expired_flag=expired_env)
+    result, out = _predict_corpus(case, tmp_path)
+    assert result.exit_code == 0, result.stderr
+    _assert_reproduces(case, out)
+
+
+def test_predict_refuses_an_incompatible_blob_with_exit_1(tmp_path):
     case = CORPUS / "jax-0.4.35" / "linalg"
-    args = ["predict", str(case / "exported.bin"), "--input", str(case / "inputs.npz")]
-    result = run_cli(*args)
-    assert result.exit_code == 1
-    assert "custom_calls" in result.stderr and "--allow-incompatible" in result.stderr
-    forced = run_cli(*args, "--allow-incompatible")  # tries, and fails when called
-    assert forced.exit_code == 1 and "failed to run here" in forced.stderr
+    result, out = _predict_corpus(case, tmp_path)
+    assert result.exit_code == 1 and not out.exists()
+    assert "[custom_calls]" in result.stderr and "--allow-incompatible" in result.stderr
+    refused = corpus_refusals(case)
+    if refused:  # jax >= 0.11.1 also refuses to read it without its flag
+        assert "[expired]" in result.stderr and f"{compat.EXPIRED_ENV}=1" in result.stderr
+    forced, out = _predict_corpus(case, tmp_path, "--allow-incompatible")  # tries anyway
+    assert forced.exit_code == 1 and not out.exists()
+    if refused:  # jax refuses to deserialize it, as the verdict said: a "no", with the advice
+        assert "failed to load here" in forced.stderr and "could not deserialize" in forced.stderr
+        assert "[expired]" in forced.stderr and f"{compat.EXPIRED_ENV}=1" in forced.stderr
+    else:  # deserialized, and fails when called, as the verdict said
+        assert "failed to run here" in forced.stderr and "blas_strsm" in forced.stderr
+
+
+def test_predict_with_the_flag_still_refuses_a_removed_kernel(tmp_path, expired_env):
+    """jax 0.4.35's linalg: the flag lets jax >= 0.11.1 read it, but its kernel is gone."""
+    case = CORPUS / "jax-0.4.35" / "linalg"
+    assert corpus_refusals(case, expired_flag=expired_env) == set()
+    result, _ = _predict_corpus(case, tmp_path)
+    assert result.exit_code == 1 and "[custom_calls]" in result.stderr
+    assert "[expired]" not in result.stderr.split("(warning)")[0]  # only a warning now
+    forced, out = _predict_corpus(case, tmp_path, "--allow-incompatible")
+    assert forced.exit_code == 1 and not out.exists()
+    assert "failed to run here" in forced.stderr and "blas_strsm" in forced.stderr
 
 
 def test_predict_wrong_input_is_an_input_error(store, tmp_path):
@@ -371,6 +546,30 @@ def test_log_an_archived_blob_then_verify(store, tmp_path):
     assert json.loads(verify.stdout)["outputs"][0]["passed"] is True
     same = run_cli("verify", "models:/archived/1")
     assert same.exit_code == 0
+
+
+def test_verify_an_expired_model_with_and_without_the_flag(store, expired_env, monkeypatch):
+    """A jax 0.6.2 blob logged where jax reads it (with the flag on jax >= 0.11.1) reproduces;
+    without the flag jax >= 0.11.1 refuses it before running, saying to set the flag, and
+    --allow-incompatible then fails as judged (exit 1), not as an input error."""
+    case = CORPUS / "jax-0.6.2" / "mlp"
+    args = ["--input-example", str(case / "inputs.npz"), "--experiment", "expired", "--json"]
+    logged = run_cli("log", str(case / "exported.bin"), *args)
+    assert logged.exit_code == 0, logged.stderr
+    uri = json.loads(logged.stdout)["runs_uri"]
+    ok = run_cli("verify", uri, "--json")
+    assert ok.exit_code == 0, ok.stderr
+    assert json.loads(ok.stdout)["outputs"][0]["passed"] is True
+    if not expired_env:  # jax < 0.11.1 reads it without any flag: nothing more to refuse
+        return
+    jax.config.update(compat.EXPIRED_FLAG, False)  # the user without the flag
+    monkeypatch.delenv(compat.EXPIRED_ENV)
+    refused = run_cli("verify", uri)
+    assert refused.exit_code == 1 and "[expired]" in refused.stderr
+    assert f"{compat.EXPIRED_ENV}=1" in refused.stderr and "--allow-incompatible" in refused.stderr
+    forced = run_cli("verify", uri, "--allow-incompatible")
+    assert forced.exit_code == 1 and "failed to load here" in forced.stderr
+    assert f"{compat.EXPIRED_ENV}=1" in forced.stderr
 
 
 def test_log_blob_with_orbax_params_into_an_existing_run(store, tmp_path):

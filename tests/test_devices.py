@@ -19,11 +19,14 @@ import pytest
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import devices
-from tests.conftest import CORPUS, corpus_cases, run_on_devices
+from tests.conftest import CORPUS, corpus_cases, corpus_refusals, run_on_devices
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 REPO = Path(__file__).resolve().parents[1]
-VERSIONS = sorted({c.parent.name.removeprefix("jax-") for c in corpus_cases()})
+VERSIONS = sorted(
+    {c.parent.name.removeprefix("jax-") for c in corpus_cases()},
+    key=lambda v: tuple(int(x) for x in v.split(".")),
+)
 
 WORKER = textwrap.dedent(
     """
@@ -31,18 +34,60 @@ WORKER = textwrap.dedent(
     import numpy as np, jax, jax.numpy as jnp, mlflow
     import jaxexp_mlflow
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from pathlib import Path
     from jaxexp_mlflow.errors import IncompatibleError
-    from tests.conftest import CORPUS, load_case
+    from tests.conftest import CORPUS, as_logged_by_older_jax, corpus_refusals, load_case
     from tests.models import batch, mlp_apply, mlp_params
 
     tmp = tempfile.mkdtemp()
     res = {"n_devices": len(jax.devices())}
+    FLAG = "jax_export_deserialize_expired_versions"
 
     def close(a, b):
         return bool(np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6))
 
+    def flagged(value, fn):
+        # fn() with jax's flag for expired blobs set to value (where this jax has the flag)
+        if not hasattr(jax.config, FLAG):
+            return fn()
+        before = getattr(jax.config, FLAG)
+        jax.config.update(FLAG, value)
+        try:
+            return fn()
+        finally:
+            jax.config.update(FLAG, before)
+
+    def message(fn, errors=(IncompatibleError,)):
+        try:
+            fn()
+        except errors as err:
+            return str(err)
+        return None
+
+    def refused(case, tag):
+        # a blob this jax does not read (jax >= 0.11.1: HLO shardings): without and with the
+        # flag, saving it is refused, and so is loading the model an older jax logged of it
+        # (that jax's save is mimicked: a model of 0.10.2's blob of the same function, its blob
+        # swapped); jax itself refuses to deserialize it
+        path = f"{tmp}/older-{tag}"
+        newest = CORPUS / "jax-0.10.2" / "sharded4"
+        mlflow.jaxexp.save_model((newest / "exported.bin").read_bytes(), path)
+        as_logged_by_older_jax(Path(path), case / "exported.bin")
+        data = (case / "exported.bin").read_bytes()
+        out = {}
+        for flag in (False, True):
+            out[str(flag)] = flagged(flag, lambda: {
+                "save": message(lambda: mlflow.jaxexp.save_model(data, f"{tmp}/s-{tag}-{flag}")),
+                "load": message(lambda: mlflow.jaxexp.load_model(path)),
+                "pyfunc": message(lambda: mlflow.pyfunc.load_model(path)),
+                "jax": message(lambda: jax.export.deserialize(bytearray(data)), Exception),
+            })
+        return {"refused": out}
+
     def corpus_sharded(version):
         case = CORPUS / f"jax-{version}" / "sharded4"
+        if corpus_refusals(case, expired_flag=True):
+            return refused(case, f"sharded-{version}")
         _, ins, outs = load_case(case)
         path = f"{tmp}/sharded-{version}"
         mlflow.jaxexp.save_model((case / "exported.bin").read_bytes(), path,
@@ -95,6 +140,8 @@ WORKER = textwrap.dedent(
 
     def too_few(version):
         case = CORPUS / f"jax-{version}" / "sharded4"
+        if corpus_refusals(case, expired_flag=True):
+            return refused(case, f"few-{version}")
         path = f"{tmp}/few-{version}"
         mlflow.jaxexp.save_model((case / "exported.bin").read_bytes(), path)
         try:
@@ -135,6 +182,32 @@ def run_worker(n_devices: int, *tasks: str) -> dict:
 needs_corpus = pytest.mark.skipif(not VERSIONS, reason="corpus not available")
 
 
+def assert_refused(version: str, r: dict, *, n_devices: int) -> None:
+    """What jax >= 0.11.1 does with a sharded4 blob of old-style (HLO) shardings: refused
+    before anything runs, with and without the flag for expired blobs, saying why and what to
+    do; and jax itself indeed refuses to deserialize it, flag or not."""
+    case = CORPUS / f"jax-{version}" / "sharded4"
+    for flag in ("False", "True"):
+        want = corpus_refusals(case, expired_flag=flag == "True")
+        assert "hlo_sharding" in want
+        got = r["refused"][flag]
+        assert got["jax"] is not None, (version, flag)  # jax's own refusal
+        assert "cannot read the given blob" in got["save"], (version, flag, got["save"])
+        for msg in (got["save"], got["load"], got["pyfunc"]):
+            assert msg is not None, (version, flag, got)
+            assert "[hlo_sharding]" in msg and "does not help" in msg  # found, and why
+            assert "jaxexp refresh" in msg and "export the function again" in msg  # what to do
+            blocking = msg.split("- (warning)")[0]  # with the flag, [expired] only warns
+            assert ("[expired]" in blocking) == ("expired" in want), (version, flag, msg)
+        for msg in (got["load"], got["pyfunc"]):  # the whole verdict: devices too
+            assert "cannot run here" in msg
+            if n_devices < 4:
+                assert "exported for 4 devices" in msg and f"only {n_devices} cpu device(s)" in msg
+                assert "--xla_force_host_platform_device_count=4" in msg
+            else:
+                assert "[devices]" not in msg
+
+
 @needs_corpus
 @pytest.mark.parametrize("n_devices", [4, 8])
 def test_corpus_sharded4_runs_on_more_or_equal_devices(n_devices):
@@ -143,6 +216,9 @@ def test_corpus_sharded4_runs_on_more_or_equal_devices(n_devices):
     res = run_worker(n_devices, *tasks)
     for v in VERSIONS:
         r = res[f"corpus_sharded:{v}"]
+        if corpus_refusals(CORPUS / f"jax-{v}" / "sharded4", expired_flag=True):
+            assert_refused(v, r, n_devices=n_devices)
+            continue
         assert r["match"] and r["pyfunc_numpy"], (v, r)
         # always a mesh of exactly the exported 4 devices, x sharded on its leading dimension
         assert r["mesh"] == 4 and r["out_devices"] == 4
@@ -168,6 +244,9 @@ def test_fewer_devices_than_exported_fails_before_compile_with_both_counts():
     res = run_worker(2, *[f"too_few:{v}" for v in VERSIONS])
     for v in VERSIONS:
         r = res[f"too_few:{v}"]
+        if corpus_refusals(CORPUS / f"jax-{v}" / "sharded4", expired_flag=True):
+            assert_refused(v, r, n_devices=2)  # never deserialized: no plan to make
+            continue
         for msg in (r["load"], r["plan"]):
             assert msg is not None, v
             assert "exported for 4 devices" in msg and "only 2 cpu device(s)" in msg
@@ -218,9 +297,11 @@ def test_single_device_plan_and_data_parallel_on_one_device(tmp_path):
 
 @needs_corpus
 def test_data_parallel_does_not_bypass_the_device_count():
-    exp = jax.export.deserialize(
-        bytearray((CORPUS / f"jax-{VERSIONS[-1]}" / "sharded4" / "exported.bin").read_bytes())
-    )
+    # the newest corpus version (NamedShardings: every jax tested reads it; the older ones'
+    # refusals under jax >= 0.11.1 are checked above)
+    newest = CORPUS / f"jax-{VERSIONS[-1]}" / "sharded4"
+    assert VERSIONS[-1] == "0.10.2" and not corpus_refusals(newest, expired_flag=True)
+    exp = jax.export.deserialize(bytearray((newest / "exported.bin").read_bytes()))
     # data_parallel applies to 1-device exports only; a 4-device export still needs 4
     with pytest.raises(IncompatibleError, match="exported for 4 devices"):
         devices.plan(exp, data_parallel=True)

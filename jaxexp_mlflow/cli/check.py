@@ -9,6 +9,7 @@ import click
 
 from jaxexp_mlflow.cli._common import (
     Command,
+    Failure,
     InputProblem,
     common_options,
     emit_json,
@@ -60,6 +61,31 @@ def assess_target(
         verdict = compat.assess(meta, description=desc, allow_other_platform=allow_other_platform)
     as_dict = verdict_dict(verdict)
     return verdict, as_dict
+
+
+def forced_load_failure(
+    target: Target, err: BaseException, *, allow_other_platform: bool = False
+) -> Failure | None:
+    """After ``--allow-incompatible``: a load that failed on a model judged incompatible is the
+    "no" its verdict predicted (exit 1, with the verdict's reasons and what to do), not an input
+    error. None when the verdict does not explain the failure (the error stands as it is)."""
+    if {c.__name__ for c in type(err).__mro__} & {"IncompatibleError", "Failure"}:
+        return None  # already a "no"
+    try:
+        verdict, _ = assess_target(target, allow_other_platform=allow_other_platform)
+    except Exception:  # noqa: BLE001 - the original error is the one to report
+        return None
+    if verdict.status != "incompatible":
+        return None
+    reasons = " ".join(
+        f"- {r}" for r in verdict.reasons if getattr(r, "severity", None) == "incompatible"
+    )
+    message = " ".join((getattr(err, "message", None) or str(err)).split())
+    return Failure(
+        f"the model failed to load here, as its compatibility verdict (incompatible) said it "
+        f"would despite --allow-incompatible: {message} What the verdict found and what to do: "
+        f"{reasons}"
+    )
 
 
 def verdict_dict(verdict: Any) -> dict[str, Any]:

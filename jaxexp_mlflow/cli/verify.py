@@ -94,13 +94,22 @@ def verify(
         )
     from jaxexp_mlflow.reproduce import verify_directory
 
-    model = load(
-        target,
-        allow_incompatible=allow_incompatible,
-        allow_other_platform=allow_other_platform,
-        isolate=True,  # a blob that crashes JAX's deserializer is refused, not fatal
-        backend=backend,
-    )
+    try:
+        model = load(
+            target,
+            allow_incompatible=allow_incompatible,
+            allow_other_platform=allow_other_platform,
+            isolate=True,  # a blob that crashes JAX's deserializer is refused, not fatal
+            backend=backend,
+        )
+    except Exception as err:
+        if allow_incompatible and backend == "jax":  # tried anyway: jax refused, as judged?
+            from jaxexp_mlflow.cli.check import forced_load_failure
+
+            failure = forced_load_failure(target, err, allow_other_platform=allow_other_platform)
+            if failure is not None:
+                raise failure from err
+        raise
     env = environment(backend)
     try:
         with step("Running the reference input (compile + run)"):
