@@ -1,10 +1,16 @@
 """Run inside a model's restored environment (``jaxexp verify --env-manager``); not imported.
 
-Usage: ``python _env_runner.py MODEL_DIR OUT_DIR``. Loads the model with the jaxexp-mlflow copy
-the model carries in ``code/`` and the jax/jaxlib its requirements pinned, runs the stored
-reference input, and writes ``OUT_DIR/result.json`` (versions, output dtypes, or the error) and
-``OUT_DIR/outputs.npz`` (outputs; dtypes numpy lacks, such as bfloat16, as raw bits). Uses only
-what any jaxexp-mlflow version has, so that older model copies work too.
+Usage: ``python _env_runner.py MODEL_DIR OUT_DIR [LOADER_DIR]``. Loads the model with the
+jaxexp-mlflow installed in the environment (its requirements name it) and the jax/jaxlib they
+pinned, runs the stored reference input, and writes ``OUT_DIR/result.json`` (versions, output
+dtypes, or the error) and ``OUT_DIR/outputs.npz`` (outputs; dtypes numpy lacks, such as
+bfloat16, as raw bits). Uses only what any jaxexp-mlflow version has.
+
+Nothing is imported from the model directory, not even the copy of jaxexp-mlflow an
+``include_package=True`` model carries in ``code/``. ``LOADER_DIR`` (a directory holding only a
+link to the parent's jaxexp_mlflow package) is appended to ``sys.path``: it is used only where
+the environment has no jaxexp-mlflow of its own (not on the index at hand; older models whose
+requirements do not name it).
 """
 
 import json
@@ -14,28 +20,21 @@ import time
 import traceback
 
 
-def _add_model_code(model_dir: str) -> None:
-    """Put the model's own ``code/`` (its jaxexp-mlflow copy) first on ``sys.path``, through
-    MLflow's public ``Model.load``; only a relative directory inside the model is accepted."""
+def _add_loader(loader_dir: str | None) -> None:
+    """The parent's jaxexp-mlflow, last on ``sys.path``; this script's own directory (the
+    package directory, whose modules would otherwise be importable as top-level names) out."""
     import os
 
-    from mlflow.models import Model
-
-    conf = Model.load(os.path.join(model_dir, "MLmodel")).flavors["jaxexp"]
-    code = conf.get("code")
-    if not code:
-        return
-    root = os.path.realpath(model_dir)
-    path = os.path.realpath(os.path.join(root, str(code)))
-    if not isinstance(code, str) or os.path.isabs(code) or not path.startswith(root + os.sep):
-        raise ValueError(f"MLmodel jaxexp.code is {code!r}: expected a directory inside the model")
-    sys.path.insert(0, path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    if loader_dir:
+        sys.path.append(loader_dir)
 
 
-def main(model_dir: str, out_dir: str) -> int:
+def main(model_dir: str, out_dir: str, loader_dir: str | None = None) -> int:
     result = {"python": platform.python_version()}
     try:
-        _add_model_code(model_dir)
+        _add_loader(loader_dir)
         import jax
         import numpy as np
 
@@ -52,6 +51,7 @@ def main(model_dir: str, out_dir: str) -> int:
         from jaxexp_mlflow.flavors import jaxexp as flavor
 
         result["jaxexp_mlflow"] = getattr(jaxexp_mlflow, "__version__", None)
+        result["jaxexp_mlflow_path"] = getattr(jaxexp_mlflow, "__file__", None)
         start = time.perf_counter()
         model = flavor.load_model(model_dir, allow_incompatible=True)
         ref = artifact.read_reference(model_dir, model.metadata)
@@ -80,4 +80,4 @@ def main(model_dir: str, out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(*sys.argv[1:4]))

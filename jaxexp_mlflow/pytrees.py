@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from typing import Any
 
 import jax
 import jax.export  # jax < 0.8 does not import the submodule by itself
 
-from jaxexp_mlflow.errors import UnsupportedModelError
+from jaxexp_mlflow.errors import ArtifactError, UnsupportedModelError
 
 # Modules whose pytree node types we register automatically (their aux data is JSON-able).
 AUTO_REGISTER_PREFIXES = ("flax.",)
 
 _registered: set[str] = set()
+
+#: A name ``register_for_load`` imports: a dotted path of identifiers under an allowlisted prefix.
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 
 
 def _to_json(aux: Any) -> bytes:
@@ -97,11 +101,29 @@ def register_for_save(treedef: Any) -> list[str]:
     return sorted(names)
 
 
+def _not_a_node_type(name: str, found: str) -> ArtifactError:
+    return ArtifactError(
+        f"The model's MLmodel jaxexp.pytree_node_types names {name[:120]!r}: expected the import "
+        f"path of a pytree node type (a class, e.g. flax.core.frozen_dict.FrozenDict), found "
+        f"{found}. The MLmodel file is damaged or was altered; download the model again or "
+        "re-log it from its source."
+    )
+
+
 def register_for_load(names: list[str]) -> None:
-    """Import and register the node types recorded at save time, before deserializing."""
+    """Import and register the node types recorded at save time, before deserializing.
+
+    Only names under ``AUTO_REGISTER_PREFIXES`` are imported (from the installed packages, never
+    from the model); a name that is not a dotted import path, or names something other than a
+    class JAX can register, is an ``ArtifactError``."""
+    from jaxexp_mlflow.codec.mlmodel import check_node_type_names
+
+    check_node_type_names(names)
     for name in names or ():
-        if not name.startswith(AUTO_REGISTER_PREFIXES) or name in _registered:
+        if not name or not name.startswith(AUTO_REGISTER_PREFIXES) or name in _registered:
             continue
+        if not _IMPORT_PATH.fullmatch(name):
+            raise _not_a_node_type(name, "a name that is not a dotted import path")
         module_name, _, qualname = name.rpartition(".")
         try:
             cls = getattr(importlib.import_module(module_name), qualname)
@@ -111,4 +133,9 @@ def register_for_load(names: list[str]) -> None:
                 f"({err}). Install the package that defines it (for Flax: pip install flax) "
                 "and load again."
             ) from err
-        _register(name, cls)
+        if not isinstance(cls, type):
+            raise _not_a_node_type(name, f"a {type(cls).__name__}")
+        try:
+            _register(name, cls)
+        except (ValueError, TypeError) as err:
+            raise _not_a_node_type(name, f"a class JAX cannot register ({err})"[:300]) from err

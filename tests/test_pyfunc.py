@@ -290,8 +290,20 @@ def _unset_cache_env() -> dict:
     return {"JAXEXP_COMPILATION_CACHE": "1"}
 
 
-def test_environment_files_and_carried_package(mlp_dir):
-    path, _ = mlp_dir
+def test_environment_files_and_carried_package(mlp_dir, tmp_path):
+    # by default a model carries no Python: its requirements name the loader, jaxexp-mlflow
+    default, params = mlp_dir
+    assert not (default / "code").exists()
+    assert "code" not in _mlmodel(default)["flavors"]["python_function"]
+    assert any(
+        r.startswith("jaxexp-mlflow>=")
+        for r in (default / "requirements.txt").read_text().splitlines()
+    )
+    # include_package=True (air-gapped archives) carries the package in code/
+    path = tmp_path / "carried"
+    mlflow.jaxexp.save_model(
+        export_mlp(params), path, params=params, input_example=batch(2), include_package=True
+    )
     reqs = (path / "requirements.txt").read_text().splitlines()
     names = {r.split("==")[0] for r in reqs}
     assert {"jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy", "mlflow"} <= names

@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -382,3 +384,143 @@ def test_manifest_verification_needs_no_jax(base):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr[-2000:]
+
+
+# -- 6. loading and vetting run none of the model's code (issue 25) -----------------------------
+
+_CLI = "import sys; from jaxexp_mlflow.cli import main; sys.exit(main())"
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The ``jaxexp`` command in a fresh interpreter (nothing imported yet that a model could
+    shadow), the way a user runs it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    return subprocess.run(
+        [sys.executable, "-c", _CLI, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+    )
+
+
+def _plant(directory: Path, module: str, marker: Path, *, exit_ok: bool = False) -> None:
+    """A Python module in ``directory`` that leaves ``marker`` behind if it is ever imported
+    (and with ``exit_ok`` ends the process with status 0, so that a vetting child reads 'ok')."""
+    target = directory / module.replace(".", "/")
+    target.mkdir(parents=True, exist_ok=True)
+    body = f"open({str(marker)!r}, 'a').write({module!r} + '\\n')\n"
+    if exit_ok:
+        body += "import os\nos._exit(0)\n"
+    (target / "__init__.py").write_text(body)
+
+
+def test_check_run_inside_a_model_imports_none_of_its_python(model, tmp_path, monkeypatch):
+    import hashlib
+
+    data = _crasher(tmp_path, CRASHERS[0]).read_bytes()  # JAX aborts on it: the real verdict
+    (model / "exported.bin").write_bytes(data)
+    edit_flavor(model, exported_sha256=hashlib.sha256(data).hexdigest())
+    marker = tmp_path / "ran"
+    _plant(model, "jax", marker, exit_ok=True)  # a top-level jax/ that says "all fine"
+    real = CliRunner().invoke(main, ["check", str(model)])  # from a neutral directory
+    assert not marker.exists()
+    monkeypatch.chdir(model)
+    inside = CliRunner().invoke(main, ["check", "."])
+    assert not marker.exists(), "the isolation child imported the model's jax/"
+    assert inside.exit_code == real.exit_code, (real.output, inside.output)
+    verdict = [ln for ln in real.output.splitlines() if ln.startswith(("Verdict", "jaxexp check"))]
+    assert verdict and all(ln in inside.output for ln in verdict), (real.output, inside.output)
+
+
+def test_isolated_load_inside_a_model_imports_none_of_its_python(model, tmp_path, monkeypatch):
+    marker = tmp_path / "ran"
+    _plant(model, "jax", marker, exit_ok=True)
+    monkeypatch.chdir(model)
+    loaded = mlflow.jaxexp.load_model(".", isolate=True)
+    assert loaded(batch(3)).shape[0] == 3
+    assert not marker.exists(), "the isolation child imported the model's jax/"
+
+
+@pytest.mark.parametrize("code", ["absolute", "../..", 5, ["code"]])
+def test_code_field_is_validated(model, code):
+    outside = model.parent / "other"
+    edit_flavor(model, code=str(outside) if code == "absolute" else code)
+    before = list(sys.path)
+    refused(model, "jaxexp.code")
+    assert sys.path == before and str(outside) not in sys.path
+
+
+def test_verify_and_predict_import_nothing_from_code(model, tmp_path):
+    marker = tmp_path / "ran"
+    _plant(model / "code", "timeit", marker)
+    for name in ("orbax", "tensorstore", "absl", "msgpack", "jaxexp_mlflow"):
+        _plant(model / "code", name, marker)  # would also break the load if imported
+    edit_flavor(model, code="code")
+    np.save(tmp_path / "x.npy", batch(2))
+    verify = _cli("verify", str(model), cwd=tmp_path)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    predict = _cli("predict", str(model), "--input", str(tmp_path / "x.npy"), cwd=tmp_path)
+    assert predict.returncode == 0, predict.stdout + predict.stderr
+    assert not marker.exists(), marker.read_text()
+
+
+def _python_files(model: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(model))
+        for p in model.rglob("*")
+        if p.suffix in (".py", ".pyc", ".so", ".pth")
+    )
+
+
+def test_a_default_save_carries_no_python(base, tmp_path):
+    from jaxexp_mlflow import __version__
+
+    params = base[1]
+    mlflow.jaxexp.save_model(export_mlp(params), tmp_path / "m", params=params)
+    model = tmp_path / "m"
+    assert _python_files(model) == [] and not (model / "code").exists()
+    doc = yaml.safe_load((model / "MLmodel").read_text())
+    assert not doc["flavors"]["jaxexp"].get("code")
+    assert not doc["flavors"]["python_function"].get("code")
+    reqs = (model / "requirements.txt").read_text().splitlines()
+    assert f"jaxexp-mlflow>={__version__}" in reqs, reqs
+    result = CliRunner().invoke(main, ["check", str(model)])
+    assert result.exit_code == 0 and "carries no Python" in result.output, result.output
+    doc = json.loads(CliRunner().invoke(main, ["check", str(model), "--json"]).stdout)
+    assert doc["model_python"] == {"count": 0, "files": [], "code": None}
+
+
+def test_include_package_is_reported_and_never_imported(base, tmp_path):
+    params = base[1]
+    mlflow.jaxexp.save_model(
+        export_mlp(params), tmp_path / "m", params=params, include_package=True
+    )
+    model = tmp_path / "m"
+    carried = _python_files(model)
+    assert "code/jaxexp_mlflow/__init__.py" in carried
+    result = CliRunner().invoke(main, ["check", str(model)])
+    assert result.exit_code == 0, result.output
+    assert f"carries {len(carried)} Python files" in result.output, result.output
+    assert "code/jaxexp_mlflow/__init__.py" in result.output
+    before = list(sys.path)
+    mlflow.jaxexp.load_model(str(model))(batch(2))
+    assert sys.path == before  # jaxexp is the loader: the copy is never put on sys.path
+
+
+@pytest.mark.parametrize(
+    "node_types",
+    [
+        ["flax.serialization.to_bytes"],  # importable, but a function, not a node type
+        ["flax." + "x" * 200_000],  # once passed on the child's argv: E2BIG
+        ["flax.core.frozen_dict.FrozenDict\n--evil"],
+        [5],
+    ],
+    ids=["function", "200kB", "newline", "int"],
+)
+@pytest.mark.parametrize("isolate", [False, True])
+def test_hostile_node_types_are_typed_errors(model, node_types, isolate):
+    edit_flavor(model, pytree_node_types=node_types)
+    with pytest.raises(ArtifactError, match="pytree_node_types"):
+        mlflow.jaxexp.load_model(str(model), isolate=isolate)

@@ -298,7 +298,10 @@ def test_serve_in_fresh_virtualenv(tmp_path):
 
     params = mlp_params()
     path = tmp_path / "model"
-    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
+    # this project is not on the index the fresh env installs from: carry it (air-gapped choice)
+    mlflow.jaxexp.save_model(
+        export_mlp(params), path, params=params, input_example=batch(2), include_package=True
+    )
     env = server_env(tmp_path)
     env["PATH"] = os.pathsep.join([VENV_BIN, "/root/.pyenv/bin", env["PATH"]])
     env.pop("PYTHONPATH", None)

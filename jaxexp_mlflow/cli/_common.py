@@ -3,6 +3,10 @@
 Nothing heavy is imported here (no jax, no mlflow, no numpy): ``jaxexp inspect`` must stay cheap
 and must never load jax. Exit codes: 0 success, 1 when the answer is "no" (incompatible,
 mismatch), 2 for usage or input errors (click's own usage errors also exit 2).
+
+Strings from a model (MLmodel fields, registered names, blob metadata) are untrusted: every line
+a command prints goes through :func:`safe_text` (tables, errors, and the command's stdout
+itself while it runs), so control characters reach the terminal as visible escapes.
 """
 
 from __future__ import annotations
@@ -66,10 +70,126 @@ def one_line(err: BaseException) -> str:
     return text
 
 
+# -- terminal safety ---------------------------------------------------------------------------
+
+#: Bidirectional-text controls (marks, embeddings, overrides, isolates): they reorder what a
+#: terminal shows. U+2028/U+2029 (line and paragraph separators) break lines.
+_BIDI = (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+_UNSAFE = (*range(0x20), 0x7F, *range(0x80, 0xA0), *_BIDI, 0x2028, 0x2029)
+
+
+def _escape(cp: int) -> str:
+    named = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+    return named.get(cp) or (f"\\x{cp:02x}" if cp < 0x100 else f"\\u{cp:04x}")
+
+
+_SINGLE_LINE = {cp: _escape(cp) for cp in _UNSAFE}
+_MULTI_LINE = {cp: v for cp, v in _SINGLE_LINE.items() if cp not in (0x09, 0x0A)}
+
+
+def safe_text(value: Any, *, multiline: bool = False) -> str:
+    """``value`` as text a terminal shows as it is: control characters (C0, DEL, C1, hence
+    every ESC sequence and carriage return), bidi overrides and Unicode line separators become
+    visible escapes (``\\x1b``, ``\\u202e``). ``multiline`` keeps newlines and tabs (a
+    block the command laid out itself); a cell or a value keeps none."""
+    return str(value).translate(_MULTI_LINE if multiline else _SINGLE_LINE)
+
+
+class _SafeStdout:
+    """``sys.stdout`` while a command runs: every write goes through :func:`safe_text`
+    (multi-line). JSON is unchanged by it (``json.dumps`` escapes control characters)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.encoding = getattr(stream, "encoding", None) or "utf-8"
+        self.errors = getattr(stream, "errors", None) or "strict"
+
+    def write(self, text: Any) -> int:
+        if isinstance(text, str):
+            text = safe_text(text, multiline=True)
+        return self._stream.write(text)  # bytes: refused by the text stream, as click expects
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "buffer":  # no way around the sanitizer (click writes text through it)
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def safe_stdout() -> Iterator[None]:
+    """Route ``sys.stdout`` through :func:`safe_text` for the block (``click.echo`` included)."""
+    before = sys.stdout
+    if before is None or isinstance(before, _SafeStdout):
+        yield
+        return
+    sys.stdout = _SafeStdout(before)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout = before
+
+
+#: ``ctx.meta`` key of ``--trust-requirements`` (read by ``cli/verify_env.py``).
+TRUST_REQUIREMENTS = "jaxexp.trust_requirements"
+
+
+def _remember_trust(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    ctx.meta[TRUST_REQUIREMENTS] = bool(value)
+    return value
+
+
+def trust_requirements_option() -> click.Option:
+    """``--trust-requirements``: what a command that restores a model's recorded environment
+    (it has ``--env-manager``) may install."""
+    return click.Option(
+        ["--trust-requirements"],
+        is_flag=True,
+        expose_value=False,
+        callback=_remember_trust,
+        help="--env-manager installs what the model's requirements name (python_env.yaml, "
+        "requirements.txt, conda.yaml), printed before anything is installed. Without this "
+        "flag only plain `name[extras] (op version)` requirements from your package index are "
+        "installed and anything else (local paths, URLs, VCS, -e, --index-url and other "
+        "options, a uv.lock) is refused with exit 2; with it they are installed as written, "
+        "running any build backend the model ships. Only for models you trust to run code "
+        "here.",
+    )
+
+
 class Command(click.Command):
-    """A click command that turns exceptions into a one-line error and the right exit code."""
+    """A click command that turns exceptions into a one-line error and the right exit code.
+
+    Its stdout goes through :func:`safe_text` while it runs. A command with ``--env-manager``
+    also gets ``--trust-requirements`` (:func:`trust_requirements_option`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        names = {p.name for p in self.params}
+        if "env_manager" in names and "trust_requirements" not in names:
+            self.params.append(trust_requirements_option())
 
     def invoke(self, ctx: click.Context) -> Any:
+        with safe_stdout():
+            return self._invoke(ctx)
+
+    def _invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.Abort, click.ClickException):
@@ -81,7 +201,9 @@ class Command(click.Command):
             code = exit_code_for(err)
             if ctx.params.get("debug"):
                 traceback.print_exc()
-            message = one_line(err).replace("allow_incompatible=True", "--allow-incompatible")
+            message = safe_text(
+                one_line(err).replace("allow_incompatible=True", "--allow-incompatible")
+            )
             if ctx.params.get("as_json"):
                 emit_json(
                     {
@@ -173,8 +295,10 @@ def emit_json(payload: Any) -> None:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: int = 2) -> str:
-    """A plain-text table with aligned columns (no box drawing: greppable, diffable)."""
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    """A plain-text table with aligned columns (no box drawing: greppable, diffable). Cells go
+    through :func:`safe_text` (one line each)."""
+    cells = [[safe_text(h) for h in headers]]
+    cells += [["" if c is None else safe_text(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     pad = " " * indent
     lines = [pad + "  ".join(c.ljust(w) for c, w in zip(cells[0], widths, strict=True)).rstrip()]

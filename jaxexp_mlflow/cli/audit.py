@@ -103,10 +103,44 @@ def _closed(closes: dt.date | None, as_of: dt.date, how: str) -> str:
     return " (window " + ("may have " if how == "after" else "") + "closed)"
 
 
+def _pages(search: Any, **kwargs: Any) -> list:
+    """Every result of an MLflow ``search_*`` call (they return one page at a time)."""
+    out, token = [], None
+    while True:
+        page = search(**kwargs, page_token=token)
+        out.extend(page)
+        token = getattr(page, "token", None)
+        if not token:
+            return out
+
+
+def name_filter(name: str) -> str:
+    """An MLflow filter string selecting the versions of the registered model ``name``.
+
+    MLflow's filter syntax has no escape inside a quoted string: a name holding ``'`` is quoted
+    with ``"``; one holding both quotes is matched by ``LIKE`` with ``_`` (any one character)
+    in place of each quote, backslash and wildcard, which may select other names too: callers
+    keep exact matches only.
+    """
+    if "'" not in name:
+        return f"name='{name}'"
+    if '"' not in name:
+        return f'name="{name}"'
+    pattern = "".join("_" if ch in "'\"\\%_" else ch for ch in name)
+    return f"name LIKE '{pattern}'"
+
+
 def _registry(client: Any, only: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
-    names = only or tuple(m.name for m in client.search_registered_models())
+    """(uri, row fields) of every version of the registered models ``only`` (default: all).
+    A model whose versions cannot be listed is one row carrying the error; the sweep goes on."""
+    names = only or tuple(m.name for m in _pages(client.search_registered_models))
     for name in names:
-        versions = client.search_model_versions(f"name='{name}'")
+        try:
+            versions = _pages(client.search_model_versions, filter_string=name_filter(name))
+        except Exception as err:  # noqa: BLE001 - one unlistable model must not stop the sweep
+            yield f"models:/{name}", {"name": name, "error": one_line(err)}
+            continue
+        versions = [v for v in versions if v.name == name]
         for mv in sorted(versions, key=lambda v: int(v.version)):
             yield (
                 f"models:/{name}/{mv.version}",
@@ -135,7 +169,12 @@ def audit_one(uri: str, info: dict, as_of: dt.date) -> Row | None:
     from jaxexp_mlflow.cli.uri import resolve
     from jaxexp_mlflow.runtime import compat
 
+    info = dict(info)
+    listing_error = info.pop("error", None)
     row = Row(uri=uri, **info)
+    if listing_error:
+        row.action, row.reasons = "fix the model (cannot be listed)", [listing_error]
+        return row
     try:
         target = resolve(uri, parts=())
         verdict, _ = assess_target(target)

@@ -88,6 +88,62 @@ def forced_load_failure(
     )
 
 
+#: Files that are Python a process could import or run (sources, bytecode, extensions, .pth).
+PYTHON_SUFFIXES = (".py", ".pyc", ".pyo", ".pyd", ".so", ".pth")
+_MAX_LISTED = 50
+_MAX_WALKED = 100_000
+
+
+def model_python(target: Target) -> dict[str, Any] | None:
+    """The Python a model directory carries: ``{"count", "files" (the first 50, relative),
+    "code" (the code directory MLmodel declares, or None)}``; None for a bare blob.
+
+    jaxexp never imports any of it (docs/security.md); MLflow's pyfunc loader puts a declared
+    ``code`` directory on ``sys.path``. Only what is local is listed: for a remote model that
+    is MLmodel and the blob, and ``code`` says what MLmodel declares."""
+    import os
+
+    if target.kind != "model":
+        return None
+    flavors = target.mlmodel.get("flavors") or {}
+    declared = [f.get("code") for f in flavors.values() if isinstance(f, dict) and f.get("code")]
+    found: list[str] = []
+    walked = 0
+    root = str(target.path)
+    for here, dirs, names in os.walk(root, followlinks=False):
+        dirs.sort()
+        for name in sorted(names):
+            walked += 1
+            if name.endswith(PYTHON_SUFFIXES):
+                found.append(os.path.relpath(os.path.join(here, name), root))
+        walked += len(dirs)
+        if walked > _MAX_WALKED:
+            break
+    return {
+        "count": len(found),
+        "files": found[:_MAX_LISTED],
+        "code": str(declared[0]) if declared else None,
+    }
+
+
+def python_line(found: dict[str, Any]) -> str:
+    """One line for ``check``: no Python, or how many files and which."""
+    if not found["count"] and not found["code"]:
+        return "carries no Python (jaxexp-mlflow is its loader)"
+    if not found["count"]:
+        return (
+            f"declares a code directory {found['code']!r} (not downloaded here); jaxexp never "
+            "imports from it, mlflow.pyfunc.load_model puts it on sys.path"
+        )
+    shown = ", ".join(found["files"][:5])
+    more = f" (+{found['count'] - 5} more)" if found["count"] > 5 else ""
+    return (
+        f"carries {found['count']} Python files: {shown}{more}. jaxexp never imports them; "
+        "mlflow.pyfunc.load_model (and mlflow models serve) put the model's code/ on sys.path "
+        "and can run them: load it that way only if you trust its source"
+    )
+
+
 def verdict_dict(verdict: Any) -> dict[str, Any]:
     """``Verdict.to_dict()``, or the same shape built from status and reasons."""
     if hasattr(verdict, "to_dict"):
@@ -128,7 +184,9 @@ def check(uri: str, allow_other_platform: bool, as_json: bool, debug: bool) -> N
     serialization schema) with the running JAX, jaxlib and devices. Prints "ok", "warn" or
     "incompatible" with one reason and what to do per finding. Exits 0 for ok and warn, 1 for
     incompatible. Only MLmodel and the blob are downloaded. JAX deserializes the blob in an
-    isolated child process (memory cap, timeout): a blob that crashes it exits 2.
+    isolated child process (memory cap, timeout, nothing imported from the current directory):
+    a blob that crashes it exits 2. Also lists any Python the model directory carries (none by
+    default; jaxexp never imports it).
     """
     setup_logging(debug)
     target = resolve(uri, parts=())
@@ -141,11 +199,22 @@ def check(uri: str, allow_other_platform: bool, as_json: bool, debug: bool) -> N
     from jaxexp_mlflow.cli.loading import environment, environment_line
 
     env = environment()
+    carried = model_python(target)
     if as_json:
-        emit_json({"uri": uri, "environment": env, **payload})
+        extra = {} if carried is None else {"model_python": carried}
+        emit_json({"uri": uri, "environment": env, **payload, **extra})
     else:
         click.echo(f"Model        {uri}")
         click.echo(f"Environment  {environment_line(env)}")
+        if carried is not None:
+            click.echo(
+                textwrap.fill(
+                    python_line(carried),
+                    100,
+                    initial_indent="Python       ",
+                    subsequent_indent="             ",
+                )
+            )
         click.echo(f"Verdict      {verdict.status}")
         for reason in verdict.reasons:
             click.echo(

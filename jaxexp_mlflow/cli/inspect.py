@@ -13,6 +13,7 @@ from jaxexp_mlflow.cli._common import (
     common_options,
     emit_json,
     human_bytes,
+    safe_text,
     setup_logging,
     table,
 )
@@ -200,8 +201,9 @@ def describe(target: Target) -> dict[str, Any]:
 
 
 def _kv(rows: list[tuple[str, Any]]) -> str:
+    """``key  value`` lines; each value on one line (model strings: :func:`safe_text`)."""
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+    return "\n".join(f"{k.ljust(width)}  {safe_text(v)}" for k, v in rows)
 
 
 def render(report: dict[str, Any]) -> str:

@@ -49,10 +49,9 @@ def load(
             exported = deserialize_checked(data, source=source, description=desc)
             placement = devices.plan(exported, **options)
         return JaxExpModel(placement.exported, None, {}, placement=placement)
-    from jaxexp_mlflow.internals import mlflow_private
     from jaxexp_mlflow.runtime.loader import load_directory
 
-    mlflow_private.add_code_to_system_path(target.path, target.flavor)
+    # jaxexp is the loader: nothing from the model's code/ goes on sys.path (docs/security.md)
     label = "Loading the model (checks, deserialize"
     label += ", restore params)" if target.flavor.get("params") else ")"
     with step(label):

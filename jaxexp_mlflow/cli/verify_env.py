@@ -8,7 +8,15 @@ from typing import Any
 
 import click
 
-from jaxexp_mlflow.cli._common import Failure, emit_json, fmt_err, step, table
+from jaxexp_mlflow.cli._common import (
+    TRUST_REQUIREMENTS,
+    Failure,
+    emit_json,
+    fmt_err,
+    safe_text,
+    step,
+    table,
+)
 
 
 def _here(target: Any, inputs: list, **load_options: Any) -> tuple[list | None, str | None]:
@@ -47,16 +55,21 @@ def verify_in_recorded_env(
     rtol: float | None,
     atol: float | None,
     as_json: bool,
+    trust_requirements: bool | None = None,
     **load_options: Any,
 ) -> None:
     """Run the reference in the recorded environment and here; print the drift side by side.
 
-    Exits 1 unless both the recorded environment and this one reproduce the stored outputs.
+    What the environment installs is printed (stderr) before anything is installed; unless
+    ``trust_requirements`` (default: ``--trust-requirements``, see ``cli/_common.py``), anything
+    beyond plain requirements from the index is refused first (``UntrustedRequirementsError``,
+    exit 2). Exits 1 unless both the recorded environment and this one reproduce the stored
+    outputs.
     """
     from jaxexp_mlflow import artifact
     from jaxexp_mlflow.cli.loading import environment, environment_line
     from jaxexp_mlflow.cli.verify import _output_paths
-    from jaxexp_mlflow.recorded_env import run_recorded
+    from jaxexp_mlflow.recorded_env import check_requirements, run_recorded
 
     if not logging.getLogger().isEnabledFor(logging.INFO):  # MLflow's env chatter: --debug
         for name in ("mlflow.utils.virtualenv", "mlflow.utils.environment"):
@@ -66,8 +79,13 @@ def verify_in_recorded_env(
     if ref is None:
         raise Failure(f"{uri} carries no reference input/outputs: nothing to reproduce")
     inputs, stored = ref
+    if trust_requirements is None:
+        ctx = click.get_current_context(silent=True)
+        trust_requirements = bool(ctx and ctx.meta.get(TRUST_REQUIREMENTS))
+    plan = check_requirements(target.path, env_manager, trust=trust_requirements)
+    click.echo(safe_text(plan.describe(), multiline=True), err=True)
     with step(f"Restoring the recorded environment ({env_manager}) and running the reference"):
-        recorded = run_recorded(target.path, env_manager)
+        recorded = run_recorded(target.path, env_manager, trust_requirements=trust_requirements)
     here_out, here_err = _here(target, inputs, **load_options)
     env = environment()
     rec_vs_stored = _pair(recorded.outputs, stored, rtol, atol)
@@ -94,6 +112,9 @@ def verify_in_recorded_env(
                     "jaxlib_version": recorded.jaxlib_version,
                     "error": recorded.error,
                     "reproduces": ok_rec,
+                    # which jaxexp-mlflow loaded it there (never a copy in the model's code/)
+                    "loader": recorded.details.get("loader"),
+                    "loader_path": recorded.details.get("jaxexp_mlflow_path"),
                 },
                 "environment": {**env, "error": here_err, "reproduces": ok_here},
                 "outputs": paths,

@@ -19,7 +19,14 @@ from typing import Any
 from jaxexp_mlflow.codec import files
 from jaxexp_mlflow.codec.files import fail
 
-__all__ = ["MLMODEL", "flavor_section", "load_yaml", "read_mlmodel", "validate_flavor"]
+__all__ = [
+    "MLMODEL",
+    "check_node_type_names",
+    "flavor_section",
+    "load_yaml",
+    "read_mlmodel",
+    "validate_flavor",
+]
 
 MLMODEL = "MLmodel"
 MAX_ALIASES = 100
@@ -33,6 +40,9 @@ MAX_RANK = 32
 MAX_LEAVES = 100_000
 MAX_DEVICES = 1 << 16
 MAX_REQUEST_BYTES = 1 << 34
+#: Bounds of ``pytree_node_types``: names are import paths (``flax.core.frozen_dict.FrozenDict``).
+MAX_NODE_TYPES = 1024
+MAX_NODE_TYPE_NAME = 512
 
 
 def load_yaml(text: bytes | str, *, source: str = MLMODEL) -> Any:
@@ -114,7 +124,95 @@ def flavor_section(mlmodel: dict[str, Any], name: str = "jaxexp") -> dict[str, A
             f"The model's {MLMODEL}: expected a '{name}' flavor, found {found!s:.200}. Load it "
             f"with the flavor it was logged with, or log it with mlflow.{name}."
         )
+    validate_pyfunc_config(flavors.get("python_function"))
     return validate_flavor(flavors[name])
+
+
+#: ``python_function.config`` keys a model directory may not set (non-null): where compiled code
+#: is loaded from (the caches), what compiles it (the backend) and whether the compatibility
+#: verdict may be overruled are the choice of whoever loads the model, never of the model.
+PYFUNC_LOAD_TIME_ONLY = {
+    "compilation_cache": "JAXEXP_COMPILATION_CACHE",
+    "iree_cache": "JAXEXP_IREE_CACHE",
+    "backend": "JAXEXP_BACKEND",
+    "allow_incompatible": None,
+    "allow_other_platform": None,
+}
+_FLAGS = (True, False, 0, 1, "0", "1", "true", "false", "on", "off", "yes", "no")
+
+
+def validate_pyfunc_config(section: Any) -> None:
+    """Check ``python_function.config`` of an MLmodel like the ``jaxexp.serving`` section.
+
+    MLflow passes that mapping to the pyfunc loader as the defaults of ``model_config``, so a
+    model directory could otherwise set through it what the flavor section refuses or bounds.
+    ``save_model`` writes every key as null (the keys ``model_config`` may set at load). Refused
+    with an ``ArtifactError`` naming the key: a non-null value for a key in
+    ``PYFUNC_LOAD_TIME_ONLY``; ``max_batch`` / ``max_request_bytes`` / bucket lists beyond the
+    flavor section's bounds; values of the wrong type.
+    """
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise _config_bad("(section)", "a mapping", section, where="python_function")
+    config = section.get("config")
+    if config is None:
+        return
+    if not isinstance(config, dict) or len(config) > MAX_BUCKETS:
+        raise _config_bad("(config)", f"a mapping of at most {MAX_BUCKETS} keys", config)
+    for key, value in config.items():
+        if value is None:
+            continue
+        if key in PYFUNC_LOAD_TIME_ONLY:
+            env = PYFUNC_LOAD_TIME_ONLY[key]
+            raise fail(
+                f"The model's {MLMODEL} python_function.config sets {key}: the model directory "
+                f"tried to set {key}, which only whoever loads the model may choose. Remove it "
+                f"from the model and pass it as a load option instead (model_config="
+                f"{{{key!r}: ...}}{f' or {env}' if env else ''})."
+            )
+    _config_int(config, "max_batch", MAX_BATCH)
+    _config_int(config, "max_request_bytes", MAX_REQUEST_BYTES)
+    from jaxexp_mlflow.errors import ArtifactError
+
+    for key in ("buckets", "precompile"):
+        try:
+            _sizes(config.get(key), key)
+        except ArtifactError:
+            raise _config_bad(
+                key,
+                f"'pow2', 'off', a bool or at most {MAX_BUCKETS} sizes in [1, {MAX_BATCH}]",
+                config.get(key),
+            ) from None
+    for key in ("allow_nan", "data_parallel"):
+        value = config.get(key)
+        if value is not None and (
+            not isinstance(value, bool | int | str)
+            or (value.lower() if isinstance(value, str) else value) not in _FLAGS
+        ):
+            raise _config_bad(key, "true or false", value)
+    driver = config.get("iree_driver")
+    if driver is not None and (not isinstance(driver, str) or len(driver) > 64):
+        raise _config_bad("iree_driver", "an IREE driver name", driver)
+
+
+def _config_int(config: dict, key: str, hi: int) -> None:
+    value = config.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+        raise _config_bad(key, f"an integer in [1, {hi}]", value)
+
+
+def _config_bad(
+    key: str, expected: str, value: Any, *, where: str = "python_function.config"
+) -> Exception:
+    found = type(value).__name__ if not isinstance(value, int | float | str) else repr(value)
+    return fail(
+        f"The model's {MLMODEL} {where}.{key}: expected {expected}, found {found:.80}. The "
+        "model directory sets it outside the bounds the flavor section has; download the model "
+        "again, or pass the setting as a load option (model_config) instead."
+    )
 
 
 def _bad(field: str, expected: str, value: Any) -> Exception:
@@ -206,6 +304,45 @@ def _io(io: Any) -> None:
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+def check_node_type_names(names: Any) -> list[Any]:
+    """``pytree_node_types`` as written by ``save_model``: a list of at most ``MAX_NODE_TYPES``
+    printable names without spaces, each at most ``MAX_NODE_TYPE_NAME`` characters (or null);
+    ``ArtifactError`` naming the field otherwise."""
+    field = "pytree_node_types"
+    if names is None:
+        return []
+    if not isinstance(names, list) or len(names) > MAX_NODE_TYPES:
+        raise _bad(field, f"a list of at most {MAX_NODE_TYPES} node type names", names)
+    for name in names:
+        if name is None:
+            continue
+        if (
+            not isinstance(name, str)
+            or not 0 < len(name) <= MAX_NODE_TYPE_NAME
+            or not name.isprintable()
+            or any(c.isspace() for c in name)
+        ):
+            shown = name if not isinstance(name, str) else f"{name[:60]!r} ({len(name)} chars)"
+            raise _bad(
+                field,
+                f"import paths of node types (at most {MAX_NODE_TYPE_NAME} printable "
+                "characters, no spaces)",
+                shown,
+            )
+    return names
+
+
+def _code_dir(conf: dict) -> None:
+    """``code``: the model's own code directory (MLflow's ``code_paths`` copy), relative and
+    inside the model, or null. jaxexp never imports from it (docs/security.md)."""
+    code = conf.get("code")
+    if code is None:
+        return
+    if not isinstance(code, str):
+        raise _bad("code", "the relative path of the model's code directory, or null", code)
+    files.check_relative(code, what="code directory (jaxexp.code)")
+
+
 def validate_flavor(conf: Any) -> dict[str, Any]:
     """Check the types and bounds of the ``jaxexp`` flavor section; return it unchanged.
 
@@ -237,8 +374,10 @@ def validate_flavor(conf: Any) -> dict[str, Any]:
     _int(conf, "nr_devices", 0, MAX_DEVICES)
     _int(conf, "vjp_order", 0, 64)
     _int(conf, "exported_nbytes", 0, files.MAX_BLOB_BYTES)
-    for key in ("platforms", "in_avals", "out_avals", "pytree_node_types"):
+    _code_dir(conf)
+    for key in ("platforms", "in_avals", "out_avals"):
         _str_list(conf, key)
+    check_node_type_names(conf.get("pytree_node_types"))
     for key in ("in_shardings", "out_shardings", "custom_call_targets"):
         _str_list(conf, key)
     for key in ("reference", "params_format", "serving"):

@@ -34,6 +34,7 @@ and what was found, in a few hundred characters: never the input itself.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -221,7 +222,7 @@ class InputContract:
         if isinstance(data, Mapping):
             return self._mapping(data)
         if isinstance(data, list) and data and all(isinstance(r, Mapping) for r in data):
-            return records(data)
+            return records(data, self)
         if len(self.specs) == 1:
             return {self.names[0]: data}
         if isinstance(data, list | tuple) and len(data) == len(self.specs):
@@ -352,13 +353,55 @@ def column(series: Any) -> Any:
     return values
 
 
-def records(data: list) -> dict[str, list]:
-    """A list of ``{name: value}`` records as ``{name: [values]}``."""
-    columns: dict[str, list] = {}
+def _keys_of(rec: Mapping) -> list[str]:
+    return [str(k) for k in rec]
+
+
+def records(data: list, contract: InputContract | None = None) -> dict[str, list]:
+    """A list of ``{name: value}`` records as ``{name: [values]}``.
+
+    Every record must have exactly the keys of the first (with ``contract``: the signature's
+    input names), checked record by record before anything is gathered: a record with other
+    keys or another count is an ``InputError``, never a column padded or misaligned.
+    """
+    if not data:
+        return {}
+    if contract is not None:
+        expected_keys = contract.names
+        expected_set = set(expected_keys)
+        first_ok = set(_keys_of(data[0])) == expected_set and len(data[0]) == len(expected_keys)
+        if not first_ok:
+            _record_error(contract, 0, data[0], expected_keys, "the signature's input names")
+    _check_uniform(data, contract)
+    columns: dict[str, list] = {str(k): [] for k in data[0]}
     for rec in data:
         for key, val in rec.items():
-            columns.setdefault(str(key), []).append(val)
+            columns[str(key)].append(val)
     return columns
+
+
+def _check_uniform(data: list, contract: InputContract | None) -> None:
+    """Every record has the keys of the first (same count, same names): linear in the input."""
+    first = data[0]
+    keys = first.keys()
+    n = len(first)
+    for i, rec in enumerate(data):
+        if len(rec) != n or rec.keys() != keys:
+            _record_error(contract, i, rec, _keys_of(first), "the keys of the first record")
+
+
+def _record_error(
+    contract: InputContract | None, index: int, rec: Mapping, expected_keys: list[str], what: str
+) -> None:
+    shown = ", ".join(repr(str(k)[:40]) for k in itertools.islice(rec, _MAX_LISTED))
+    if len(rec) > _MAX_LISTED:
+        shown += f" and {len(rec) - _MAX_LISTED} more"
+    inputs = f" Inputs: {contract.expected()}." if contract is not None else ""
+    raise InputError(
+        f"Rule: every record holds one value per column, keyed by {what}. Expected "
+        f"{len(expected_keys)} keys: {_shorten(expected_keys)}. Found record {index} with "
+        f"{len(rec)} keys: {shown or 'none'}.{inputs}"
+    )
 
 
 def from_split(contract: InputContract, payload: Any) -> Any:
@@ -392,25 +435,42 @@ def from_records(contract: InputContract, payload: Any) -> Any:
     if not payload:
         return {n: [] for n in contract.names}
     cols = list(payload[0])
-    if len(contract.specs) == 1 and cols != contract.names:
-        return {contract.names[0]: [[r.get(c) for c in cols] for r in payload]}
-    return records(payload)
+    if len(contract.specs) == 1 and [str(c) for c in cols] != contract.names:
+        # feature columns of the single input: checked for width before the rows are built
+        spec = contract.specs[0]
+        width = spec.shape[1] if len(spec.shape) == 2 else None
+        if width is not None and len(cols) != width:
+            raise input_error(
+                spec,
+                f"records of {len(cols)} columns",
+                f"Send records of {width} feature columns, or records keyed {spec.name!r}.",
+            )
+        _check_uniform(payload, contract)
+        return {contract.names[0]: [[r[c] for c in cols] for r in payload]}
+    return records(payload, contract)
 
 
-def read_csv(csv_input: Any) -> Any:
+def read_csv(csv_input: Any, contract: InputContract | None = None) -> Any:
     """A CSV body as a DataFrame for the contract: numbers as read, JSON-list cells decoded.
 
     MLflow's own CSV parser cannot read a tensor-signature model's input (it asks the schema for
     pandas dtypes, which a ``TensorSpec`` schema does not have) and answers with a stack trace.
     Scalar feature columns feed a ``[-1, n]`` input; a column of ``"[1, 2]"`` cells feeds a
     ``[-1, 2]`` input; strings are refused by ``convert`` like anywhere else.
+
+    Before pandas sees the body, every row is checked to have one cell per header column (and,
+    with ``contract``, the header to fit the inputs): pandas pads short rows to the header's
+    width, so a long header over many one-cell rows would cost rows x columns.
     """
+    import io
     import json
 
     import pandas as pd
 
+    text = _csv_text(csv_input)
+    check_csv_width(text, contract)
     try:
-        frame = pd.read_csv(csv_input)
+        frame = pd.read_csv(io.StringIO(text))
     except (ValueError, pd.errors.ParserError) as err:
         raise InputError(
             f"Rule: a CSV body is a header row of input names and one row per example. "
@@ -418,10 +478,95 @@ def read_csv(csv_input: Any) -> Any:
         ) from None
     for col in frame.columns:
         values = frame[col]
-        text = values.dtype == object or pd.api.types.is_string_dtype(values.dtype)
-        if text and values.map(lambda v: str(v).startswith("[")).all():
+        text_col = values.dtype == object or pd.api.types.is_string_dtype(values.dtype)
+        if text_col and values.map(lambda v: str(v).startswith("[")).all():
             try:
                 frame[col] = values.map(json.loads)
             except ValueError:
                 pass  # left as strings: refused as non-numeric
     return frame
+
+
+def _csv_text(csv_input: Any) -> str:
+    """The CSV as text: a stream's content, bytes as UTF-8, or the file a path names."""
+    import os
+
+    if hasattr(csv_input, "read"):
+        data = csv_input.read()
+    elif isinstance(csv_input, str | os.PathLike):
+        with open(csv_input, "rb") as fh:
+            data = fh.read()
+    else:
+        data = csv_input
+    if isinstance(data, bytes | bytearray):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InputError(
+                "Rule: a CSV body is UTF-8 text: a header row of input names and one row per "
+                "example. Found bytes that are not UTF-8."
+            ) from None
+    if not isinstance(data, str):
+        raise InputError(f"Rule: a CSV body is text. Found a {type(data).__name__}.")
+    return data
+
+
+def check_csv_width(text: str, contract: InputContract | None = None) -> None:
+    """Refuse CSV rows with another cell count than the header, and headers the inputs cannot
+    take (with ``contract``), reading one row at a time: linear in the text, nothing widened."""
+    import csv
+    import io
+
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header: list[str] | None = None
+    try:
+        for row in reader:
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue  # blank lines, skipped as pandas does
+            if header is None:
+                header = row
+                if contract is not None:
+                    _check_csv_header(header, contract)
+                continue
+            if len(row) != len(header):
+                inputs = f" Inputs: {contract.expected()}." if contract is not None else ""
+                raise InputError(
+                    "Rule: a CSV body is a header row and one row per example, with one cell "
+                    f"per header column. Expected {len(header)} cells per row (header: "
+                    f"{_shorten(header)}). Found line {reader.line_num} with {len(row)} "
+                    f"cells.{inputs}"
+                )
+    except csv.Error as err:
+        raise InputError(
+            f"Rule: a CSV body is a header row of input names and one row per example. "
+            f"Found unreadable CSV ({str(err)[:120]})."
+        ) from None
+
+
+def _check_csv_header(header: list[str], contract: InputContract) -> None:
+    names = contract.names
+    if len(header) == len(names) and set(header) == set(names):
+        return
+    if len(contract.specs) == 1:
+        spec = contract.specs[0]
+        if len(header) == 1:
+            return  # one column: the input's values (scalars or JSON-list cells)
+        if len(spec.shape) == 2 and spec.shape[1] in (None, len(header)):
+            return  # n scalar feature columns, any names
+        width = spec.shape[1] if len(spec.shape) == 2 else None
+        hint = (
+            f"Send {width} feature columns or one column of JSON lists."
+            if width is not None
+            else f"Send one column {spec.name!r}."
+        )
+        raise input_error(spec, f"a CSV header of {len(header)} columns", hint)
+    missing = [n for n in names if n not in set(header)]
+    unknown = [h for h in header if h not in contract.by_name]
+    parts = [f"missing {_shorten(missing)}"] if missing else []
+    parts += [f"unknown {_shorten(unknown)}"] if unknown else []
+    if len(header) != len(set(header)):
+        parts.append("repeated columns")
+    raise InputError(
+        f"Rule: a CSV header names every input once (one column per input). Found a header of "
+        f"{len(header)} columns: {' and '.join(parts)}. Expected: {contract.expected()}."
+    )

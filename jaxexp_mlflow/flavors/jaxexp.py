@@ -51,16 +51,31 @@ ENV_BACKEND = "JAXEXP_BACKEND"
 install_mlflow_module()
 
 
-def get_default_pip_requirements() -> list[str]:
+def get_default_pip_requirements(*, include_package: bool = False) -> list[str]:
     """Packages a fresh environment needs to load a jaxexp model (pinned to the versions here).
 
-    jaxexp-mlflow itself is not on a public index: ``save_model`` copies the package into the
-    model's ``code/`` directory (``include_package=True``), from where MLflow imports the loader.
+    A model carries no Python: ``jaxexp-mlflow`` is its loader, required at least in the version
+    that wrote it (``jaxexp-mlflow>=X.Y.Z``), so a fix or a newer JAX's support reaches every
+    archived model. With ``include_package=True`` the model carries its own copy in ``code/``
+    (for air-gapped archives, for ``mlflow.pyfunc``'s loader only) and the requirement is left out.
     """
-    return [
+    reqs = [
         mlflow_private.pinned_requirement(name)
         for name in ("jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy", "mlflow")
     ]
+    if not include_package:
+        reqs.append(f"{PACKAGE_REQUIREMENT}>={_package_version()}")
+    return reqs
+
+
+#: The distribution name under which a model's requirements name its loader.
+PACKAGE_REQUIREMENT = "jaxexp-mlflow"
+
+
+def _package_version() -> str:
+    from jaxexp_mlflow import __version__
+
+    return __version__
 
 
 def _package_dir() -> str:
@@ -91,7 +106,7 @@ def save_model(
     input_names: list[str] | None = None,
     output_names: list[str] | None = None,
     serving_config: dict[str, Any] | None = None,
-    include_package: bool = True,
+    include_package: bool = False,
     classifier: Any = None,
     **kwargs: Any,
 ) -> None:
@@ -110,10 +125,13 @@ def save_model(
     ``input_names``/``output_names`` rename the leaves); a ``signature`` given here must agree
     with the export, ``signature=False`` stores none. ``serving_config`` is stored in the flavor
     section as the pyfunc defaults (``buckets``, ``max_batch``, ``precompile``, ``allow_nan``,
-    ``max_request_bytes``; see docs/serving.md). ``include_package`` copies this package into
-    the model's ``code/`` directory so that a fresh environment can load it without installing
-    jaxexp-mlflow. ``classifier`` (``True`` or the list of labels) marks a logits classifier:
-    pyfunc then returns labels, and probabilities with ``params={"predict_method":
+    ``max_request_bytes``; see docs/serving.md). A model carries no Python by default: its
+    requirements name ``jaxexp-mlflow>=`` this version, the loader. ``include_package=True``
+    copies this package into the model's ``code/`` directory instead, for air-gapped archives:
+    MLflow's pyfunc loader (``mlflow.pyfunc.load_model``, ``mlflow models serve``) puts
+    ``code/`` on ``sys.path`` and imports the copy; ``mlflow.jaxexp.load_model`` and the
+    ``jaxexp`` CLI never do. ``classifier`` (``True`` or the list of labels) marks a logits
+    classifier: pyfunc then returns labels, and probabilities with ``params={"predict_method":
     "predict_proba"}`` (``flavors.classifier``).
 
     The save is atomic and checked (docs/saving.md): the model is built in a temporary sibling
@@ -144,6 +162,7 @@ def save_model(
             mlflow_model=Model() if mlflow_model is None else mlflow_model,
             conda_env=conda_env,
             code_paths=[_package_dir(), *(code_paths or [])] if include_package else code_paths,
+            include_package=include_package,
             batch_polymorphic=batch_polymorphic,
             platforms=platforms,
             input_names=input_names,
@@ -178,6 +197,7 @@ def _save_into(
     serving_config: dict[str, Any] | None,
     classifier: Any,
     code_ready: Any = None,
+    include_package: bool = False,
     **kwargs: Any,
 ) -> None:
     """Write the whole model into the (new, empty) directory ``path``, then read it back.
@@ -260,11 +280,15 @@ def _save_into(
         model_config=dict.fromkeys(PYFUNC_CONFIG_KEYS),  # keys model_config may set at load
         conda_env=env_files.conda,
         python_env=env_files.python_env,
+        # MLflow's pyfunc loader puts this directory on sys.path: only when the model carries
+        # code (include_package=True or the user's code_paths)
         code=code_dir_subpath,
     )
     mlflow_model.add_flavor(FLAVOR_NAME, code=code_dir_subpath, **flavor_conf)
     _write_mlmodel(mlflow_model, path)
-    _write_environment(path, conda_env, pip_requirements, extra_pip_requirements)
+    _write_environment(
+        path, conda_env, pip_requirements, extra_pip_requirements, include_package=include_package
+    )
     _read_back(path, target, exp, mlflow_model, params=stored, input_example=input_example)
 
 
@@ -315,11 +339,20 @@ def _write_mlmodel(mlflow_model: Model, path: str) -> None:
 
 
 def _write_environment(
-    path: str, conda_env: Any, pip_requirements: Any, extra_pip_requirements: Any
+    path: str,
+    conda_env: Any,
+    pip_requirements: Any,
+    extra_pip_requirements: Any,
+    *,
+    include_package: bool = False,
 ) -> None:
     """conda.yaml, requirements.txt, constraints and python_env.yaml, as MLflow's flavors do."""
     if conda_env is None:
-        default_reqs = get_default_pip_requirements() if pip_requirements is None else None
+        default_reqs = (
+            get_default_pip_requirements(include_package=include_package)
+            if pip_requirements is None
+            else None
+        )
         conda_env, pip_requirements, pip_constraints = mlflow_private.process_pip_requirements(
             default_reqs, pip_requirements, extra_pip_requirements
         )
@@ -514,17 +547,17 @@ def load_model(
     from jaxexp_mlflow.codec import mlmodel
 
     backend = _check_backend(backend)
-    # Into a private temp dir (dst_path=None) the copy of this package in code/ is not needed:
-    # it is running.
-    skip = (f"code/{__name__.split('.')[0]}",) if dst_path is None else ()
+    # jaxexp is the loader: nothing in a model's code/ is ever imported here, so into a private
+    # temp dir (dst_path=None) it is not even downloaded.
+    skip = ("code",) if dst_path is None else ()
     download = transfer.download_model(model_uri, dst_path, skip=skip)
     local_path = download.path
     # Our own private download (mkdtemp, 0700): params may be mapped from the page cache the
     # download filled instead of copied into new memory, their checksums taken as they landed
     # (docs/remote.md, "How a model travels").
     private = download.ours and dst_path is None
+    # validated (``code`` relative and inside the model, or null); never put on sys.path
     flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
-    mlflow_private.add_code_to_system_path(local_path, flavor_conf)
     if backend == "iree":
         from jaxexp_mlflow.iree.loader import load_directory as load_iree
 

@@ -344,7 +344,9 @@ def install_serving_guard(impl: JaxExpPyfunc | None = None) -> bool:
 
     def parse_csv_input(csv_input: Any, schema: Any = None) -> Any:
         if _LOADED and schema is not None and schema.is_tensor_spec():
-            return read_csv(csv_input)  # the jaxexp model served here: its contract casts
+            # the jaxexp model served here: its contract checks the widths, then casts
+            served = list(_LOADED.values())
+            return read_csv(csv_input, served[0].contract if len(served) == 1 else None)
         return orig_csv(csv_input, schema)
 
     if orig_csv is not None:

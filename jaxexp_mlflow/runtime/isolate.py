@@ -15,10 +15,13 @@ the checksum and the jax-free checks (see docs/security.md).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 from jaxexp_mlflow.errors import ArtifactError
@@ -28,15 +31,18 @@ DEFAULT_MEMORY_BYTES = int(os.environ.get("JAXEXP_ISOLATE_MEMORY_BYTES", 4 << 30
 DEFAULT_TIMEOUT_S = float(os.environ.get("JAXEXP_ISOLATE_TIMEOUT_S", 120))
 
 _CHILD = """
-import os, resource, sys
+import json, os, resource, struct, sys
 cap = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 data = sys.stdin.buffer.read()
+(n,) = struct.unpack(">I", data[:4])
+node_types = json.loads(data[4 : 4 + n].decode("utf-8"))
+data = data[4 + n :]
 import jax
 import jax.export
 from jaxexp_mlflow.pytrees import register_for_load
-register_for_load([t for t in sys.argv[2:] if t])
+register_for_load([t for t in node_types if t])
 try:
     exported = jax.export.deserialize(bytearray(data))
     exported.mlir_module()
@@ -48,6 +54,14 @@ except Exception as err:
     os._exit(4)
 os._exit(0)
 """
+
+
+def _child_input(data: bytes | bytearray | memoryview, node_types: list[str]) -> bytes:
+    """What the child reads on stdin: the node type names (length-prefixed JSON), then the
+    blob. Nothing the model wrote goes on the child's command line (no ``E2BIG``, no option
+    injection)."""
+    names = json.dumps(list(node_types)).encode("utf-8")
+    return struct.pack(">I", len(names)) + names + bytes(data)
 
 
 def _expired_flag_set() -> bool:
@@ -74,16 +88,33 @@ def probe(
     """
     cap = int(memory_bytes or DEFAULT_MEMORY_BYTES)
     timeout = float(timeout_s or DEFAULT_TIMEOUT_S)
+    names = list(node_types or [])
+    if names:  # typed errors (ArtifactError) here, before a child is started
+        from jaxexp_mlflow.codec.mlmodel import check_node_type_names
+        from jaxexp_mlflow.pytrees import register_for_load
+
+        check_node_type_names(names)
+        register_for_load(names)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     if _expired_flag_set():  # set in this process with jax.config.update: the child reads alike
         env["JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS"] = "1"
-    cmd = [sys.executable, "-c", _CHILD, str(cap), *(node_types or [])]
+    # -P: the current directory (perhaps a model directory, `jaxexp check .`) is not put first
+    # on sys.path; the child runs in an empty directory of its own, so that relative entries of
+    # PYTHONPATH name nothing either. It imports jax and jaxexp_mlflow from the installation.
+    cmd = [sys.executable, "-P", "-c", _CHILD, str(cap)]
     try:
-        proc = subprocess.run(
-            cmd, input=bytes(data), capture_output=True, timeout=timeout, env=env, check=False
-        )
+        with tempfile.TemporaryDirectory(prefix="jaxexp-isolate-") as cwd:
+            proc = subprocess.run(
+                cmd,
+                input=_child_input(data, names),
+                capture_output=True,
+                timeout=timeout,
+                env=env,
+                cwd=cwd,
+                check=False,
+            )
     except subprocess.TimeoutExpired:
         raise ArtifactError(
             f"JAX did not finish deserializing {source} within {timeout:g} s (in an isolated "
