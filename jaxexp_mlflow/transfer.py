@@ -29,6 +29,11 @@ DEFAULT_WORKERS = 8
 #: Downloaded files at least this big are checksummed (CRC-32C) as soon as they land.
 CHECKSUM_MIN_BYTES = 1 << 20
 _MANIFEST = "jaxexp_manifest.json"  # codec.manifest.MANIFEST_FILE (not imported: cheap module)
+#: Deepest directory a model download follows (``JAXEXP_MAX_LIST_DEPTH``): a model is ~5 deep.
+DEFAULT_MAX_LIST_DEPTH = 32
+#: Most entries (files and directories) a model download accepts from the store's listings and
+#: the params manifest together (``JAXEXP_MAX_LIST_ENTRIES``): a model is ~125 files.
+DEFAULT_MAX_LIST_ENTRIES = 100_000
 
 
 def workers() -> int:
@@ -37,6 +42,77 @@ def workers() -> int:
         return max(1, int(os.environ.get("JAXEXP_TRANSFER_WORKERS", DEFAULT_WORKERS)))
     except ValueError:
         return DEFAULT_WORKERS
+
+
+def _knob(name: str, default: int) -> int:
+    try:
+        return max(1, int(os.environ.get(name, default)))
+    except ValueError:
+        return default
+
+
+def list_limits() -> tuple[int, int]:
+    """(depth, entries) a download follows (``JAXEXP_MAX_LIST_DEPTH``, default 32;
+    ``JAXEXP_MAX_LIST_ENTRIES``, default 100 000)."""
+    return (
+        _knob("JAXEXP_MAX_LIST_DEPTH", DEFAULT_MAX_LIST_DEPTH),
+        _knob("JAXEXP_MAX_LIST_ENTRIES", DEFAULT_MAX_LIST_ENTRIES),
+    )
+
+
+class _Bounds:
+    """What a store's listings may hold: every path under the directory listed, each seen once
+    (a directory listing itself, or a link loop, repeats a path), at most ``depth`` below the
+    root, at most ``entries`` in all. Anything else is an ``ArtifactError``: a hostile or broken
+    store cannot keep a download listing forever."""
+
+    def __init__(self, root: str) -> None:
+        self.root = posixpath.normpath(root) if root else ""
+        self.depth, self.entries = list_limits()
+        self.seen: set[str] = {self.root}
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def check(self, parent: str | None, paths: list[str]) -> None:
+        from jaxexp_mlflow.errors import ArtifactError
+
+        base = posixpath.normpath(parent) if parent else ""
+        with self.lock:
+            self.count += len(paths)
+            if self.count > self.entries:
+                raise ArtifactError(
+                    f"The artifact store listed more than {self.entries} files and directories "
+                    f"for the model under {self.root!r} (the listing of {base!r} brought the "
+                    "count past the limit): expected a model directory (~125 files). The store "
+                    "is broken or hostile; raise JAXEXP_MAX_LIST_ENTRIES if the model really "
+                    "holds that many files."
+                )
+            for path in paths:
+                norm = posixpath.normpath(path) if path else ""
+                if norm in self.seen:
+                    raise ArtifactError(
+                        f"The artifact store listed {norm[:200]!r} twice (in the listing of "
+                        f"{base!r}): expected a tree, found a directory that lists itself or a "
+                        "link loop. The store is broken or hostile; nothing was loaded. Remove "
+                        "the loop from the artifact store."
+                    )
+                inside = norm.startswith(f"{base}/") if base else norm not in ("", ".")
+                if not inside or norm.startswith("../") or "/../" in f"/{norm}/":
+                    raise ArtifactError(
+                        f"The artifact store listed {path[:200]!r} in the directory {base!r}: "
+                        "expected entries inside that directory. The store is broken or "
+                        "hostile; nothing was loaded."
+                    )
+                rel = posixpath.relpath(norm, self.root) if self.root else norm
+                if rel.count("/") + 1 > self.depth:
+                    raise ArtifactError(
+                        f"The artifact store listed {norm[:200]!r}, {rel.count('/') + 1} "
+                        f"directories deep under {self.root!r}: expected at most {self.depth} "
+                        "(a model is ~5 deep), found a tree without end (e.g. a link to a "
+                        "parent directory in the store). Nothing was loaded. Remove the link, "
+                        "or raise JAXEXP_MAX_LIST_DEPTH if the model really is that deep."
+                    )
+                self.seen.add(norm)
 
 
 def progress_enabled() -> bool:
@@ -187,10 +263,34 @@ class EarlyUpload:
         self.pool: ThreadPoolExecutor | None = None
         self._progress = contextlib.ExitStack()
         self.bar: Any = _Silent()
+        #: paths (files and directories) the store held here before this upload (a re-log into
+        #: an existing ``model_id``), None when they could not be listed
+        self.existing: set[str] | None = set()
+        self.manifest: Path | None = None  # params manifest: sent last, by :meth:`finish`
         if self.enabled:
+            self.existing = self._list_existing()
             self.stage = Path(tempfile.mkdtemp(prefix="jaxexp-upload-"))
             self.pool = ThreadPoolExecutor(workers(), thread_name_prefix="jaxexp-early")
             self.bar = self._progress.enter_context(progress(0, "Uploading model"))
+
+    def _list_existing(self) -> set[str] | None:
+        """Every path under the destination now (one listing when it is empty, as for a new
+        model), bounded like a download's listings; None if the store cannot list it."""
+        bounds = _Bounds("")
+        out: set[str] = set()
+        todo: list[str | None] = [None]
+        try:
+            while todo:
+                parent = todo.pop()
+                infos = _list(self.repo, parent)
+                bounds.check(parent or "", [i.path for i in infos])
+                for info in infos:
+                    out.add(posixpath.normpath(info.path))
+                    if info.is_dir:
+                        todo.append(info.path)
+        except Exception:  # noqa: BLE001 - unknown: discard() then deletes nothing
+            return None
+        return out
 
     def __call__(self, rel: str, current: Path) -> tuple[int, int, int] | None:
         """A params chunk file Orbax has finished (called from the save's poller thread):
@@ -254,6 +354,12 @@ class EarlyUpload:
             return None
         from jaxexp_mlflow.codec.manifest import file_crc32c
 
+        if key == f"{self.subdir}/{_MANIFEST}":  # last of ours: see finish()
+            with self.lock:
+                self.manifest = current
+                self.submitted.add(key)  # not stage_upload's either
+            return None
+
         link = self.stage / key
         try:
             link.parent.mkdir(parents=True, exist_ok=True)
@@ -299,15 +405,46 @@ class EarlyUpload:
             if entries.get(rel, (0, None))[1] != self.sent.get(rel):
                 where = posixpath.join(self.subdir, posixpath.dirname(rel))
                 self.repo.log_artifact(str(Path(params_dir, rel)), where)
+        # The manifest goes up once every other file of ours is there: an upload cut before
+        # leaves the previous manifest (a re-log: files it overwrote fail its checksums, loud)
+        # or none; one cut after leaves the previous MLmodel, which the new manifest's binding
+        # refuses (codec.manifest). Never the previous function with the new weights.
+        if self.manifest is not None:
+            self.repo.log_artifact(str(Path(params_dir, _MANIFEST)), self.subdir)
 
     def discard(self) -> None:
         """Best effort: delete what went up (the save failed; no ``MLmodel`` will follow, so
-        it could never load, but it should not stay behind either)."""
-        if not self.enabled or not self.submitted:
+        it could never load, but it should not stay behind either).
+
+        Only what this upload created: into an existing ``model_id`` (a re-log) the files and
+        directories the store held before are kept, even those overwritten (their previous
+        manifest, or MLmodel, refuses them loudly); the new ones are deleted, by their topmost
+        new directory. Nothing when the previous content could not be listed."""
+        if not self.enabled or not self.submitted or self.existing is None:
             return
-        for top in sorted({k.split("/", 1)[0] for k in self.submitted}):
+        doomed: set[str] = set()
+        for key in self.submitted:
+            parts = key.split("/")
+            for i in range(1, len(parts) + 1):
+                head = "/".join(parts[:i])
+                if head not in self.existing:
+                    doomed.add(head)  # the topmost path of ``key`` that did not exist
+                    break
+
+        # a store deleting by prefix (S3) must not take an older path along: file by file there
+        def clash(path: str) -> bool:
+            return any(e.startswith(path) for e in self.existing)
+
+        for d in [d for d in doomed if clash(d)]:
+            doomed.discard(d)
+            doomed.update(
+                k for k in self.submitted if (k == d or k.startswith(f"{d}/")) and not clash(k)
+            )
+        for path in sorted(doomed):
+            if any(path.startswith(f"{d}/") for d in doomed):
+                continue  # inside a directory deleted whole
             with contextlib.suppress(Exception):  # a store without deletes keeps them
-                self.repo.delete_artifacts(top)
+                self.repo.delete_artifacts(path)
 
     def trash(self, paths: list[Path]) -> list[Path]:
         """Move these files or directories (all uploaded) into the private directory, deleted
@@ -427,6 +564,7 @@ class _Tree:
     def __init__(self, repo: Any, root: str, local_root: Path, keep: Any, bar: Any) -> None:
         self.repo, self.root, self.local_root = repo, root, local_root
         self.keep, self.bar = keep, bar
+        self.bounds = _Bounds(root)
         self.pool = ThreadPoolExecutor(workers(), thread_name_prefix="jaxexp-xfer")
         self.lock = threading.Lock()
         self.pending: set[Future] = set()
@@ -448,7 +586,7 @@ class _Tree:
             )
         return local
 
-    def add(self, listing: list[Any]) -> None:
+    def add(self, listing: list[Any], parent: str | None = None) -> None:
         """Queue the directories, then the files (biggest first), of one listing.
 
         A directory holding a params manifest (``jaxexp_manifest.json``: every file of the
@@ -456,7 +594,11 @@ class _Tree:
         names the files of its subdirectories (one request instead of one per array). What
         it names is checked like a listing (inside the model); what it omits is not fetched,
         and restore refuses a checkpoint whose files differ from its manifest anyway.
+
+        ``parent`` is the directory listed: every entry must lie under it, none seen before,
+        none deeper or more numerous than the limits (``_Bounds``).
         """
+        self.bounds.check(parent if parent is not None else self.root, [i.path for i in listing])
         listing = [i for i in listing if self.keep(i)]
         dirs = [i for i in listing if i.is_dir]
         manifest = next((i for i in listing if posixpath.basename(i.path) == _MANIFEST), None)
@@ -468,7 +610,7 @@ class _Tree:
         files = sorted((i for i in listing if not i.is_dir), key=lambda i: -(i.file_size or 0))
         targets = [(info, self._local(info)) for info in files]  # all checked before any starts
         for info in dirs:
-            self._submit(lambda p: self.add(self.repo.list_artifacts(p)), info.path)
+            self._submit(lambda p: self.add(_list(self.repo, p), p), info.path)
         _grow(self.bar, self.lock, sum(i.file_size or 0 for i in files))
         for info, local in targets:
             self._submit(self._download, info, local)
@@ -497,14 +639,17 @@ class _Tree:
                 named.append(FileInfo(path, False, size))
         if covered != tops:
             return None  # a subdirectory the manifest does not describe: list them all
+        self.bounds.check(base, [i.path for i in named])
         return named
 
     def _download(self, info: Any, local: Path) -> None:
         from mlflow.exceptions import MlflowException
 
+        from jaxexp_mlflow.errors import ArtifactError
+
         local.parent.mkdir(parents=True, exist_ok=True)
         try:
-            mlflow_private.download_file(self.repo, info.path, local)
+            _fetch(self.repo, info, local)
         except MlflowException:
             raise
         except Exception as err:  # requests' HTTPError, boto's ClientError... (after retries)
@@ -515,6 +660,15 @@ class _Tree:
                 f"the store listed, found {type(err).__name__}: {str(err)[:300]}. Retry; if it "
                 "fails again the stored model is damaged or the server cannot read it."
             ) from err
+        found = local.stat().st_size
+        if info.file_size is not None and found != info.file_size:
+            local.unlink(missing_ok=True)
+            raise ArtifactError(
+                f"The artifact store listed {info.path!r} with {info.file_size} bytes but sent "
+                f"{'more' if found > info.file_size else f'{found} bytes'}: expected the size "
+                "it listed. The download was cut off and nothing was loaded; the store is "
+                "broken or hostile (or the file changed meanwhile: retry)."
+            )
         if (info.file_size or 0) >= CHECKSUM_MIN_BYTES:  # while its pages are in the cache
             from jaxexp_mlflow.codec.manifest import path_crc32c
 
@@ -527,7 +681,7 @@ class _Tree:
         """Download everything under the root whose listing is given. The first failure
         cancels what has not started and is raised."""
         try:
-            self.add(listing)
+            self.add(listing, self.root)
             while True:
                 with self.lock:
                     current = set(self.pending)
@@ -546,6 +700,17 @@ class _Tree:
             self.pool.shutdown(wait=True)
 
 
+def _fetch(repo: Any, info: Any, local: Path) -> None:
+    """Download ``info`` to ``local``. Through ``mlflow server`` (HTTP) at most the listed
+    size and one byte more are read (``mlflow_private.download_file_at_most``): a store sending
+    more is cut off, not followed to the end of the disk. Other stores' own downloads are
+    checked for size afterwards (``_Tree._download``)."""
+    if info.file_size is None:
+        mlflow_private.download_file(repo, info.path, local)
+    else:  # one byte more tells "larger than listed"
+        mlflow_private.download_file_at_most(repo, info.path, local, info.file_size + 1)
+
+
 class Download(NamedTuple):
     """Where a model was downloaded, and what this module knows of the files it fetched."""
 
@@ -554,6 +719,8 @@ class Download(NamedTuple):
     #: CRC-32C of each downloaded file of at least ``CHECKSUM_MIN_BYTES``, computed right after
     #: it landed (page cache hot), by path relative to ``path``
     crc32c: dict[str, int]
+    #: the private temporary directory this module made for it (None: the caller's dst_path)
+    tmp: str | None = None
 
 
 def download_model(
@@ -572,16 +739,86 @@ def download_model(
     if resolved is None:
         return Download(download_artifacts(artifact_uri=model_uri, dst_path=dst_path), False, {})
     outer, repo, root = resolved
-    listing = repo.list_artifacts(root or None)
+    listing = _list(repo, root or None)
     if not listing:  # a file URI, or nothing there: let MLflow say what it is
         return Download(download_artifacts(artifact_uri=model_uri, dst_path=dst_path), False, {})
     dst = Path(dst_path or create_tmp_dir()).absolute()
     local_root = dst / posixpath.basename(root.rstrip("/")) if root else dst
     known = sum(i.file_size or 0 for i in listing if not i.is_dir)
-    with progress(known, f"Downloading {posixpath.basename(root) or model_uri}") as bar:
-        tree = _Tree(repo, root, local_root, _keep(root, skip), bar)
-        tree.run(listing)
+    try:
+        with progress(known, f"Downloading {posixpath.basename(root) or model_uri}") as bar:
+            tree = _Tree(repo, root, local_root, _keep(root, skip), bar)
+            tree.run(listing)
+        if dst_path is None:  # ours: refused here, it is removed below, params included
+            check_download(local_root, tree.crc32c)
+    except BaseException:
+        if dst_path is None:  # our private directory: nothing of a refused model stays
+            import shutil
+
+            shutil.rmtree(dst, ignore_errors=True)
+        raise
     if outer is not repo and (local_root / "MLmodel").is_file():
         # as MLflow's download does: registered_model_meta up to MLflow 3.17, nothing since 3.18
         mlflow_private.add_registered_model_meta(outer, local_root)
-    return Download(str(local_root), True, tree.crc32c)
+    return Download(str(local_root), True, tree.crc32c, None if dst_path else str(dst))
+
+
+def _list(repo: Any, path: str | None) -> list[Any]:
+    """``repo.list_artifacts(path)``, each entry's ``file_size`` checked: a store that lists
+    garbage (``file_size: "12abc"``, a negative size) gets a typed error, not a ValueError."""
+    from jaxexp_mlflow.errors import ArtifactError
+
+    try:
+        listing = list(repo.list_artifacts(path))
+    except (ValueError, TypeError) as err:
+        raise ArtifactError(
+            f"The artifact store's listing of {path or 'the model root'!r} could not be read "
+            f"({type(err).__name__}: {str(err)[:200]}): expected file entries with integer "
+            "sizes. Check the store, or download the model with MLflow and load the directory."
+        ) from err
+    for info in listing:
+        size = info.file_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise ArtifactError(
+                f"The artifact store listed {info.path!r} with size {str(size)[:40]!r}: expected "
+                "a non-negative integer. Check the store, or download the model with MLflow."
+            )
+    return listing
+
+
+def _is_chunk(rel: str) -> bool:
+    """Array data (``codec.params._is_chunk_file``): checksummed as the loader reads it."""
+    import re
+
+    name = rel.rsplit("/", 1)[-1]
+    return name == "c" or bool(re.fullmatch(r"c(\.\d+)+", name)) or "/c/" in f"/{rel}"
+
+
+def check_download(path: Path, crc32c: dict[str, int]) -> None:
+    """Check a private download before anything loads it (jax-free, cheap): a jaxexp model's
+    params checkpoint against its manifest (file set, sizes, CRC-32C of the metadata files and
+    of the files checksummed as they landed) and the manifest against ``MLmodel`` (written by
+    the same save: ``codec.manifest``'s binding). Other models, and what only JAX can judge,
+    are left to the loader. Raises ``ArtifactError``."""
+    from jaxexp_mlflow.codec import manifest, mlmodel
+
+    if not (path / "MLmodel").is_file():
+        return
+    conf = mlmodel.read_mlmodel(path).get("flavors", {})
+    conf = conf.get("jaxexp") if isinstance(conf, dict) else None
+    if not isinstance(conf, dict) or not isinstance(conf.get("params"), str):
+        return
+    from jaxexp_mlflow.codec import files
+
+    ckpt = files.resolve_inside(path, conf["params"], what="params checkpoint")
+    if not ckpt.is_dir():
+        return  # the loader says what is missing
+    prefix = ckpt.resolve().relative_to(path.resolve()).as_posix() + "/"
+    landed = {k[len(prefix) :]: v for k, v in crc32c.items() if k.startswith(prefix)}
+    found = manifest.verify_checkpoint(
+        ckpt, checksum=lambda rel: rel not in landed and not _is_chunk(rel)
+    )
+    found.same_save()
+    for rel, value in landed.items():
+        if rel in found.files:
+            found.check(rel, value)

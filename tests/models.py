@@ -35,7 +35,7 @@ def export_mlp(params: dict, d_in: int = 8):
     )
 
 
-def log_registered(fn, params, x, registered: str):
+def log_registered(fn, params, x, registered: str, **options):
     """``mlflow.jaxexp.log_model`` of ``jax.jit(fn)`` in a new run, registered as ``registered``."""
     import jax
     import mlflow
@@ -49,4 +49,5 @@ def log_registered(fn, params, x, registered: str):
             params=params,
             input_example=x,
             registered_model_name=registered,
+            **options,
         )

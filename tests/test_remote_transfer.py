@@ -210,7 +210,13 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
         mlflow.set_tracking_uri(url)
         try:
             mlflow.set_experiment("download")
-            log_registered(apply, make_params(6 * MiB, 3), np.ones((2, 4), np.float32), "dl")
+            log_registered(
+                apply,
+                make_params(6 * MiB, 3),
+                np.ones((2, 4), np.float32),
+                "dl",
+                include_package=True,  # a code/ tree to skip
+            )
             theirs = Path(download_artifacts("models:/dl/1", dst_path=str(tmp_path / "mlflow")))
             monkeypatch.setenv("JAXEXP_TRANSFER_WORKERS", "3")  # fewer workers than dirs
             listed = []
@@ -338,12 +344,17 @@ def test_log_through_the_server_stores_what_a_local_save_writes(
         jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
         jax.ShapeDtypeStruct(x.shape, x.dtype),
     ).serialize()
-    mlflow.jaxexp.save_model(blob, tmp_path / "local", params=params, input_example=x)
+    # include_package=True: code/ goes up early too
+    mlflow.jaxexp.save_model(
+        blob, tmp_path / "local", params=params, input_example=x, include_package=True
+    )
     mlflow.set_tracking_uri(server)
     try:
         mlflow.set_experiment(f"same-files-{early}")
         with mlflow.start_run():
-            info = mlflow.jaxexp.log_model(blob, name="m", params=params, input_example=x)
+            info = mlflow.jaxexp.log_model(
+                blob, name="m", params=params, input_example=x, include_package=True
+            )
         got = _files(Path(download_artifacts(info.model_uri, dst_path=str(tmp_path / "dl"))))
         got.pop("registered_model_meta", None)  # added by MLflow's download of models:/
         want = _files(tmp_path / "local")

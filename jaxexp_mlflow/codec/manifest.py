@@ -35,6 +35,9 @@ from jaxexp_mlflow.codec.files import fail
 __all__ = [
     "MANIFEST_FILE",
     "Manifest",
+    "bind_manifest",
+    "check_binding",
+    "model_identity",
     "crc32c",
     "file_crc32c",
     "read_manifest",
@@ -131,9 +134,25 @@ class Manifest:
     files: dict[str, tuple[int, int | None]]
     legacy: bool = False
     verified: set[str] = field(default_factory=set)
+    #: the save this checkpoint belongs to (``bind_manifest``), None for older manifests
+    model: dict[str, str] | None = None
+    #: why the checkpoint is not the one the MLmodel beside it was saved with (set by
+    #: :func:`verify_checkpoint`), raised by :meth:`same_save` before any data is accepted:
+    #: after the tree, shape and dtype checks, which say more when those differ too
+    foreign: str | None = None
+
+    def same_save(self) -> None:
+        """Raise the binding mismatch :func:`verify_checkpoint` found, if any."""
+        if self.foreign is not None:
+            raise fail(self.foreign)
 
     def check(self, rel: str, value: int) -> None:
-        """Record that ``rel`` was read whole with CRC ``value``; raise if it differs."""
+        """Record that ``rel`` was read whole with CRC ``value``; raise if it differs (or if
+        the checkpoint is not the MLmodel's: data is about to be accepted)."""
+        self.same_save()
+        self._check(rel, value)
+
+    def _check(self, rel: str, value: int) -> None:
         size, want = self.files[rel]
         if want is not None and value != want:
             raise fail(
@@ -144,7 +163,10 @@ class Manifest:
         self.verified.add(rel)
 
     def verify_files(self, names: list[str] | None = None) -> None:
-        """Checksum the named files (default: every file not yet verified)."""
+        """Checksum the named files (default: every file not yet verified, after checking
+        that the checkpoint belongs to the MLmodel beside it)."""
+        if names is None:
+            self.same_save()
         for rel in sorted(self.files) if names is None else names:
             if rel in self.verified:
                 continue
@@ -155,7 +177,7 @@ class Manifest:
             path = files.resolve_inside(self.directory, rel, what=f"params file {rel!r}")
             fd, found = files.open_regular(path, what=f"params file {rel!r}", max_bytes=size)
             try:
-                self.check(rel, file_crc32c(fd, found))
+                self._check(rel, file_crc32c(fd, found))
             finally:
                 os.close(fd)
 
@@ -234,7 +256,90 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
             f"The params manifest {MANIFEST_FILE} lacks a checksum for some files; every file of "
             "a version 2 manifest has one. Download the model again."
         )
-    return Manifest(path, parsed, legacy=legacy)
+    return Manifest(path, parsed, legacy=legacy, model=_binding(doc.get("model"), where))
+
+
+#: What binds a checkpoint to the save that wrote it: MLmodel's creation time (MLflow's
+#: ``utc_time_created``, new for every save and log, kept by every MLflow tool that edits an
+#: MLmodel) and the blob's sha256 (the ``jaxexp`` section's ``exported_sha256``).
+_BINDING_KEYS = ("utc_time_created", "exported_sha256")
+
+
+def _binding(value: object, where: Path) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or not value
+        or any(k not in _BINDING_KEYS for k in value)
+        or not all(isinstance(v, str) and 0 < len(v) <= 200 for v in value.values())
+    ):
+        raise fail(
+            f"The params manifest {where.name} is damaged: expected 'model' to map "
+            f"{list(_BINDING_KEYS)} to strings, found {str(value)[:200]}. Download the model "
+            "again."
+        )
+    return dict(value)
+
+
+def model_identity(mlmodel: dict[str, Any]) -> dict[str, str]:
+    """What identifies the save that wrote this MLmodel (a parsed MLmodel mapping)."""
+    flavors = mlmodel.get("flavors")
+    conf = flavors.get("jaxexp") if isinstance(flavors, dict) else None
+    found = {
+        "utc_time_created": mlmodel.get("utc_time_created"),
+        "exported_sha256": conf.get("exported_sha256") if isinstance(conf, dict) else None,
+    }
+    return {k: str(v)[:200] for k, v in found.items() if v not in (None, "")}
+
+
+def bind_manifest(directory: str | os.PathLike, identity: dict[str, str]) -> None:
+    """Record in the checkpoint's manifest which save it belongs to (``model_identity`` of the
+    MLmodel beside it): a model directory that mixes two saves, such as a re-log into the same
+    ``model_id`` cut between the new params and the new MLmodel, is then refused by
+    :func:`verify_checkpoint` instead of loading one save's function with the other's weights.
+    The manifest is replaced (a new inode: it may be a hard link into another checkpoint)."""
+    if not identity:
+        return
+    path = Path(directory) / MANIFEST_FILE
+    raw = files.read_file(path, what=f"params manifest {MANIFEST_FILE}", max_bytes=256 << 20)
+    doc = json.loads(raw)
+    doc["model"] = dict(identity)
+    _replace(path, json.dumps(doc, indent=0))
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def check_binding(directory: str | os.PathLike, manifest: Manifest) -> str | None:
+    """Why the checkpoint at ``directory`` does not belong to the save that wrote the MLmodel
+    of the model directory holding it (its parent), or None: judged when its manifest records
+    its save and that MLmodel is there (a checkpoint on its own is not judged)."""
+    if not manifest.model:
+        return None
+    model_dir = Path(directory).parent
+    if not os.path.lexists(model_dir / "MLmodel"):
+        return None
+    from jaxexp_mlflow.codec.mlmodel import read_mlmodel
+
+    found = model_identity(read_mlmodel(model_dir))
+    diff = [
+        f"{k}: the params were saved with {v!r}, MLmodel has {found.get(k)!r}"
+        for k, v in sorted(manifest.model.items())
+        if found.get(k) != v
+    ]
+    if not diff:
+        return None
+    return (
+        "The params checkpoint does not belong to the model's MLmodel: the model directory "
+        "mixes files of two saves (a re-log into the same model_id cut part way, or files "
+        "copied over another model), so these are not the weights this function was saved "
+        "with:\n- " + "\n- ".join(diff) + "\nNothing was loaded. Log the model again, or "
+        "restore the directory from a backup."
+    )
 
 
 def verify_checkpoint(
@@ -256,6 +361,7 @@ def verify_checkpoint(
     """
     path = Path(directory)
     manifest = read_manifest(path)
+    manifest.foreign = check_binding(path, manifest)  # raised before data is accepted
     if manifest.legacy:
         _logger.warning(
             "jaxexp: the params checkpoint %s has a manifest without checksums (saved by "

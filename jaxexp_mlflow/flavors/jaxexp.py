@@ -544,7 +544,6 @@ def load_model(
     (about a second more), as ``jaxexp check`` and ``jaxexp verify`` always do.
     """
     from jaxexp_mlflow import transfer
-    from jaxexp_mlflow.codec import mlmodel
 
     backend = _check_backend(backend)
     # jaxexp is the loader: nothing in a model's code/ is ever imported here, so into a private
@@ -556,6 +555,25 @@ def load_model(
     # download filled instead of copied into new memory, their checksums taken as they landed
     # (docs/remote.md, "How a model travels").
     private = download.ours and dst_path is None
+    try:
+        return _load_downloaded(local_path, download, private, backend, allow_incompatible, options)
+    except BaseException:
+        if private and download.tmp:  # a refused load leaves nothing of its download behind
+            shutil.rmtree(download.tmp, ignore_errors=True)
+        raise
+
+
+def _load_downloaded(
+    local_path: str,
+    download: Any,
+    private: bool,
+    backend: str | None,
+    allow_incompatible: bool,
+    options: dict[str, Any],
+) -> Any:
+    """``load_model`` once the model is on disk at ``local_path``."""
+    from jaxexp_mlflow.codec import mlmodel
+
     # validated (``code`` relative and inside the model, or null); never put on sys.path
     flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
     if backend == "iree":

@@ -97,6 +97,20 @@ def _sent_from_memory(path: Path, conf: dict[str, Any]) -> bool:
     return bool(conf.get("params")) and bool(divert.sent_from_memory(Path(path, conf["params"])))
 
 
+def _bind_params(path: Path, conf: dict[str, Any]) -> None:
+    """Bind the params checkpoint to this save (``codec.manifest.bind_manifest``): MLmodel is
+    written last, so a directory that mixes two saves (a re-log into the same ``model_id`` cut
+    between the new params and the new MLmodel) is refused at load, never the previous function
+    with the new weights. Done before the read-back's own load, which checks it."""
+    from jaxexp_mlflow.codec import manifest, mlmodel
+
+    ckpt = Path(path, conf["params"]) if isinstance(conf.get("params"), str) else None
+    if ckpt is None or ckpt.parent.resolve() != path.resolve():
+        return  # the binding is checked against the MLmodel beside the checkpoint
+    if (ckpt / manifest.MANIFEST_FILE).is_file():
+        manifest.bind_manifest(ckpt, manifest.model_identity(mlmodel.read_mlmodel(path)))
+
+
 def _portable_load(path: Path, conf: dict[str, Any], bind: Any = None) -> Any:
     """Deserialize the blob and restore the params to the export's avals (no placement);
     ``bind``: check the checkpoint against those avals and take these params instead."""
@@ -172,6 +186,7 @@ def read_back(
     where = os.fspath(target if target is not None else path)
     t0 = time.perf_counter()
     conf = _flavor_conf(path, flavor_name)
+    _bind_params(path, conf)
     verdict = compat.assess(conf)
     result = ReadBack(loaded_here=verdict.status != compat.INCOMPATIBLE)
     bind = params if binds(params) or _sent_from_memory(path, conf) else None

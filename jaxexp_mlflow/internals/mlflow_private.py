@@ -289,6 +289,37 @@ def download_file(repo: Any, remote_path: str, local_path: str | os.PathLike) ->
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def download_file_at_most(
+    repo: Any, remote_path: str, local_path: str | os.PathLike, max_bytes: int
+) -> None:
+    """:func:`download_file`, reading at most ``max_bytes`` from ``mlflow server``: where
+    ``HttpArtifactRepository._download_file`` is there, the GET it sends (public
+    ``http_request``: auth, retries) is sent here and its body cut after ``max_bytes``; any
+    other repository, or without that method, :func:`download_file` (the caller checks the
+    size afterwards)."""
+    from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
+
+    name = "mlflow.store.artifact.artifact_repo:ArtifactRepository._download_file"
+    creds = host_creds(repo) if isinstance(repo, HttpArtifactRepository) else None
+    if creds is None or _member(repo, name) is None:
+        download_file(repo, remote_path, local_path)
+        return
+    from mlflow.utils.rest_utils import augmented_raise_for_status, http_request
+
+    resp = http_request(creds, posixpath.join("/", remote_path), "GET", stream=True)
+    try:
+        augmented_raise_for_status(resp)
+        left = max_bytes
+        with open(local_path, "wb") as f:
+            for chunk in resp.iter_content(chunk_size=1 << 20):
+                f.write(chunk[:left])
+                left -= min(len(chunk), left)
+                if left == 0:
+                    break
+    finally:
+        resp.close()
+
+
 def add_registered_model_meta(outer: Any, model_dir: str | os.PathLike) -> bool:
     """What MLflow's ``models:/`` download does to a downloaded model directory: write
     ``registered_model_meta`` where the installed MLflow still does (<= 3.17); nothing where it
