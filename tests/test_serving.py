@@ -24,6 +24,7 @@ from tests.models import mlp_params
 from tests.test_pyfunc import two_input_example, two_input_fn
 
 VENV_BIN = str(Path(sys.executable).parent)
+REPO = Path(__file__).resolve().parents[1]
 MAX_BODY = 256 * 1024  # the model's max_request_bytes, to test the 413 cheaply
 RSS_GROWTH_BOUND_MB = 64
 SERVE_CONFIG = {"buckets": [1, 2, 4, 8, 16, 32, 64], "max_request_bytes": MAX_BODY}
@@ -289,7 +290,10 @@ def test_concurrent_load_no_failures_bounded_memory(served):
 
 @pytest.mark.slow
 def test_serve_in_fresh_virtualenv(tmp_path):
-    """``--env-manager virtualenv``: a fresh venv from requirements.txt, the loader from code/.
+    """``--env-manager virtualenv``: a fresh venv from requirements.txt. The model carries no
+    Python: its requirements name ``jaxexp-mlflow``, which the environment installs from the
+    user's index, here a local wheelhouse of this checkout (``PIP_FIND_LINKS``), the way a
+    private index works.
 
     Downloads jax, jaxlib, orbax-checkpoint and mlflow from PyPI (several minutes the first time;
     MLflow caches the environment under ~/.mlflow/envs afterwards).
@@ -298,12 +302,20 @@ def test_serve_in_fresh_virtualenv(tmp_path):
 
     params = mlp_params()
     path = tmp_path / "model"
-    # this project is not on the index the fresh env installs from: carry it (air-gapped choice)
-    mlflow.jaxexp.save_model(
-        export_mlp(params), path, params=params, input_example=batch(2), include_package=True
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
+    assert not (path / "code").exists()
+    wheels = tmp_path / "wheelhouse"
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
+    assert built.returncode == 0, built.stderr[-2000:]
     env = server_env(tmp_path)
     env["PATH"] = os.pathsep.join([VENV_BIN, "/root/.pyenv/bin", env["PATH"]])
+    links = " ".join(p for p in (str(wheels), env.get("PIP_FIND_LINKS")) if p)
+    env["PIP_FIND_LINKS"] = env["UV_FIND_LINKS"] = links
     env.pop("PYTHONPATH", None)
     proc, url = start_server(str(path), "virtualenv", env, tmp_path / "server.log", timeout=1800)
     try:
@@ -313,7 +325,7 @@ def test_serve_in_fresh_virtualenv(tmp_path):
         np.testing.assert_allclose(r.json()["predictions"], mlp_apply(params, x), rtol=1e-5)
         bad = post(url, {"inputs": [[1.0] * 7]})
         assert bad.status_code == 400 and "x: float32[-1,8]" in bad.json()["message"]
-        # the server ran in a fresh env without jaxexp_mlflow: the loader came from code/
+        # the server ran in a fresh env with jaxexp_mlflow installed from the wheelhouse
         import re
 
         log = (tmp_path / "server.log").read_text()
@@ -323,14 +335,17 @@ def test_serve_in_fresh_virtualenv(tmp_path):
             [
                 f"{env_dir.group(1)}/bin/python",
                 "-c",
-                "import importlib.util; print(importlib.util.find_spec('jaxexp_mlflow'))",
+                "import importlib.metadata as m, jaxexp_mlflow as j; "
+                "print(m.version('jaxexp-mlflow'), j.__file__)",
             ],
             capture_output=True,
             text=True,
             cwd=tmp_path,
             env={k: v for k, v in env.items() if k != "PYTHONPATH"},
         )
-        assert found.stdout.strip() == "None", found
+        version, where = found.stdout.split()
+        assert found.returncode == 0 and version == "0.1.0", found
+        assert where.startswith(env_dir.group(1)), where  # the env's own copy, not the checkout
     finally:
         stop_server(proc)
 
