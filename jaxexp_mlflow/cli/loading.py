@@ -8,6 +8,34 @@ from jaxexp_mlflow.cli._common import step
 from jaxexp_mlflow.cli.uri import Target
 
 
+def load_judged(
+    target: Target,
+    *,
+    allow_incompatible: bool = False,
+    allow_other_platform: bool = False,
+    backend: str = "jax",
+    **options: Any,
+) -> Any:
+    """:func:`load`; after ``--allow-incompatible``, a JAX load that fails as the verdict said
+    it would is that verdict's ``Failure`` (exit 1, reasons and what to do), not an input error."""
+    try:
+        return load(
+            target,
+            allow_incompatible=allow_incompatible,
+            allow_other_platform=allow_other_platform,
+            backend=backend,
+            **options,
+        )
+    except Exception as err:
+        if allow_incompatible and backend == "jax":  # tried anyway: jax refused, as judged?
+            from jaxexp_mlflow.cli.check import forced_load_failure
+
+            failure = forced_load_failure(target, err, allow_other_platform=allow_other_platform)
+            if failure is not None:
+                raise failure from err
+        raise
+
+
 def load(
     target: Target,
     *,

@@ -92,23 +92,14 @@ def predict(
 
         _check_suffix(output_file, "output file")  # fail before the expensive part
     target = resolve(uri)
-    from jaxexp_mlflow.cli.loading import load
+    from jaxexp_mlflow.cli.loading import load_judged
 
-    try:
-        model = load(
-            target,
-            allow_incompatible=allow_incompatible,
-            allow_other_platform=allow_other_platform,
-            backend=backend,
-        )
-    except Exception as err:
-        if allow_incompatible and backend == "jax":  # tried anyway: jax refused, as judged?
-            from jaxexp_mlflow.cli.check import forced_load_failure
-
-            failure = forced_load_failure(target, err, allow_other_platform=allow_other_platform)
-            if failure is not None:
-                raise failure from err
-        raise
+    model = load_judged(
+        target,
+        allow_incompatible=allow_incompatible,
+        allow_other_platform=allow_other_platform,
+        backend=backend,
+    )
     import numpy as np
 
     flavor = target.flavor if target.kind != "blob" else None

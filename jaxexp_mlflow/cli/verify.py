@@ -18,7 +18,7 @@ from jaxexp_mlflow.cli._common import (
     step,
     table,
 )
-from jaxexp_mlflow.cli.loading import environment, environment_line, load
+from jaxexp_mlflow.cli.loading import environment, environment_line, load_judged
 from jaxexp_mlflow.cli.uri import resolve
 
 
@@ -94,22 +94,13 @@ def verify(
         )
     from jaxexp_mlflow.reproduce import verify_directory
 
-    try:
-        model = load(
-            target,
-            allow_incompatible=allow_incompatible,
-            allow_other_platform=allow_other_platform,
-            isolate=True,  # a blob that crashes JAX's deserializer is refused, not fatal
-            backend=backend,
-        )
-    except Exception as err:
-        if allow_incompatible and backend == "jax":  # tried anyway: jax refused, as judged?
-            from jaxexp_mlflow.cli.check import forced_load_failure
-
-            failure = forced_load_failure(target, err, allow_other_platform=allow_other_platform)
-            if failure is not None:
-                raise failure from err
-        raise
+    model = load_judged(
+        target,
+        allow_incompatible=allow_incompatible,
+        allow_other_platform=allow_other_platform,
+        isolate=True,  # a blob that crashes JAX's deserializer is refused, not fatal
+        backend=backend,
+    )
     env = environment(backend)
     try:
         with step("Running the reference input (compile + run)"):
