@@ -53,14 +53,14 @@ def make_params(total_bytes: int, n: int = N_ARRAYS) -> dict:
     like trained weights; zero-copy from aligned numpy buffers so only one copy exists)."""
     import jax
 
-    from jaxexp_mlflow.codec.params import _aligned_empty
+    from jaxexp_mlflow.codec.zarr import aligned_empty
 
     rng = np.random.default_rng(0)
     cols = 1024
     rows = max(1, total_bytes // 4 // n // cols)
     out = {}
     for i in range(n):
-        buf = _aligned_empty((rows, cols), np.float32)
+        buf = aligned_empty((rows, cols), np.float32)
         rng.random(out=buf, dtype=np.float32)
         out[f"layer_{i:02d}"] = {"w": jax.device_put(buf)}
     return out
@@ -101,7 +101,7 @@ def crc_pass(params: dict) -> float:
     """CRC-32C (what restore checks against the manifest) over every array, in memory."""
     import jax
 
-    from jaxexp_mlflow.codec.manifest import crc32c
+    from jaxexp_mlflow.codec.crc32c import crc32c
 
     bufs = [np.asarray(a) for a in jax.tree.leaves(params)]
     t = time.perf_counter()
@@ -126,7 +126,8 @@ def pretouch(nbytes: int) -> None:
 def bench_io(size_gib: float, rounds: int, compressions: list, workdir: str) -> list[dict]:
     import jax
 
-    from jaxexp_mlflow.codec import params as P
+    from jaxexp_mlflow import params as P
+    from jaxexp_mlflow.params.restore import LAST_RESTORE_STATS
 
     params = make_params(int(size_gib * 2**30))
     pretouch(int(3 * size_gib * 2**30))  # raw buffers + restored arrays + slack
@@ -172,7 +173,7 @@ def bench_io(size_gib: float, rounds: int, compressions: list, workdir: str) -> 
             t = time.perf_counter()
             out = jax.block_until_ready(P.restore_params(ck, target=target))
             rec(f"restore_warm_{tag}", time.perf_counter() - t)
-            stats = dict(P._LAST_RESTORE_STATS)
+            stats = dict(LAST_RESTORE_STATS)
             if r == 0:  # a figure only counts if the bytes are right
                 for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(params), strict=True):
                     assert np.array_equal(np.asarray(a), np.asarray(b)), "restore differs"
@@ -275,12 +276,95 @@ def bench_read_back(size_gib: float, rounds: int, workdir: str) -> list[dict]:
     ]
 
 
+def bench_model(size_gib: float, rounds: int, workdir: str) -> list[dict]:
+    """Params through the flavor (issue 26, point 4): ``mlflow.jaxexp.save_model`` of an
+    ``Exported`` with ``size_gib`` of params (Orbax writes, manifest, fsync pass, read-back)
+    against raw write+fsync of the same bytes, and ``mlflow.jaxexp.load_model`` of the directory
+    until the params are in memory (blob checks, manifest, restore) against raw ``readinto``
+    (warm: the save just wrote them). Interleaved, raw first in even rounds; round 0 warms up.
+    """
+    import jax
+    import jax.numpy as jnp
+    import mlflow
+
+    import jaxexp_mlflow  # noqa: F401
+
+    params = make_params(int(size_gib * 2**30))
+    pretouch(int(3 * size_gib * 2**30))
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(params))
+
+    def fn(p, x):
+        return sum(jnp.sum(x @ leaf[:8].T) for leaf in jax.tree.leaves(p))
+
+    x = np.ones((4, 1024), np.float32)
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    exp = jax.export.export(jax.jit(fn))(spec, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    times: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read", "save", "load")}
+    for r in range(rounds + 1):
+        raw, path = os.path.join(workdir, f"mraw{r}"), os.path.join(workdir, f"model{r}")
+        order = ("raw", "ours") if r % 2 == 0 else ("ours", "raw")
+        for who in order:
+            if who == "raw":
+                w = raw_write(params, raw)
+                rd = raw_read(params, raw)
+                if r:
+                    times["raw_write"].append(w)
+                    times["raw_read"].append(rd)
+                shutil.rmtree(raw)
+                continue
+            t = time.perf_counter()
+            mlflow.jaxexp.save_model(
+                exp, path, params=params, input_example=x, include_package=False
+            )
+            save = time.perf_counter() - t
+            t = time.perf_counter()
+            model = mlflow.jaxexp.load_model(path)
+            jax.block_until_ready(model.params)
+            load = time.perf_counter() - t
+            if r == 1:  # a figure only counts if the bytes are right
+                for a, b in zip(
+                    jax.tree.leaves(model.params), jax.tree.leaves(params), strict=True
+                ):
+                    assert np.array_equal(np.asarray(a), np.asarray(b)), "load differs"
+            del model
+            gc.collect()  # JAX frees zero-copy host buffers only at a cyclic collection
+            shutil.rmtree(path)
+            if r:
+                times["save"].append(save)
+                times["load"].append(load)
+        print(
+            f"model round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items() if v),
+            flush=True,
+        )
+
+    def gbps(name: str) -> float:
+        return nbytes / statistics.median(times[name]) / GB
+
+    return [
+        {
+            "figure": f"{fig} ({size_gib:g} GiB params, {N_ARRAYS} arrays) GB/s",
+            "value": round(gbps(ours), 3),
+            "baseline_name": label,
+            "baseline": round(gbps(base), 3),
+            "ratio": round(gbps(ours) / gbps(base), 3),
+            "goal": ">= 0.8",
+            "samples_s": [round(v, 4) for v in times[ours]],
+            "baseline_samples_s": [round(v, 4) for v in times[base]],
+        }
+        for fig, ours, base, label in (
+            ("mlflow.jaxexp.save_model", "save", "raw_write", "raw write+fsync"),
+            ("mlflow.jaxexp.load_model (local dir)", "load", "raw_read", "raw readinto warm"),
+        )
+    ]
+
+
 _CHILD = r"""
 import json, os, resource, sys, time
 sys.path.insert(0, {bench_dir!r})
 import jax
 import bench_params as B
-from jaxexp_mlflow.codec import params as P
+from jaxexp_mlflow import params as P
+from jaxexp_mlflow.params.restore import LAST_RESTORE_STATS
 mode, ck, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 def peak():
     # VmHWM (peak RSS of this process image): unlike ru_maxrss it does not inherit the parent's
@@ -301,7 +385,7 @@ else:
     base = before = peak()
     out = jax.block_until_ready(P.restore_params(ck, target=tree))
     print(json.dumps({{"base": base, "before": before, "peak": peak(),
-                  "stats": P._LAST_RESTORE_STATS}}))
+                  "stats": LAST_RESTORE_STATS}}))
 """
 
 
@@ -349,16 +433,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-zstd", action="store_true", help="skip the compression='zstd' rows")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir in cwd)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--only",
+        choices=("io", "model", "memory", "readback"),
+        action="append",
+        default=None,
+        help="run only these parts (repeatable; default: all)",
+    )
     a = ap.parse_args(argv)
     size = a.size_gib if a.size_gib is not None else (1 / 16 if a.quick else 1.0)
     mem = a.mem_gib if a.mem_gib is not None else (0.25 if a.quick else 4.0)
     rounds = a.rounds or (1 if a.quick else 3)
     comps = [None] if a.no_zstd else [None, "zstd"]
     workdir = tempfile.mkdtemp(prefix="bench_params_", dir=a.dir or os.getcwd())
+    parts = set(a.only or ("io", "model", "memory", "readback"))
     try:
-        mem_rows = bench_memory(mem, workdir)  # first, while this process is small
-        rows = bench_io(size, rounds, comps, workdir) + mem_rows
-        rows += bench_read_back(size, rounds, workdir)
+        rows = bench_memory(mem, workdir) if "memory" in parts else []  # while this is small
+        if "io" in parts:
+            rows = bench_io(size, rounds, comps, workdir) + rows
+        if "model" in parts:
+            rows += bench_model(size, rounds, workdir)
+        if "readback" in parts:
+            rows += bench_read_back(size, rounds, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_rows(rows)

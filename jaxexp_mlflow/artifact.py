@@ -7,8 +7,10 @@ Layout (all paths relative to the model directory; no pickle anywhere)::
     reference/inputs.npz     the input example, flat leaves in_0, in_1, ... (inputs only)
     reference/outputs.npz    the outputs computed from it at save time, out_0, out_1, ...
 
-The MLmodel ``jaxexp`` section (see ``codec.metadata``) records avals, trees, versions, checksum
-and the dtypes of the reference leaves.
+The MLmodel ``jaxexp`` section (see ``flavors.section``) records avals, trees, versions, checksum
+and the dtypes of the reference leaves. Importing this module imports no JAX (the IREE backend
+and pyfunc's model identity read the blob and the params directory through it); the functions
+that handle JAX values import it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxexp_mlflow.codec import arrays, blob, files
@@ -56,7 +57,7 @@ NAMED_LAYOUT = "named"
 
 def param_names(meta: dict[str, Any] | None, n: int) -> list[str] | None:
     """The recorded params names (export leaf order), checked; None for older models."""
-    from jaxexp_mlflow.named_params import safe_name
+    from jaxexp_mlflow.params.names import safe_name
 
     names = (meta or {}).get("param_names")
     if names is None:
@@ -81,7 +82,9 @@ def params_target(exported: Any, in_shardings: tuple = (), meta: dict | None = N
     For a model in the named layout (``meta['params_layout']``) a dict ``{name: struct}``
     (typed PRNG keys as their key data), else the export's params tree.
     """
-    from jaxexp_mlflow.named_params import dtype_impl_name, key_data_spec
+    import jax
+
+    from jaxexp_mlflow.params.names import dtype_impl_name, key_data_spec
 
     treedef = params_treedef(exported)
     n = treedef.num_leaves
@@ -108,7 +111,9 @@ def params_target(exported: Any, in_shardings: tuple = (), meta: dict | None = N
 
 def check_params(exported: Any, params: Any) -> int:
     """Verify ``params`` fit the export's first argument; return its number of leaves."""
-    from jaxexp_mlflow.codec.metadata import aval_str
+    import jax
+
+    from jaxexp_mlflow.flavors.section import aval_str
 
     expected = params_treedef(exported)
     leaves, found = jax.tree.flatten(params)
@@ -133,6 +138,8 @@ def check_params(exported: Any, params: Any) -> int:
 
 
 def _nbytes(tree: Any) -> int:
+    import jax
+
     def leaf(x: Any) -> int:
         for get in (lambda: x.nbytes, lambda: np.asarray(x).nbytes):
             try:
@@ -173,6 +180,8 @@ def write_blob(path: str | os.PathLike, data: bytes) -> None:
 
 def write_reference(path: str | os.PathLike, inputs: tuple, outputs: Any) -> dict[str, list[str]]:
     """Store the input example and its outputs; return the dtype lists for MLmodel."""
+    import jax
+
     ref = Path(path, "reference")
     ref.mkdir(parents=True, exist_ok=True)
     in_dtypes = arrays.save_arrays(Path(path, REFERENCE_INPUTS), jax.tree.leaves(inputs), "in")

@@ -317,7 +317,7 @@ class TrainingHook:
         if self._manager is None:
             import orbax.checkpoint as ocp
 
-            from jaxexp_mlflow.codec import params as params_codec
+            from jaxexp_mlflow import params as params_codec
 
             directory = self._checkpoint_dir
             if directory is None:
@@ -339,7 +339,7 @@ class TrainingHook:
         """
         import orbax.checkpoint as ocp
 
-        from jaxexp_mlflow.codec.params import quiet_ocdbt_merge
+        from jaxexp_mlflow.params import quiet_ocdbt_merge
 
         manager = self._checkpoint_manager()
         if step not in manager.all_steps():

@@ -54,9 +54,9 @@ class JaxExpRuntime(MLflowRuntime):
     """``MLflowRuntime`` whose client errors are 4xx with short messages, server faults 500."""
 
     def _expected(self) -> str:
-        from jaxexp_mlflow.flavors.pyfunc import _impl_for
+        from jaxexp_mlflow.flavors.pyfunc import impl_for
 
-        impl = _impl_for(getattr(getattr(self, "_model", None), "metadata", None))
+        impl = impl_for(getattr(getattr(self, "_model", None), "metadata", None))
         return f" Inputs: {impl.contract.expected()}." if impl is not None else ""
 
     async def predict(self, payload: Any) -> Any:

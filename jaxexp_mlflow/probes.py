@@ -189,7 +189,7 @@ def store_reference(
     try:
         if model is None:
             if isinstance(params, str | os.PathLike):
-                from jaxexp_mlflow.codec.params import restore_params
+                from jaxexp_mlflow.params import restore_params
 
                 target = artifact.params_target(exported, (), conf)
                 params = restore_params(Path(path, conf["params"]), target=target)

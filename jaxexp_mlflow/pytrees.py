@@ -1,7 +1,7 @@
 """Serialization of custom pytree nodes (Flax ``FrozenDict``, ``nnx.State``, ``nnx.Variable``).
 
 Only a given ``Exported`` (or blob) whose arguments hold such nodes needs this: a function
-saved with ``params=`` is exported against a plain dict of named arrays (``named_params``).
+saved with ``params=`` is exported against a plain dict of named arrays (``params.names``).
 ``Exported.serialize`` refuses custom pytree nodes unless they are registered with
 ``jax.export.register_pytree_node_serialization``, on the saving *and* the loading side. Users
 logging a Flax model expect that to just work, so we register the node types of an allowlisted
@@ -116,7 +116,7 @@ def register_for_load(names: list[str]) -> None:
     Only names under ``AUTO_REGISTER_PREFIXES`` are imported (from the installed packages, never
     from the model); a name that is not a dotted import path, or names something other than a
     class JAX can register, is an ``ArtifactError``."""
-    from jaxexp_mlflow.codec.mlmodel import check_node_type_names
+    from jaxexp_mlflow.flavors.section import check_node_type_names
 
     check_node_type_names(names)
     for name in names or ():

@@ -125,7 +125,7 @@ def _bind(exported: Any, local: Path, meta: dict, placement: Any) -> Any:
     params = None
     ckpt = artifact.params_dir(local, meta)
     if ckpt is not None:
-        from jaxexp_mlflow.codec.params import restore_params
+        from jaxexp_mlflow.params import restore_params
 
         target = artifact.params_target(exported, placement.in_shardings, meta)
         params = restore_params(ckpt, target=target)
@@ -204,12 +204,12 @@ def refresh(
     from mlflow.models.model import MLMODEL_FILE_NAME
 
     from jaxexp_mlflow import artifact
-    from jaxexp_mlflow.codec import blob, mlmodel
-    from jaxexp_mlflow.codec.metadata import package_version
+    from jaxexp_mlflow.codec import blob
     from jaxexp_mlflow.flavors import jaxexp as flavor
+    from jaxexp_mlflow.flavors.section import package_version, read_section
 
     local = Path(download_artifacts(artifact_uri=model_uri))
-    meta = mlmodel.flavor_section(mlmodel.read_mlmodel(local), flavor.FLAVOR_NAME)
+    meta = read_section(local)
     source_model = Model.load(os.path.join(local, MLMODEL_FILE_NAME))
     data = artifact.read_blob(local, meta)
     source = str(Path(local, meta.get("exported_file", artifact.EXPORTED_FILE)))

@@ -28,7 +28,7 @@ from jaxexp_mlflow.internals import mlflow_private
 DEFAULT_WORKERS = 8
 #: Downloaded files at least this big are checksummed (CRC-32C) as soon as they land.
 CHECKSUM_MIN_BYTES = 1 << 20
-_MANIFEST = "jaxexp_manifest.json"  # codec.manifest.MANIFEST_FILE (not imported: cheap module)
+_MANIFEST = "jaxexp_manifest.json"  # params.manifest.MANIFEST_FILE (not imported: cheap module)
 #: Deepest directory a model download follows (``JAXEXP_MAX_LIST_DEPTH``): a model is ~5 deep.
 DEFAULT_MAX_LIST_DEPTH = 32
 #: Most entries (files and directories) a model download accepts from the store's listings and
@@ -211,52 +211,34 @@ def upload_dirs(
 
 
 class EarlyUpload:
-    """Uploads a model being saved for ``log_model`` while the save goes on, so that writing
-    the staging copy overlaps the upload instead of preceding it:
+    """Uploads a model being saved for ``log_model`` while the save goes on, on one pool:
 
-    * each params chunk file as soon as Orbax has written it (``__call__``, from
-      ``codec.params.chunk_watcher``), checksummed before it goes up;
     * the ``code/`` copy of the package as soon as it is copied (:meth:`send_tree`: ~70 small
-      files, each a request of its own);
+      files, each a request of its own), while the export and the params save run;
+    * the params checkpoint, once Orbax has written it and its manifest is there
+      (:meth:`send_tree`), biggest files first, the manifest last (:meth:`finish`);
     * the other top-level files once the save is done (:meth:`send_files`), all but what
-      ``Model.log`` itself uploads last (``MLmodel``);
-    * through a proxied ``mlflow server``, the chunk files of big arrays straight from the
-      arrays' own memory, never written to disk (:meth:`send_memory`, from ``codec.divert``).
+      ``Model.log`` itself uploads last (``MLmodel``).
 
-    Each file is hard-linked into a private directory at once (the save renames its temporary
-    directories when it commits; a link keeps the same bytes, no copy) and the link is dropped
-    once the file is up. Chunk files are checksummed as they are linked, pages still hot, and
-    the params manifest takes those checksums (same inode) instead of reading the files again;
-    :meth:`finish` checks the checksums sent against the manifest and sends again any chunk
-    file that differs. A file that cannot be linked (another filesystem) is left to
-    ``stage_upload``. Disabled (every call a no-op) for local artifact stores, which MLflow
-    copies itself, and with ``JAXEXP_EARLY_UPLOAD=0``.
+    Each file is hard-linked into a private directory at once (a link keeps the same bytes, no
+    copy) and the link is dropped once the file is up, through the repository object MLflow
+    picks (``log_artifact``: its retries, auth and multipart uploads). A file that cannot be
+    linked (another filesystem) is left to ``stage_upload``. Disabled (every call a no-op) for
+    local artifact stores, which MLflow copies itself, and with ``JAXEXP_EARLY_UPLOAD=0``.
     """
 
     def __init__(self, artifact_uri: str, subdir: str) -> None:
         import tempfile
 
         from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-        from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
         from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 
         self.repo = get_artifact_repository(artifact_uri)
         self.enabled = not isinstance(self.repo, LocalArtifactRepository) and (
             os.environ.get("JAXEXP_EARLY_UPLOAD", "1") != "0"
         )
-        #: PUT chunk files from memory (``mlflow server`` proxying artifacts, MLflow's own
-        #: proxy multipart off, ``JAXEXP_UPLOAD_FROM_MEMORY`` not 0)
-        self.from_memory = (
-            self.enabled
-            and isinstance(self.repo, HttpArtifactRepository)
-            and not mlflow_private.multipart_upload_enabled(self.repo)
-            and os.environ.get("JAXEXP_UPLOAD_FROM_MEMORY", "1") != "0"
-            and mlflow_private.host_creds(self.repo) is not None
-        )
-        self.subdir = subdir  # the params directory, whose chunk files ``__call__`` receives
-        self.sent: dict[str, int] = {}  # params chunk file (relative to subdir) -> CRC-32C sent
+        self.subdir = subdir  # the params directory, whose manifest goes up last
         self.submitted: set[str] = set()  # paths (relative to the model) on their way up
-        self.chunks: set[str] = set()  # params chunk files (relative to subdir) among them
         self.futures: list[Future] = []
         self.lock = threading.Lock()
         self.stage: Path | None = None
@@ -292,42 +274,6 @@ class EarlyUpload:
             return None
         return out
 
-    def __call__(self, rel: str, current: Path) -> tuple[int, int, int] | None:
-        """A params chunk file Orbax has finished (called from the save's poller thread):
-        linked, checksummed now while its pages are hot, queued. Returns ``(st_dev, st_ino,
-        CRC-32C)`` of the bytes that will go up, for the manifest (``chunk_watcher``)."""
-        read = self._add(f"{self.subdir}/{rel}", current, checksum=True)
-        if read is not None:
-            self.chunks.add(rel)
-        return read
-
-    def send_memory(self, rel: str, parts: tuple[memoryview, bytes]) -> int:
-        """A params chunk file that was not written (``codec.divert``: called from Orbax's
-        thread): checksummed now, queued to go up straight from these buffers, which stay
-        untouched until :meth:`finish` (``log_model`` waits for it). Returns its CRC-32C."""
-        from jaxexp_mlflow.codec.manifest import crc32c
-
-        value = crc32c(parts[1], crc32c(parts[0]))
-        key, size = f"{self.subdir}/{rel}", parts[0].nbytes + len(parts[1])
-        _grow(self.bar, self.lock, size)
-        with self.lock:
-            self.futures.append(self.pool.submit(self._put, key, parts, size))
-            self.submitted.add(key)
-            self.chunks.add(rel)
-            self.sent[rel] = value
-        return value
-
-    def _put(self, key: str, parts: tuple[memoryview, bytes], size: int) -> None:
-        """What ``HttpArtifactRepository.log_artifact`` does for a file (same endpoint, auth,
-        retries, content type), with the body sent from memory."""
-        from mlflow.utils.rest_utils import augmented_raise_for_status, http_request
-
-        headers = {"Content-Type": mlflow_private.guess_mime_type(posixpath.basename(key))}
-        creds = mlflow_private.host_creds(self.repo)
-        resp = http_request(creds, f"/{key}", "PUT", data=_Body(parts), extra_headers=headers)
-        augmented_raise_for_status(resp)
-        self.bar.update(size)
-
     def send_tree(self, local_dir: str | os.PathLike, where: str) -> None:
         """Upload every file under ``local_dir`` to ``where`` (relative to the model) now,
         except those already on their way."""
@@ -349,66 +295,43 @@ class EarlyUpload:
         prefix = f"{where}/"
         return {k[len(prefix) :] for k in self.submitted if k.startswith(prefix)}
 
-    def _add(self, key: str, current: Path, checksum: bool = False) -> tuple[int, int, int] | None:
+    def _add(self, key: str, current: Path) -> None:
         if not self.enabled:
-            return None
-        from jaxexp_mlflow.codec.manifest import file_crc32c
-
+            return
         if key == f"{self.subdir}/{_MANIFEST}":  # last of ours: see finish()
             with self.lock:
                 self.manifest = current
                 self.submitted.add(key)  # not stage_upload's either
-            return None
-
+            return
         link = self.stage / key
         try:
             link.parent.mkdir(parents=True, exist_ok=True)
             os.link(current, link)
         except OSError:  # renamed meanwhile, or no hard links here: uploaded with the rest
-            return None
-        read = None
-        if checksum:
-            fd = os.open(link, os.O_RDONLY)
-            try:
-                st = os.fstat(fd)
-                read = (st.st_dev, st.st_ino, file_crc32c(fd, st.st_size))
-            finally:
-                os.close(fd)
+            return
         _grow(self.bar, self.lock, link.stat().st_size)  # learnt as the files arrive
         with self.lock:
-            self.futures.append(self.pool.submit(self._send, key, link, read))
+            self.futures.append(self.pool.submit(self._send, key, link))
             self.submitted.add(key)
-        return read
 
-    def _send(self, key: str, link: Path, read: tuple[int, int, int] | None) -> None:
+    def _send(self, key: str, link: Path) -> None:
         size = link.stat().st_size
         self.repo.log_artifact(str(link), posixpath.dirname(key) or None)
         link.unlink()
         self.bar.update(size)
-        if read is not None:
-            with self.lock:
-                self.sent[key[len(self.subdir) + 1 :]] = read[2]
 
     def finish(self, params_dir: str | os.PathLike) -> None:
-        """Wait for the uploads and raise the first failure; upload again from ``params_dir``
-        any chunk file whose bytes sent differ from what its manifest records."""
+        """Wait for the uploads and raise the first failure; then upload the params manifest."""
         if not self.enabled:
             return
-        from jaxexp_mlflow.codec.manifest import read_manifest
-
         wait(self.futures)
         for f in self.futures:
             if f.exception() is not None:
                 raise f.exception()
-        entries = read_manifest(params_dir).files
-        for rel in sorted(self.chunks):
-            if entries.get(rel, (0, None))[1] != self.sent.get(rel):
-                where = posixpath.join(self.subdir, posixpath.dirname(rel))
-                self.repo.log_artifact(str(Path(params_dir, rel)), where)
         # The manifest goes up once every other file of ours is there: an upload cut before
         # leaves the previous manifest (a re-log: files it overwrote fail its checksums, loud)
         # or none; one cut after leaves the previous MLmodel, which the new manifest's binding
-        # refuses (codec.manifest). Never the previous function with the new weights.
+        # refuses (params.manifest). Never the previous function with the new weights.
         if self.manifest is not None:
             self.repo.log_artifact(str(Path(params_dir, _MANIFEST)), self.subdir)
 
@@ -478,21 +401,6 @@ class EarlyUpload:
             ).start()
             self.stage = None
         self._progress.close()
-
-
-class _Body:
-    """A request body sent as the buffers it is made of, without joining them (``requests``
-    sends an iterable with a length as it comes, with that Content-Length); iterable again from
-    the start when MLflow's retry sends it again."""
-
-    def __init__(self, parts: tuple[memoryview, bytes]) -> None:
-        self.parts = parts
-
-    def __len__(self) -> int:
-        return sum(memoryview(p).nbytes for p in self.parts)
-
-    def __iter__(self) -> Iterator[memoryview | bytes]:
-        return iter(p for p in self.parts if len(p))
 
 
 def stage_upload(
@@ -621,8 +529,8 @@ class _Tree:
         a manifest this package can read."""
         from mlflow.entities import FileInfo
 
-        from jaxexp_mlflow.codec.manifest import read_manifest
         from jaxexp_mlflow.errors import ArtifactError
+        from jaxexp_mlflow.params.manifest import read_manifest
 
         self._download(info, self._local(info))
         base = posixpath.dirname(info.path)
@@ -670,7 +578,7 @@ class _Tree:
                 "broken or hostile (or the file changed meanwhile: retry)."
             )
         if (info.file_size or 0) >= CHECKSUM_MIN_BYTES:  # while its pages are in the cache
-            from jaxexp_mlflow.codec.manifest import path_crc32c
+            from jaxexp_mlflow.codec.crc32c import path_crc32c
 
             value = path_crc32c(local)
             with self.lock:
@@ -731,7 +639,7 @@ def download_model(
 
     Files go straight to their final place, several at a time, while the tree is still being
     listed (``_Tree``), and big files are checksummed as they land, so that loading from a
-    private download need not read them again (``codec.params.restore_params``)."""
+    private download need not read them again (``params.restore_params``)."""
     from mlflow.artifacts import download_artifacts
     from mlflow.utils.file_utils import create_tmp_dir
 
@@ -786,21 +694,15 @@ def _list(repo: Any, path: str | None) -> list[Any]:
     return listing
 
 
-def _is_chunk(rel: str) -> bool:
-    """Array data (``codec.params._is_chunk_file``): checksummed as the loader reads it."""
-    import re
-
-    name = rel.rsplit("/", 1)[-1]
-    return name == "c" or bool(re.fullmatch(r"c(\.\d+)+", name)) or "/c/" in f"/{rel}"
-
-
 def check_download(path: Path, crc32c: dict[str, int]) -> None:
     """Check a private download before anything loads it (jax-free, cheap): a jaxexp model's
     params checkpoint against its manifest (file set, sizes, CRC-32C of the metadata files and
     of the files checksummed as they landed) and the manifest against ``MLmodel`` (written by
-    the same save: ``codec.manifest``'s binding). Other models, and what only JAX can judge,
+    the same save: ``params.manifest``'s binding). Other models, and what only JAX can judge,
     are left to the loader. Raises ``ArtifactError``."""
-    from jaxexp_mlflow.codec import manifest, mlmodel
+    from jaxexp_mlflow.codec import mlmodel
+    from jaxexp_mlflow.codec.zarr import is_chunk_file
+    from jaxexp_mlflow.params import manifest
 
     if not (path / "MLmodel").is_file():
         return
@@ -816,7 +718,7 @@ def check_download(path: Path, crc32c: dict[str, int]) -> None:
     prefix = ckpt.resolve().relative_to(path.resolve()).as_posix() + "/"
     landed = {k[len(prefix) :]: v for k, v in crc32c.items() if k.startswith(prefix)}
     found = manifest.verify_checkpoint(
-        ckpt, checksum=lambda rel: rel not in landed and not _is_chunk(rel)
+        ckpt, checksum=lambda rel: rel not in landed and not is_chunk_file(rel)
     )
     found.same_save()
     for rel, value in landed.items():

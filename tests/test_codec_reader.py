@@ -548,3 +548,29 @@ def test_unknown_vhlo_custom_call_version_is_reported_not_missed() -> None:
         assert d.module_error is not None
         assert f"vhlo.{newer.decode()}" in d.module_error and "does not know" in d.module_error
         assert d.fun_name == exp.fun_name  # the rest of the blob is still described
+
+
+def test_schema_history_is_one_table() -> None:
+    """``codec.schema.SCHEMA_HISTORY`` is the schema's history: the compatibility verdict and
+    docs/codec.md take theirs from it, and the reader's evidence constants are its versions."""
+    import datetime as dt
+
+    from jaxexp_mlflow.codec import schema
+    from jaxexp_mlflow.runtime import compat
+
+    numbers = [v.number for v in schema.SCHEMA_HISTORY]
+    assert numbers == sorted(numbers) and 7 not in numbers  # 7 was pulled back by JAX
+    dates = [v.date for v in schema.SCHEMA_HISTORY]
+    assert dates == sorted(dates)
+    assert compat.SCHEMA_DATES is schema.SCHEMA_DATES and compat.SCHEMA_DATES[5] == dt.date(
+        2025, 11, 23
+    )
+    assert compat.BREAKING_SCHEMAS == (5, 10) and compat.ENFORCING_JAX is schema.ENFORCING_JAX
+    evidence = {v for k, v in vars(schema).items() if k.startswith("SCHEMA_") and type(v) is int}
+    assert evidence <= set(numbers) and schema.OLDEST_SCHEMA_READ_BY_ENFORCING_JAX in numbers
+    doc = (Path(__file__).parents[1] / "docs" / "codec.md").read_text()
+    section = doc.split("### Schema generations", 1)[1].split("###", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| [^|]*\((\w{3})\w* (\d{4})", section, flags=re.M)
+    assert [int(n) for n, _, _ in rows] == numbers
+    for (_, month, year), v in zip(rows, schema.SCHEMA_HISTORY, strict=True):
+        assert (month, int(year)) == (v.date.strftime("%b"), v.date.year), v

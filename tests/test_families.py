@@ -73,7 +73,7 @@ def test_nnx_split_state_with_rng_logs_loads_and_serves(tracking_uri):
         jax.random.key_data(key), jax.random.key_data(state["drop"]["rngs"]["key"][...])
     )
     np.testing.assert_array_equal(loaded.params["l1.kernel"], state["l1"]["kernel"][...])
-    from jaxexp_mlflow.named_params import restore_tree
+    from jaxexp_mlflow.params.names import restore_tree
 
     _, fresh = nnx_model(seed=7)  # same structure, other weights: rebuilt from the loaded ones
     assert not np.allclose(fresh.l1.kernel[...], state["l1"]["kernel"][...])
@@ -238,7 +238,7 @@ def test_altered_names_or_key_impl_are_typed_errors(tmp_path):
     (path / "MLmodel").write_text(yaml.safe_dump(mlmodel))
     with pytest.raises(ArtifactError, match="param_names"):
         mlflow.jaxexp.load_model(str(path))
-    from jaxexp_mlflow.named_params import wrap_keys
+    from jaxexp_mlflow.params.names import wrap_keys
 
     with pytest.raises(ArtifactError, match="PRNG implementation 'nope'"):
         wrap_keys({"k": jnp.zeros(2, jnp.uint32)}, {"k": "nope"})
@@ -246,7 +246,7 @@ def test_altered_names_or_key_impl_are_typed_errors(tmp_path):
 
 def test_models_saved_before_named_params_still_load(tmp_path):
     """An MLmodel without param_names and a nested checkpoint: what earlier versions wrote."""
-    from jaxexp_mlflow.codec import params as P
+    from jaxexp_mlflow import params as P
     from tests.models import batch, mlp_apply, mlp_params
 
     flat = mlp_params()

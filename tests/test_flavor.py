@@ -180,8 +180,9 @@ def test_model_dir_layout_and_metadata(logged_mlp):
     for name in ("requirements.txt", "python_env.yaml", "conda.yaml"):
         assert (model_dir / name).is_file()
     reqs = (model_dir / "requirements.txt").read_text()
-    for pkg in ("jax==", "jaxlib==", "flatbuffers==", "orbax-checkpoint==", "numpy=="):
+    for pkg in ("jax==", "jaxlib==", "orbax-checkpoint==", "numpy=="):
         assert pkg in reqs
+    assert "flatbuffers" not in reqs  # the package reads blobs with its own reader
     # the reference result is the outputs of the input example
     with np.load(model_dir / "reference/outputs.npz", allow_pickle=False) as ref:
         np.testing.assert_allclose(ref["out_0"], mlp_apply(params, x), rtol=1e-6)
@@ -194,7 +195,7 @@ def test_model_dir_layout_and_metadata(logged_mlp):
 
 
 def test_params_from_an_existing_orbax_checkpoint(tracking_uri, tmp_path):
-    from jaxexp_mlflow.codec.params import save_params
+    from jaxexp_mlflow.params import save_params
 
     params = mlp_params()
     save_params(params, tmp_path / "ckpt")
@@ -411,3 +412,76 @@ def test_a_blob_that_cannot_run_here_is_refused_before_xla(tmp_path):
     # without an input example nothing runs: the archive is stored as it is
     mlflow.jaxexp.save_model((case / "exported.bin").read_bytes(), tmp_path / "n")
     assert (tmp_path / "n" / "exported.bin").read_bytes() == (case / "exported.bin").read_bytes()
+
+
+OLD_MODEL = Path(__file__).parent / "data" / "models" / "jaxexp-0.1.0-mlp"
+
+
+def _old_model_inputs() -> tuple[dict, np.ndarray]:
+    params = {"w": np.ones((3, 2), np.float32), "b": np.zeros(2, np.float32)}
+    return params, np.ones((4, 3), np.float32)
+
+
+def test_model_saved_before_the_section_schema_loads(tmp_path):
+    """A model directory written by 0.1.0 (before ``flavors.section``) still loads and runs."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(OLD_MODEL, model_dir)
+    model = mlflow.jaxexp.load_model(str(model_dir))
+    params, x = _old_model_inputs()
+    np.testing.assert_allclose(model(x), np.tanh(x @ params["w"] + params["b"]), rtol=1e-6)
+    pyfunc = mlflow.pyfunc.load_model(str(model_dir))
+    assert list(pyfunc.predict(x)) == ["a", "a", "a", "a"]
+
+
+def test_section_written_today_equals_the_old_one(tmp_path):
+    """The same model saved now has the same MLmodel ``jaxexp`` section, field for field (the
+    blob aside: the export records source locations, which differ)."""
+    from jaxexp_mlflow.flavors.section import FlavorSection
+
+    params, x = _old_model_inputs()
+
+    def apply(p, x):
+        return jnp.tanh(x @ p["w"] + p["b"])
+
+    mlflow.jaxexp.save_model(
+        jax.jit(apply),
+        tmp_path / "m",
+        params=params,
+        input_example=x,
+        vjp_order=1,
+        serving_config={"max_batch": 64},
+        classifier=["a", "b"],
+    )
+    old, new = _flavor_conf(OLD_MODEL), _flavor_conf(tmp_path / "m")
+    assert sorted(new) == sorted(old)
+    if jax.__version__ == old["jax_version"]:  # another jax writes other avals, schema, ...
+
+        def same(conf: dict) -> dict:
+            blob = {"exported_sha256", "exported_nbytes", "iree"}
+            out = {k: v for k, v in conf.items() if k not in blob}
+            # params are zarr2 since issue 26 (Orbax's flat chunk files), zarr3 before
+            out["params_format"] = {**out["params_format"], "use_zarr3": None}
+            return out
+
+        assert same(new) == same(old)
+    assert FlavorSection.from_dict(old).to_dict() == old
+    assert FlavorSection.from_dict(new).to_dict() == new
+
+
+def test_section_keeps_fields_of_newer_writers_and_refuses_bad_types():
+    from jaxexp_mlflow.flavors.section import FlavorSection
+
+    old = _flavor_conf(OLD_MODEL)
+    newer = {**old, "added_by_a_newer_writer": {"x": 1}}
+    section = FlavorSection.from_dict(newer)
+    assert section.extra == {"added_by_a_newer_writer": {"x": 1}}
+    assert section.to_dict() == newer and section.serving == {"max_batch": 64}
+    for key, bad in (
+        ("classifier", ["a"]),
+        ("param_names", "b,w"),
+        ("schema_generation", "10"),
+        ("out_tree", 3),
+        ("vjp_order", 65),
+    ):
+        with pytest.raises(ArtifactError, match=rf"jaxexp\.{key}: expected .* found"):
+            FlavorSection.from_dict({**old, key: bad})

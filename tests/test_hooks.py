@@ -115,9 +115,11 @@ def test_hook_logs_every_n_and_on_improvement_and_moves_best(tracking_uri, tmp_p
     ckpt_item = tmp_path / "ckpt" / "10" / "default"
     model_dir = Path(mlflow.artifacts.download_artifacts(hook.logged[-1].model_info.model_uri))
 
-    def chunks(root: Path) -> list[bytes]:  # array data files (zarr chunks: c/0/0 or c.0.0)
+    def chunks(root: Path) -> list[bytes]:  # array data files (zarr chunks, OCDBT data)
+        from jaxexp_mlflow.codec.zarr import is_chunk_file
+
         files = [p for p in root.rglob("*") if p.is_file()]
-        data = [p for p in files if "c" in p.relative_to(root).parts or p.name.startswith("c.")]
+        data = [p for p in files if is_chunk_file(p.relative_to(root).as_posix())]
         return sorted(p.read_bytes() for p in data)
 
     assert chunks(ckpt_item) and chunks(model_dir / "params") == chunks(ckpt_item)

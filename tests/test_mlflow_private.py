@@ -40,7 +40,7 @@ def _vkey(v: str) -> tuple[int, ...]:
 PACKAGE = Path(jaxexp_mlflow.__file__).parent
 #: Files that still use a private MLflow name directly (owned elsewhere; to be routed through
 #: mlflow_private). A new direct use anywhere else fails test_no_private_name_outside_module.
-NOT_YET_ROUTED = {"flavors/pyfunc.py"}
+NOT_YET_ROUTED: set[str] = set()
 
 
 @pytest.fixture(autouse=True)
@@ -179,14 +179,8 @@ EXERCISE = {
     f"{mp._MODEL_UTILS}:_validate_and_copy_code_paths": lambda t: mp.copy_code_paths(
         [str(Path(mp.__file__))], str(t)
     ),
-    f"{mp._MODEL_UTILS}:_add_code_from_conf_to_system_path": lambda t: mp.add_code_to_system_path(
-        t, {"code": "code"}
-    ),
     "mlflow.models.utils:_save_example": lambda t: mp.save_input_example(
         mlflow.models.Model(), _example(), t
-    ),
-    "mlflow.pyfunc.scoring_server:_parse_json_data": lambda t: mp.scoring_parse_json(
-        __import__("mlflow.pyfunc.scoring_server", fromlist=["x"])
     ),
     "mlflow.models.signature:ModelSignature._is_signature_from_type_hint": lambda t: (
         mp.mark_signature_validated(_signature())
@@ -394,27 +388,6 @@ def test_python_env_and_code_paths_fallback(monkeypatch, tmp_path):
     assert "code/pkg/mod.py" in a[1] and not any("__pycache__" in k for k in a[1])
 
 
-def test_add_code_to_system_path_fallback(monkeypatch, tmp_path):
-    name = f"{mp._MODEL_UTILS}:_add_code_from_conf_to_system_path"
-
-    def run():
-        monkeypatch.setattr(sys, "path", ["/orig"])
-        mp.add_code_to_system_path(tmp_path, {"code": "code"})
-        mp.add_code_to_system_path(tmp_path, {"code": None})
-        return list(sys.path)
-
-    a, b = _both(monkeypatch, [name], run)
-    assert a == b == [str(tmp_path / "code"), "/orig"]
-    from mlflow import environment_variables as ev
-
-    if hasattr(ev, "MLFLOW_ALLOW_MODEL_CODE_EXECUTION"):  # MLflow >= 3.18: the gate is kept
-        monkeypatch.setenv("MLFLOW_ALLOW_MODEL_CODE_EXECUTION", "false")
-        for _ in range(2):
-            with pytest.raises(mlflow.exceptions.MlflowException, match="disallowed"):
-                mp.add_code_to_system_path(tmp_path, {"code": "code"})
-            remove(monkeypatch, name)
-
-
 def test_save_input_example_fallback(monkeypatch, tmp_path):
     name = "mlflow.models.utils:_save_example"
     outs = iter([tmp_path / "a", tmp_path / "b"])
@@ -431,18 +404,11 @@ def test_save_input_example_fallback(monkeypatch, tmp_path):
 
 
 def test_serving_names_fallback(monkeypatch):
-    from mlflow.pyfunc import scoring_server
-
-    names = [
-        "mlflow.pyfunc.scoring_server:_parse_json_data",
-        "mlflow.models.signature:ModelSignature._is_signature_from_type_hint",
-    ]
+    names = ["mlflow.models.signature:ModelSignature._is_signature_from_type_hint"]
     sig = _signature()
-    assert mp.scoring_parse_json(scoring_server) is scoring_server._parse_json_data
     assert mp.mark_signature_validated(sig) and sig._is_signature_from_type_hint
     for name in names:
         remove(monkeypatch, name)
-    assert mp.scoring_parse_json(scoring_server) is None
     assert mp.mark_signature_validated(_signature()) is False
     assert set(names) <= mp.fallbacks_taken()
 
@@ -462,25 +428,16 @@ def server(tmp_path_factory):
 
 
 def test_remote_models_uri_without_private_names(server, tmp_path, monkeypatch):
-    """Log (chunk files sent from memory) and load ``models:/`` through a real server with
+    """Log and load ``models:/`` through a real server with
     ``_add_registered_model_meta_file`` removed (as in MLflow 3.18) and ``_host_creds``,
     ``_guess_mime_type``, ``_is_multipart_upload_enabled``, ``_download_file`` hidden from
     jaxexp (MLflow's own code still calls them): the same files as with them (less MLflow
     3.17's ``registered_model_meta``), the same outputs."""
     from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
 
-    from jaxexp_mlflow.transfer import EarlyUpload
-
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
     monkeypatch.setenv("MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD", "false")
     monkeypatch.setenv("JAXEXP_READBACK_RESTORE_MAX_BYTES", str(2**20))
-    from_memory = []
-    send_memory = EarlyUpload.send_memory
-    monkeypatch.setattr(
-        EarlyUpload,
-        "send_memory",
-        lambda s, rel, p: from_memory.append(rel) or send_memory(s, rel, p),
-    )
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.standard_normal((2**17, 4), np.float32)), "b": jnp.ones(4)}
     x = np.ones((2, 4), np.float32)
@@ -500,8 +457,6 @@ def test_remote_models_uri_without_private_names(server, tmp_path, monkeypatch):
                 mlflow.jaxexp.log_model(
                     fn, name="m", params=params, input_example=x, registered_model_name="pn"
                 )
-            assert set(upload_names) <= mp.fallbacks_taken()
-        assert from_memory == ["w/c.0.0"]  # the upload from memory still happened
         want = np.asarray(_apply(params, x))
 
         private = tmp_path / "private"

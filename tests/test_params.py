@@ -15,9 +15,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxexp_mlflow.codec import params as P
-from jaxexp_mlflow.codec.manifest import write_manifest
+from jaxexp_mlflow import params as P
+from jaxexp_mlflow.codec import zarr
 from jaxexp_mlflow.errors import ArtifactError, ParamsMismatchError
+from jaxexp_mlflow.params import layout
+from jaxexp_mlflow.params import restore as R
+from jaxexp_mlflow.params.manifest import write_manifest
 
 
 def sds_tree(tree):
@@ -37,7 +40,7 @@ def mixed_tree():
     return {
         "dense": {
             "w": jnp.asarray(rng.standard_normal((7, 5)), jnp.bfloat16),
-            "b": jnp.zeros((5,), jnp.float32),  # all fill value: no chunk written on disk
+            "b": jnp.zeros((5,), jnp.float32),  # all zeros: still a chunk file (zarr2, no fill)
         },
         "ints": [
             np.arange(-4, 4, dtype=np.int8),
@@ -56,7 +59,8 @@ def test_round_trip_many_dtypes_uses_fast_path(tmp_path):
     tree = mixed_tree()
     desc = P.save_params(tree, tmp_path / "ck")
     assert desc["format"] == "orbax-pytree"
-    assert desc["compression"] == "none" and desc["use_zarr3"] is True
+    assert desc["compression"] == "none" and desc["use_zarr3"] is False
+    assert desc["use_ocdbt"] is False
     assert desc["num_arrays"] == 8
     json.dumps(desc)  # goes into MLmodel
     target = sds_tree(tree)
@@ -65,39 +69,88 @@ def test_round_trip_many_dtypes_uses_fast_path(tmp_path):
     assert_tree_equal(out, want)
     assert out["dense"]["w"].dtype == ml_dtypes.bfloat16
     assert isinstance(out["ints"][2], tuple)  # target structure, not Orbax's lists
-    assert P._LAST_RESTORE_STATS == {"fast": 8, "orbax": 0}
+    assert R.LAST_RESTORE_STATS == {"fast": 8, "orbax": 0}
 
 
 def test_plain_metadata_reader_agrees_with_orbax(tmp_path):
-    """restore_params reads _METADATA and zarr.json itself instead of Orbax's metadata call:
+    """restore_params reads _METADATA and .zarray itself instead of Orbax's metadata call:
     differential check against Orbax on the mixed tree, and the fallback for OCDBT."""
     tree = mixed_tree()
     P.save_params(tree, tmp_path / "ck")
     path = tmp_path / "ck"
     manifest = P.verify_manifest(path)
-    mine = P._plain_tree(path, P._read_internal_metadata(path), manifest)
+    mine = layout.plain_tree(path, layout.read_metadata(path), manifest.files)
     assert mine is not None
     orbax = {
-        tuple(P._key_token(k) for k in kp): leaf
+        tuple(layout.key_token(k) for k in kp): leaf
         for kp, leaf in jax.tree_util.tree_flatten_with_path(P.checkpoint_tree(path))[0]
     }
     assert set(mine) == set(orbax) and len(mine) == 8
     for tokens, leaf in mine.items():
         assert (leaf.shape, leaf.dtype) == (orbax[tokens].shape, orbax[tokens].dtype), tokens
-    meta = P._read_internal_metadata(path)
-    assert P._plain_tree(path, dict(meta, use_ocdbt=True), manifest) is None
+    meta = layout.read_metadata(path)
+    assert layout.plain_tree(path, dict(meta, use_ocdbt=True), manifest.files) is None
     entry = next(iter(meta["tree_metadata"]))
     odd = json.loads(json.dumps(meta))
     odd["tree_metadata"][entry]["value_metadata"]["value_type"] = "custom.Leaf"
-    assert P._plain_tree(path, odd, manifest) is None  # Orbax judges what this does not know
+    assert layout.plain_tree(path, odd, manifest.files) is None  # Orbax judges the unknown
 
 
 def test_orbax_itself_restores_the_checkpoint(tmp_path):
     tree = {"a": np.arange(10, dtype=np.float32), "b": [jnp.ones((2, 2), jnp.bfloat16)]}
     P.save_params(tree, tmp_path / "ck")
-    restored = ocp.PyTreeCheckpointer().restore(str(tmp_path / "ck"))
-    np.testing.assert_array_equal(np.asarray(restored["a"]), tree["a"])
-    np.testing.assert_array_equal(np.asarray(restored["b"][0]), np.ones((2, 2)))
+    for checkpointer in (ocp.PyTreeCheckpointer(), ocp.StandardCheckpointer()):
+        restored = checkpointer.restore((tmp_path / "ck").absolute())
+        np.testing.assert_array_equal(np.asarray(restored["a"]), tree["a"])
+        np.testing.assert_array_equal(np.asarray(restored["b"][0]), np.ones((2, 2)))
+        assert np.asarray(restored["b"][0]).dtype == jnp.bfloat16
+
+
+ZARR_DTYPES = [
+    "float32",
+    "bfloat16",
+    "float16",
+    "float64",
+    "int8",
+    "uint8",
+    "int32",
+    "uint32",
+    "int64",
+    "bool",
+    "complex64",
+    "float8_e4m3fn",
+]
+
+
+@pytest.mark.parametrize("use_zarr3", [False, True], ids=["zarr2", "zarr3"])
+def test_zarr_reader_agrees_with_orbax(tmp_path, use_zarr3):
+    """codec.zarr (the JAX-free reader) against Orbax's own restore, dtype by dtype, on files
+    Orbax wrote: zarr2 (what save_params writes) and zarr3 (models of earlier versions), whole
+    and chunked along axis 0 (last chunk partial)."""
+    rng = np.random.default_rng(3)
+    tree = {}
+    for name in ZARR_DTYPES:
+        dtype = np.dtype(getattr(ml_dtypes, name, None) or name)
+        tree[name] = (rng.standard_normal((9, 5)) * 8).astype(dtype)
+    tree["scalar"] = np.asarray(np.float32(2.5))
+    tree["rows"] = rng.standard_normal((1000, 16)).astype(np.float32)
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(), tree)
+    save_args["rows"] = ocp.SaveArgs(chunk_byte_size=64 * 97 * 4)
+    handler = ocp.PyTreeCheckpointHandler(
+        use_ocdbt=False, use_zarr3=use_zarr3, use_compression=False
+    )
+    with ocp.Checkpointer(handler) as ck:
+        ck.save(tmp_path / "ck", args=ocp.args.PyTreeSave(tree, save_args=save_args))
+    write_manifest(tmp_path / "ck")
+    orbax = ocp.PyTreeCheckpointer().restore((tmp_path / "ck").absolute())
+    manifest = P.verify_manifest(tmp_path / "ck")
+    chunked = len(zarr.array_meta(zarr.read_meta(tmp_path / "ck", "rows", manifest.files)).keys)
+    assert chunked > 1
+    for name, want in tree.items():
+        got = zarr.read_array(tmp_path / "ck", name, want.shape, want.dtype, manifest)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.tobytes() == np.asarray(orbax[name]).tobytes() == want.tobytes(), name
+    assert manifest.verified >= {r for r in manifest.files if zarr.is_chunk_file(r)}
 
 
 def test_zstd_round_trip_goes_through_orbax(tmp_path):
@@ -106,7 +159,7 @@ def test_zstd_round_trip_goes_through_orbax(tmp_path):
     assert desc["compression"] == "zstd"
     out = P.restore_params(tmp_path / "ck", target=sds_tree(tree))
     assert_tree_equal(out, tree)
-    assert P._LAST_RESTORE_STATS["orbax"] == 2
+    assert R.LAST_RESTORE_STATS["orbax"] == 2
     with pytest.raises(ValueError, match="compression='lz77'"):
         P.save_params(tree, tmp_path / "ck2", compression="lz77")
 
@@ -129,10 +182,11 @@ def test_flax_containers_round_trip(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(out["kernel"].value), np.asarray(state["kernel"].value)
     )
-    assert P._LAST_RESTORE_STATS["fast"] == 2
+    assert R.LAST_RESTORE_STATS["fast"] == 2
 
 
-def test_multi_chunk_layouts(tmp_path):
+@pytest.mark.parametrize("use_zarr3", [False, True], ids=["zarr2", "zarr3"])
+def test_multi_chunk_layouts(tmp_path, use_zarr3):
     """Orbax-written arrays split into chunks: along axis 0 (fast path) and along axis 1."""
     rng = np.random.default_rng(1)
     tree = {
@@ -145,15 +199,16 @@ def test_multi_chunk_layouts(tmp_path):
         "cols": ocp.SaveArgs(chunk_byte_size=8 * 100 * 4),
     }
     ck = ocp.Checkpointer(
-        ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True, use_compression=False)
+        ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=use_zarr3, use_compression=False)
     )
     ck.save(tmp_path / "ck", args=ocp.args.PyTreeSave(tree, save_args=save_args))
-    meta = json.loads((tmp_path / "ck" / "rows" / "zarr.json").read_text())
-    assert meta["codecs"][0]["configuration"]["chunk_shape"][0] < 1000  # really chunked
+    listed = [p.relative_to(tmp_path / "ck").as_posix() for p in (tmp_path / "ck").rglob("*")]
+    meta = zarr.read_meta(tmp_path / "ck", "rows", listed)
+    assert zarr.array_meta(meta).outer0 < 1000  # really chunked
     write_manifest(tmp_path / "ck")  # restore requires the checksummed list of files
     out = P.restore_params(tmp_path / "ck", target=sds_tree(tree))
     assert_tree_equal(out, tree)
-    assert P._LAST_RESTORE_STATS["fast"] >= 1
+    assert R.LAST_RESTORE_STATS["fast"] >= 1
 
 
 def test_mapped_restore_checks_and_falls_back(tmp_path, monkeypatch):
@@ -161,14 +216,14 @@ def test_mapped_restore_checks_and_falls_back(tmp_path, monkeypatch):
     mappings of their chunk file, still checked against the manifest; chunked arrays and
     arrays Orbax restores are copied as before."""
     rng = np.random.default_rng(2)
-    tree = {  # 2 MiB: mapped; 20 bytes: below P._MAP_MIN_BYTES, copied
+    tree = {  # 2 MiB: mapped; 20 bytes: below zarr.MAP_MIN_BYTES, copied
         "w": rng.standard_normal((1024, 512)).astype(np.float32),
         "b": np.arange(5, dtype=np.int32),
     }
     P.save_params(tree, tmp_path / "ck")
     out = P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped=True)
     assert_tree_equal(out, tree)
-    assert P._LAST_RESTORE_STATS == {"fast": 2, "orbax": 0}
+    assert R.LAST_RESTORE_STATS == {"fast": 2, "orbax": 0}
     # the jax array aliases a read-only private mapping of the file: no copy was made
     assert [perms[:2] for perms in maps_of(tmp_path / "ck" / "w")] == ["r-"]
     assert out["w"].unsafe_buffer_pointer() in maps_of(tmp_path / "ck" / "w", starts=True)
@@ -176,16 +231,16 @@ def test_mapped_restore_checks_and_falls_back(tmp_path, monkeypatch):
     # checksums the caller computed as it wrote the files stand in for a second read: a wrong
     # one is refused like a wrong file
     want = int(
-        json.loads((tmp_path / "ck" / "jaxexp_manifest.json").read_text())["files"]["w/c.0.0"][
+        json.loads((tmp_path / "ck" / "jaxexp_manifest.json").read_text())["files"]["w/0.0"][
             "crc32c"
         ],
         16,
     )
-    P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped={"w/c.0.0": want})
+    P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped={"w/0.0": want})
     with pytest.raises(ArtifactError, match="does not match its checksum"):
-        P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped={"w/c.0.0": want ^ 1})
+        P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped={"w/0.0": want ^ 1})
 
-    (chunk,) = (tmp_path / "ck" / "w").glob("c.*")
+    (chunk,) = (tmp_path / "ck" / "w").glob("0.*")
     data = bytearray(chunk.read_bytes())
     data[100:116] = bytes(16)
     chunk.write_bytes(bytes(data))  # same size, altered weights
@@ -193,7 +248,7 @@ def test_mapped_restore_checks_and_falls_back(tmp_path, monkeypatch):
         P.restore_params(tmp_path / "ck", target=sds_tree(tree), mapped=True)
 
     rows = rng.standard_normal((1000, 16)).astype(np.float32)
-    monkeypatch.setattr(P, "_MAP_MIN_BYTES", 0)
+    monkeypatch.setattr(zarr, "MAP_MIN_BYTES", 0)
     ck = ocp.Checkpointer(
         ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True, use_compression=False)
     )
@@ -284,14 +339,12 @@ def test_missing_and_corrupt_checkpoints(tmp_path, saved):
 
     P.save_params(tree, tmp_path / "trunc")
     (chunk,) = [
-        p for p in (tmp_path / "trunc" / "w").rglob("*") if p.is_file() and p.name != "zarr.json"
+        p for p in (tmp_path / "trunc" / "w").rglob("*") if p.is_file() and p.name != ".zarray"
     ]
     os.truncate(chunk, 100)
-    with pytest.raises(
-        ArtifactError, match=r"(?s)incomplete .*w/c\.0: expected \d+ bytes, found 100"
-    ):
+    with pytest.raises(ArtifactError, match=r"(?s)incomplete .*w/0: expected \d+ bytes, found 100"):
         P.restore_params(tmp_path / "trunc", target=sds_tree(tree))
-    # without the manifest the array file's own index still catches it
+    # without the manifest nothing is read
     (tmp_path / "trunc" / P.MANIFEST_FILE).unlink()
     with pytest.raises(ArtifactError, match="Truncated|damaged"):
         P.restore_params(tmp_path / "trunc", target=sds_tree(tree))
@@ -301,22 +354,22 @@ def test_a_lost_chunk_file_is_an_error_not_zeros(tmp_path):
     # zarr reads a missing chunk as its fill value (zeros): the manifest turns that into an error
     tree = {"w": np.arange(1.0, 13.0, dtype=np.float32).reshape(3, 4)}
     P.save_params(tree, tmp_path / "ck")
-    (tmp_path / "ck" / "w" / "c.0.0").unlink()
-    with pytest.raises(
-        ArtifactError, match=r"(?s)incomplete \(1 of \d+ files\).*w/c\.0\.0.*no file"
-    ):
+    (tmp_path / "ck" / "w" / "0.0").unlink()
+    with pytest.raises(ArtifactError, match=r"(?s)incomplete \(1 of \d+ files\).*w/0\.0.*no file"):
         P.restore_params(tmp_path / "ck", target=sds_tree(tree))
 
 
 def test_layout_survives_mlflow_http_listing(tmp_path):
     # MLflow's HTTP artifact repo takes a directory `0` holding only a file `0` for a file and
-    # skips it: chunks are stored flat (`c.0.0`), so no directory holds a file of its own name.
-    tree = {"w": np.ones((2, 3, 4), np.float32), "v": np.ones(5, np.float32)}
+    # skips it: Orbax's zarr2 layout keeps chunks flat beside .zarray (`w/0.0.0`), so no
+    # directory holds a file of its own name, and no file is rewritten to get there.
+    tree = {"w": np.ones((2, 3, 4), np.float32), "v": np.ones(5, np.float32), "0": np.ones(3)}
     P.save_params(tree, tmp_path / "ck")
     for d in (tmp_path / "ck").rglob("*"):
         if d.is_dir():
             assert [f.name for f in d.iterdir()] != [d.name], d
-    assert (tmp_path / "ck" / "w" / "c.0.0.0").is_file()
+            assert d.parent == tmp_path / "ck", d  # no directory inside an array's
+    assert (tmp_path / "ck" / "w" / "0.0.0").is_file()
 
 
 def test_copy_checkpoint_leaves_the_source_untouched(tmp_path):
@@ -391,8 +444,11 @@ def test_copy_checkpoint_of_saved_params_links_files(tmp_path):
     src_files = sorted(
         p.relative_to(tmp_path / "src") for p in (tmp_path / "src").rglob("*") if p.is_file()
     )
+    manifest = (tmp_path / "src" / P.MANIFEST_FILE).read_bytes()
     for rel in src_files:
-        assert os.path.samefile(tmp_path / "src" / rel, tmp_path / "dst" / rel)  # hardlinked
+        linked = os.path.samefile(tmp_path / "src" / rel, tmp_path / "dst" / rel)
+        assert linked is (rel.name != P.MANIFEST_FILE)  # the manifest is written anew, not
+    assert (tmp_path / "src" / P.MANIFEST_FILE).read_bytes() == manifest  # through the link
     assert_tree_equal(P.restore_params(tmp_path / "dst", target=sds_tree(tree)), tree)
 
 
@@ -401,7 +457,8 @@ def test_restore_into_named_sharding_on_4_devices(tmp_path):
         f"""
         import jax, numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
-        from jaxexp_mlflow.codec import params as P
+        from jaxexp_mlflow import params as P
+        from jaxexp_mlflow.params import restore as R
         assert jax.device_count() == 4
         tree = {{"w": np.arange(32 * 6, dtype=np.float32).reshape(32, 6),
                  "b": np.arange(6, dtype=np.float32)}}
@@ -418,7 +475,7 @@ def test_restore_into_named_sharding_on_4_devices(tmp_path):
         np.testing.assert_array_equal(np.asarray(out["w"]), tree["w"])
         assert out["b"].sharding.is_fully_replicated
         np.testing.assert_array_equal(np.asarray(out["b"]), tree["b"])
-        print("OK", P._LAST_RESTORE_STATS)
+        print("OK", R.LAST_RESTORE_STATS)
         """
     )
     env = dict(
@@ -452,19 +509,26 @@ def test_numpy_leaves_are_written_without_a_copy_and_orbax_stays_quiet(tmp_path,
         np.testing.assert_array_equal(back[k], leaves[k])
 
 
-def test_manifest_reuses_a_known_checksum_only_for_the_same_inode(tmp_path):
-    """``write_manifest(known=...)``: a checksum the early upload took is kept while the file
-    is the inode it read; a file replaced since (a rename over it, as TensorStore writes) is
-    read again."""
-    from jaxexp_mlflow.codec.manifest import crc32c, read_manifest
+def test_crc32c_through_google_crc32c_public_api(tmp_path):
+    """codec.crc32c: google_crc32c's public ``extend`` on a view of any buffer (bytes,
+    bytearray, memoryview slices, a mapping), continued across blocks; no ctypes."""
+    import mmap
 
-    (tmp_path / "a").write_bytes(b"alpha")
-    (tmp_path / "b").write_bytes(b"beta")
-    st_a, st_b = os.stat(tmp_path / "a"), os.stat(tmp_path / "b")
-    (tmp_path / "b.new").write_bytes(b"BETA")
-    os.replace(tmp_path / "b.new", tmp_path / "b")  # a new inode under the old name
-    known = {"a": (st_a.st_dev, st_a.st_ino, 0x1234), "b": (st_b.st_dev, st_b.st_ino, 0x5678)}
-    write_manifest(tmp_path, known)
-    files = read_manifest(tmp_path).files
-    assert files["a"][1] == 0x1234  # taken as known (same inode): not read again
-    assert files["b"][1] == crc32c(b"BETA")  # replaced: read
+    import google_crc32c
+
+    from jaxexp_mlflow.codec import crc32c as C
+
+    data = np.random.default_rng(4).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    want = google_crc32c.value(data)
+    assert C.crc32c(data) == want
+    assert C.crc32c(bytearray(data)) == want
+    view = memoryview(bytearray(data))
+    assert C.crc32c(view[1000:], C.crc32c(view[:1000])) == want
+    assert C.crc32c(np.frombuffer(data, np.uint32).reshape(-1, 4)) == want  # any shape
+    assert C.crc32c(b"") == 0 and C.crc32c(b"", 7) == 7
+    (tmp_path / "f").write_bytes(data)
+    assert C.path_crc32c(tmp_path / "f") == want
+    with open(tmp_path / "f", "rb") as f:
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            assert C.crc32c(memoryview(m)) == want
+    assert "ctypes" not in open(C.__file__).read()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401
-from jaxexp_mlflow.codec import params as params_codec
+from jaxexp_mlflow.params import restore as params_codec
 from tests.models import log_registered
 from tests.servers import S3_ENV, mlflow_server, s3_server
 
@@ -75,7 +75,7 @@ def _roundtrip(params: dict, registered: str) -> None:
     for k in params:
         np.testing.assert_array_equal(np.asarray(model.params[k]), np.asarray(params[k]))
     np.testing.assert_allclose(model(x), apply(params, x), rtol=1e-6)
-    assert params_codec._LAST_RESTORE_STATS["fast"] == 2  # read by the fast path, not Orbax
+    assert params_codec.LAST_RESTORE_STATS["fast"] == 2  # read by the fast path, not Orbax
 
 
 def test_proxied_s3_with_multipart_upload(s3, s3_proxied, monkeypatch):

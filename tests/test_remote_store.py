@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401
-from jaxexp_mlflow.codec import params as params_codec
+from jaxexp_mlflow.codec import zarr
 from tests.conftest import free_port
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 from tests.servers import mlflow_server
@@ -99,7 +99,7 @@ def test_log_and_load_through_a_remote_server(server, tmp_path, monkeypatch):
             np.testing.assert_allclose(model(x), mlp_apply(params, x), rtol=1e-6)
         # into load_model's private download the params are mapped, not copied, and the
         # download's params files are gone once the model holds them
-        monkeypatch.setattr(params_codec, "_MAP_MIN_BYTES", 0)
+        monkeypatch.setattr(zarr, "MAP_MIN_BYTES", 0)
         before = _deleted_params_mappings()  # other tests' models, not yet collected
         model = mlflow.jaxexp.load_model("models:/remote-mlp/1")
         np.testing.assert_allclose(model(x), mlp_apply(params, x), rtol=1e-6)

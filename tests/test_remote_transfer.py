@@ -24,7 +24,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 
 import jaxexp_mlflow  # noqa: F401
-from jaxexp_mlflow.codec.params import save_params
+from jaxexp_mlflow.params import save_params
 from tests.conftest import REPO
 from tests.models import log_registered
 from tests.servers import free_port, kill_group, mlflow_server
@@ -144,14 +144,14 @@ def test_upload_cut_by_a_killed_server_leaves_nothing_that_loads(tmp_path, monke
             url,
             MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
             JAXEXP_TRANSFER_WORKERS="1",
-            JAXEXP_READBACK_RESTORE_MAX_BYTES=str(64 * MiB),  # big: arrays go up from memory
+            JAXEXP_READBACK_RESTORE_MAX_BYTES=str(64 * MiB),  # big: bound by the read-back
         )
         child = subprocess.Popen(
             [sys.executable, "-c", _CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
         deadline, started = time.time() + 300, False
         while time.time() < deadline and child.poll() is None and not started:
-            started = any((root / "artifacts").rglob("params/w*/c*"))
+            started = any((root / "artifacts").rglob("params/w*/0.0"))
             time.sleep(0.002)
         kill_group(proc)
         _, err = child.communicate(timeout=300)
@@ -247,7 +247,7 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
                 assert int(manifest[rel.removeprefix("params/")]["crc32c"], 16) == value, rel
 
             # a chunk file in the server's store turned into a dangling link: a typed error
-            (chunk,) = (tmp_path / "server" / "artifacts").rglob("w1/c.0.0")
+            (chunk,) = (tmp_path / "server" / "artifacts").rglob("w1/0.0")
             chunk.unlink()
             chunk.symlink_to(tmp_path / "nowhere")
             monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -257,18 +257,13 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
             mlflow.set_tracking_uri(None)
 
 
-def _files(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-
-
-def test_early_upload_sends_each_array_file_while_orbax_saves(server, tmp_path):
-    """``EarlyUpload`` under ``chunk_watcher``: every array chunk file goes up during
-    ``save_params`` under its final name, and what the store holds is byte for byte the
-    checkpoint as saved (checked against the manifest's checksums and by downloading it)."""
+def test_early_upload_sends_the_checkpoint_and_its_manifest_last(server, tmp_path):
+    """``EarlyUpload.send_tree`` of a finished checkpoint: every file goes up under its name,
+    byte for byte, the manifest only by ``finish`` (last); the store's copy restores."""
     from mlflow.artifacts import download_artifacts
 
-    from jaxexp_mlflow.codec.manifest import read_manifest
-    from jaxexp_mlflow.codec.params import chunk_watcher
+    from jaxexp_mlflow.params import restore_params
+    from jaxexp_mlflow.params.manifest import MANIFEST_FILE
     from jaxexp_mlflow.transfer import EarlyUpload
 
     mlflow.set_tracking_uri(server)
@@ -278,28 +273,23 @@ def test_early_upload_sends_each_array_file_while_orbax_saves(server, tmp_path):
             uri = mlflow.get_artifact_uri("early")
         early = EarlyUpload(uri, "params")
         assert early.enabled
-        seen = []
-
-        def watch(rel, current):
-            seen.append(rel)
-            return early(rel, current)  # its checksums go into the manifest
-
+        params = make_params(8 * MiB, 4)
+        ck = tmp_path / "ck"
         try:
-            with chunk_watcher(watch):
-                save_params(make_params(8 * MiB, 4), tmp_path / "ck", durable=False)
-            early.finish(tmp_path / "ck")
+            save_params(params, ck, durable=False)
+            early.send_tree(ck, "params")
+            assert early.manifest == ck / MANIFEST_FILE  # held back until finish()
+            early.finish(ck)
         finally:
             early.close()
-        ck = tmp_path / "ck"
-        chunks = {p.relative_to(ck).as_posix() for p in ck.rglob("c.*")}
-        assert len(chunks) == 5 and set(seen) == chunks
-        assert early.skipped("params") == chunks and set(early.sent) == chunks
-        manifest = read_manifest(ck)  # the checksums it took from the upload are the files'
-        manifest.verify_files(sorted(manifest.files))
-        assert all(manifest.files[rel][1] == early.sent[rel] for rel in chunks)
+        files = _files(ck)
+        assert early.skipped("params") == set(files)
         got = Path(download_artifacts(f"{uri}/params", dst_path=str(tmp_path / "dl")))
-        for rel in chunks:
-            assert (got / rel).read_bytes() == (ck / rel).read_bytes(), rel
+        assert _files(got) == files
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        back = restore_params(got, target=target)
+        for k in params:
+            np.testing.assert_array_equal(back[k], params[k])
     finally:
         mlflow.set_tracking_uri(None)
 
@@ -312,31 +302,20 @@ def _files(root: Path) -> dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("early", ["1", "0", "memory"])
+@pytest.mark.parametrize("early", ["1", "0"])
 def test_log_through_the_server_stores_what_a_local_save_writes(
     early, server, tmp_path, monkeypatch
 ):
-    """``log_model`` sends code/, the params arrays and the top-level files ahead of
-    ``Model.log`` (``EarlyUpload``; with ``JAXEXP_EARLY_UPLOAD=0`` after the save; for params
-    the read-back binds, the arrays straight from memory): the store ends up with exactly the
-    files a local ``save_model`` of the same model writes, code/, the export and the arrays'
-    chunk files byte for byte; a log that fails after they went up takes them back."""
+    """``log_model`` sends code/, the params checkpoint and the top-level files ahead of
+    ``Model.log`` (``EarlyUpload``; with ``JAXEXP_EARLY_UPLOAD=0`` after the save): the store
+    ends up with exactly the files a local ``save_model`` of the same model writes, code/, the
+    export and the arrays' chunk files byte for byte; a log that fails after they went up takes
+    them back."""
     from mlflow.artifacts import download_artifacts
 
     from jaxexp_mlflow.flavors import readback
-    from jaxexp_mlflow.transfer import EarlyUpload
 
-    monkeypatch.setenv("JAXEXP_EARLY_UPLOAD", "0" if early == "0" else "1")
-    if early == "memory":  # 4 MiB of params count as big: bound, not restored
-        monkeypatch.setenv("JAXEXP_READBACK_RESTORE_MAX_BYTES", str(MiB))
-    from_memory = []
-    send_memory = EarlyUpload.send_memory
-
-    def spy(self, rel, parts):
-        from_memory.append(rel)
-        return send_memory(self, rel, parts)
-
-    monkeypatch.setattr(EarlyUpload, "send_memory", spy)
+    monkeypatch.setenv("JAXEXP_EARLY_UPLOAD", early)
 
     params = make_params(4 * MiB, 2)
     x = np.ones((2, 4), np.float32)
@@ -360,12 +339,11 @@ def test_log_through_the_server_stores_what_a_local_save_writes(
         want = _files(tmp_path / "local")
         assert got.keys() == want.keys()
         assert len([k for k in got if k.startswith("code/")]) > 20
-        chunks = {rel for rel in want if re.fullmatch(r"params/w1?/c\.0\.0", rel)}
+        chunks = {rel for rel in want if re.fullmatch(r"params/w1?/0\.0", rel)}
         assert len(chunks) == 2
         for rel in want:
             if rel.startswith("code/") or rel == "exported.bin" or rel in chunks:
                 assert got[rel] == want[rel], rel
-        assert {f"params/{r}" for r in from_memory} == (chunks if early == "memory" else set())
         model = mlflow.jaxexp.load_model(info.model_uri)  # checks every file against the manifest
         np.testing.assert_array_equal(model(x), apply(params, x))
 
@@ -383,61 +361,15 @@ def test_log_through_the_server_stores_what_a_local_save_writes(
         mlflow.set_tracking_uri(None)
 
 
-def test_a_put_from_memory_is_sent_whole_again_when_mlflow_retries():
-    """``EarlyUpload``'s body from memory (``transfer._Body``) through MLflow's own
-    ``http_request``: a 503 makes MLflow retry, and the retry carries the whole file again
-    (the array's bytes and the shard index), with the same Content-Length."""
-    import http.server
-    import threading
-
-    from mlflow.utils.rest_utils import MlflowHostCreds, augmented_raise_for_status, http_request
-
-    from jaxexp_mlflow.codec import shards
-    from jaxexp_mlflow.transfer import _Body
-
-    bodies = []
-
-    class Flaky(http.server.BaseHTTPRequestHandler):
-        def do_PUT(self):
-            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(503 if len(bodies) == 1 else 200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        a = np.arange(1000, dtype=np.float32)
-        creds = MlflowHostCreds(f"http://127.0.0.1:{srv.server_address[1]}")
-        body = _Body(shards.parts(a))
-        resp = http_request(creds, "/params/w/c.0", "PUT", data=body, backoff_factor=0.01)
-        augmented_raise_for_status(resp)
-    finally:
-        srv.shutdown()
-    want = a.tobytes() + shards.trailer(a.nbytes)
-    assert len(body) == len(want) and bodies == [want, want]
-
-
-def test_flax_nnx_and_equinox_models_go_up_from_memory_and_load(server, monkeypatch):
-    """Real model families through the server on the from-memory path: a Flax NNX model with
-    RNG state (a typed key among its params) and an Equinox MLP, each with 2 MiB kernels that
-    go up straight from memory; both load from ``models:/`` and reproduce their outputs, and
-    the key comes back as a key."""
+def test_flax_nnx_and_equinox_models_through_the_server_load(server, monkeypatch):
+    """Real model families through the server, their params bound by the read-back: a Flax
+    NNX model with RNG state (a typed key among its params) and an Equinox MLP, each with
+    2 MiB kernels; both load from ``models:/`` and reproduce their outputs, and the key comes
+    back as a key."""
     eqx = pytest.importorskip("equinox")
     nnx = pytest.importorskip("flax.nnx")
-    from jaxexp_mlflow.transfer import EarlyUpload
 
     monkeypatch.setenv("JAXEXP_READBACK_RESTORE_MAX_BYTES", str(MiB))
-    sent = []
-    send_memory = EarlyUpload.send_memory
-    monkeypatch.setattr(
-        EarlyUpload,
-        "send_memory",
-        lambda self, rel, parts: sent.append(rel) or send_memory(self, rel, parts),
-    )
     x = np.random.default_rng(0).standard_normal((2, 512)).astype(np.float32)
 
     class Net(nnx.Module):
@@ -455,7 +387,7 @@ def test_flax_nnx_and_equinox_models_go_up_from_memory_and_load(server, monkeypa
     weights, static = eqx.partition(mlp, eqx.is_array)
     mlflow.set_tracking_uri(server)
     try:
-        mlflow.set_experiment("families-from-memory")
+        mlflow.set_experiment("families-through-the-server")
         with mlflow.start_run():
             nnx_info = mlflow.jaxexp.log_model(
                 jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)),
@@ -469,11 +401,6 @@ def test_flax_nnx_and_equinox_models_go_up_from_memory_and_load(server, monkeypa
                 params=weights,
                 input_example=x,
             )
-        assert sorted(sent) == [
-            "l1.kernel/c.0.0",
-            "layers[0].weight/c.0.0",
-            "layers[1].weight/c.0.0",
-        ]
         loaded = mlflow.jaxexp.load_model(nnx_info.model_uri)
         np.testing.assert_allclose(loaded(x), net(x), rtol=1e-5, atol=1e-6)
         key = loaded.params["drop.rngs.key"]

@@ -185,7 +185,7 @@ def test_failed_log_model_registers_no_version(tracking_uri):
 
 def test_big_params_are_checked_on_disk_not_restored_twice(tmp_path, monkeypatch):
     """Above the read-back's restore limit the checkpoint is verified whole, not re-read."""
-    from jaxexp_mlflow.codec import params as params_codec
+    from jaxexp_mlflow.params import restore as params_codec
 
     calls = {"restore": 0, "verify": 0}
     restore, verify = params_codec.restore_params, params_codec.verify_manifest

@@ -23,7 +23,6 @@ from typing import Any
 
 import click
 
-EXIT_OK = 0
 EXIT_NO = 1
 EXIT_INPUT = 2
 

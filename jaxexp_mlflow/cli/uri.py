@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlparse
 import click
 
 from jaxexp_mlflow.cli._common import InputProblem, step
+from jaxexp_mlflow.codec.mlmodel import read_mlmodel
 
 MLMODEL = "MLmodel"
 DEFAULT_BLOB = "exported.bin"
@@ -52,13 +53,6 @@ class Target:
         return resolve_inside(self.path, name, what="serialized function (exported_file)")
 
 
-def read_mlmodel(path: Path) -> dict[str, Any]:
-    """The MLmodel file as a dict (bounded YAML, see ``codec.mlmodel``; no MLflow import)."""
-    from jaxexp_mlflow.codec import mlmodel
-
-    return mlmodel.read_mlmodel(path.parent)
-
-
 def _require_jaxexp(target: Target) -> Target:
     if target.kind != "model":
         return target
@@ -69,7 +63,7 @@ def _require_jaxexp(target: Target) -> Target:
             f"{target.uri} is an MLflow model without the jaxexp flavor (flavors: {names}); "
             "expected a model logged with mlflow.jaxexp.log_model or `jaxexp log`"
         )
-    from jaxexp_mlflow.codec.mlmodel import validate_flavor
+    from jaxexp_mlflow.flavors.section import validate_flavor
 
     validate_flavor(flavors["jaxexp"])
     return target
@@ -81,7 +75,7 @@ def _local(uri: str, path: Path) -> Target:
             return _local(uri, path.parent)
         return Target(uri, "blob", path)
     if (path / MLMODEL).is_file():
-        return _require_jaxexp(Target(uri, "model", path, mlmodel=read_mlmodel(path / MLMODEL)))
+        return _require_jaxexp(Target(uri, "model", path, mlmodel=read_mlmodel(path)))
     if (path / DEFAULT_BLOB).is_file():  # a directory holding just a blob (e.g. the corpus)
         return Target(uri, "blob", path / DEFAULT_BLOB)
     raise InputProblem(
@@ -138,7 +132,7 @@ def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
                 with step(f"Downloading {MLMODEL} of {uri}"):
                     _fetch(base, MLMODEL, local)
                 target = _require_jaxexp(
-                    Target(uri, "model", local, mlmodel=read_mlmodel(local / MLMODEL))
+                    Target(uri, "model", local, mlmodel=read_mlmodel(local))
                 )
                 wanted = {target.flavor.get("exported_file", DEFAULT_BLOB), *parts} - {MLMODEL}
                 with step(f"Downloading {', '.join(sorted(wanted))}"):

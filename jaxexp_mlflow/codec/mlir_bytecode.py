@@ -129,14 +129,13 @@ class _Reader:
         return r
 
     def varint(self) -> int:
-        first = self.byte()
-        if first & 1:
-            return first >> 1
-        if first == 0:
-            return int.from_bytes(self.take(8), "little")
-        extra = (first & -first).bit_length() - 1
-        rest = self.take(extra)
-        return (first | int.from_bytes(rest, "little") << 8) >> (extra + 1)
+        if self.p >= self.e:
+            raise MlirBytecodeError("unexpected end of data reading a varint")
+        value, p = _varint(self.b, self.p)
+        if p > self.e:
+            raise MlirBytecodeError("truncated varint")
+        self.p = p
+        return value
 
     def count(self, what: str, min_bytes_each: int = 1) -> int:
         """A varint element count, which must fit in the bytes left (each element >= 1 byte)."""
@@ -576,7 +575,11 @@ class _Scanner:
 
 
 def _slow_varint(b: bytes, p: int) -> tuple[int, int]:
-    """A multi-byte varint starting at ``p`` (the first byte's low bit is 0)."""
+    """A multi-byte varint starting at ``p`` (the first byte's low bit is 0).
+
+    MLIR's prefix varint: the number of trailing zero bits of the first byte is the number of
+    bytes that follow (8 when the first byte is 0), the value is the rest, little-endian. The
+    package's only decoder of it (``_Reader.varint`` and the hot loops use it)."""
     first = b[p]
     if first == 0:
         if p + 9 > len(b):

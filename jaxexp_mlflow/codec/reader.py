@@ -23,9 +23,18 @@ from jaxexp_mlflow.codec import mlir_bytecode
 from jaxexp_mlflow.codec.schema import (
     AXIS_TYPES,
     DTYPE_NAMES,
+    FIRST_KEY_DTYPE,
     MAX_DEPTH,
     MEMORY_SPACES,
     PYTREE_KINDS,
+    SCHEMA_ABSTRACT_DEVICE,
+    SCHEMA_CUSTOM_NODES,
+    SCHEMA_DEVICE_PLATFORM,
+    SCHEMA_JAX_VERSION,
+    SCHEMA_KEY_DTYPES,
+    SCHEMA_NAMED_SHARDINGS,
+    SCHEMA_NR_DEVICES_32,
+    SCHEMA_UNIQUE_TABLES,
     AbstractDeviceSlots,
     AbstractMeshSlots,
     AbstractValueSlots,
@@ -55,8 +64,6 @@ __all__ = [
 
 # read_blob_file refuses larger files rather than reading them whole into memory.
 MAX_BLOB_FILE_BYTES = 2 * 1024**3
-
-_TREE_KINDS = frozenset(PYTREE_KINDS)
 
 
 @dataclass(frozen=True)
@@ -289,11 +296,11 @@ def _read_exported(t: Table, gen: _Gen, depth: int) -> dict[str, Any]:
     unknown = tuple(range(S.KNOWN, nslots)) if nslots > S.KNOWN else ()
     serialization_version = t.u16(S.serialization_version, "serialization_version")
     if t.has(S.nr_devices):
-        gen.saw(5)
+        gen.saw(SCHEMA_NR_DEVICES_32)
     if any(t.has(s) for s in range(S.unique_avals, S.out_shardings_idxs + 1)):
-        gen.saw(10)
+        gen.saw(SCHEMA_UNIQUE_TABLES)
     if t.has(S.jax_version):
-        gen.saw(12)
+        gen.saw(SCHEMA_JAX_VERSION)
 
     fun_name = t.string(S.function_name, "function_name")
     if fun_name is None:
@@ -413,13 +420,13 @@ def _aval(a: Table, gen: _Gen) -> tuple[str, str]:
     dtype = DTYPE_NAMES.get(code)
     if dtype is None:
         raise BlobFormatError(f"{a.path}.dtype: unknown DType code {code}")
-    if code >= 27:
-        gen.saw(4)
+    if code >= FIRST_KEY_DTYPE:
+        gen.saw(SCHEMA_KEY_DTYPES)
     mem_code = a.u8(S.memory_space, "memory_space")
     if mem_code not in MEMORY_SPACES:
         raise BlobFormatError(f"{a.path}.memory_space: unknown MemorySpace code {mem_code}")
     if mem_code:
-        gen.saw(5)
+        gen.saw(SCHEMA_NR_DEVICES_32)
     dims = a.strings(S.shape, "shape")
     for i, d in enumerate(dims):
         if not d or "," in d or "[" in d or "]" in d:
@@ -448,7 +455,7 @@ def _tree(p: Table, depth: int, gen: _Gen) -> TreeNode:
                 f"{p.path}.children_names: {len(keys)} keys for {len(children)} children"
             )
     elif kind == "custom":
-        gen.saw(3)
+        gen.saw(SCHEMA_CUSTOM_NODES)
         custom_name = p.string(S.custom_name, "custom_name")
         if custom_name is None:
             raise BlobFormatError(f"{p.path}.custom_name: missing for a custom node")
@@ -516,10 +523,10 @@ def _sharding(s: Table, meshes: list[str], gen: _Gen) -> str | None:
 
 
 def _named_sharding(s: Table, meshes: list[str], gen: _Gen) -> str:
-    gen.saw(6)
+    gen.saw(SCHEMA_NAMED_SHARDINGS)
     S = NamedShardingSlots
     if meshes:
-        gen.saw(10)
+        gen.saw(SCHEMA_UNIQUE_TABLES)
         idx = s.u32(S.abstract_mesh_idx, "abstract_mesh_idx")
         if idx >= len(meshes):
             raise BlobFormatError(
@@ -560,7 +567,7 @@ def _mesh(m: Table, gen: _Gen) -> str:
     dev = ""
     d = m.table(S.abstract_device, "abstract_device")
     if d is not None:
-        gen.saw(8)
+        gen.saw(SCHEMA_ABSTRACT_DEVICE)
         kind = d.string(AbstractDeviceSlots.device_kind, "device_kind")
         if kind is None:
             raise BlobFormatError(f"{d.path}.device_kind: missing")
@@ -571,7 +578,7 @@ def _mesh(m: Table, gen: _Gen) -> str:
         )
         platform = d.string(AbstractDeviceSlots.platform, "platform")
         if platform:
-            gen.saw(11)
+            gen.saw(SCHEMA_DEVICE_PLATFORM)
         else:
             platform = _platform_from_device_kind(kind)
         dev = f", device_kind={kind}, num_cores={cores}, platform={platform}"
@@ -616,7 +623,6 @@ def _partition_spec(p: Table) -> str:
 
 # -- xla.OpSharding (protobuf) to HLO sharding text ----------------------------------------------
 
-_OP_SHARDING_TYPES = {0: "replicated", 1: "maximal", 2: "tuple", 3: "other", 4: "manual"}
 _OP_SHARDING_UNKNOWN, _OP_SHARDING_UNREDUCED = 5, 6
 _LAST_TILE_DIM_NAMES = {0: "replicated", 1: "maximal", 3: "other", 4: "manual", 6: "unreduced"}
 

@@ -12,11 +12,15 @@ checks at all and imports numpy (about 0.1 s), while the reader must stay a few 
 
 from __future__ import annotations
 
+import datetime as dt
 import struct
+from dataclasses import dataclass
 
 __all__ = [
     "BlobFormatError",
     "Budget",
+    "SCHEMA_HISTORY",
+    "SchemaVersion",
     "Table",
     "root_table",
     "MAX_DEPTH",
@@ -165,10 +169,6 @@ class Table:
                 f"in the {self.n - start} bytes left in the buffer"
             )
         return start, count
-
-    def vector_len(self, slot: int, name: str, elem_size: int = 4) -> int:
-        """Length of the vector at ``slot``, checked against the bytes left."""
-        return self._vector(slot, name, elem_size)[1]
 
     def string(self, slot: int, name: str) -> str | None:
         """UTF-8 string at ``slot`` (BlobFormatError if not UTF-8), or None."""
@@ -384,3 +384,91 @@ class ExportedSlots:
     out_shardings_idxs = 25  # [uint32] (schema v10+)
     jax_version = 26  # string (added after jax 0.10.2)
     KNOWN = 27
+
+
+# -- the jax.export schema's history ------------------------------------------------------------
+# The one table of what each serialization schema version added, when, and how a blob shows it
+# (the reader's ``schema_generation`` evidence, ``runtime.compat``'s dating and verdict, and
+# docs/codec.md all come from here). Read from the comments above ``_SERIALIZATION_VERSION`` in
+# jax/_src/export/serialization.py (jax 0.12.0.1).
+
+
+@dataclass(frozen=True)
+class SchemaVersion:
+    """One version of the ``jax.export`` serialization schema."""
+
+    number: int
+    #: the date jax gives the version: a blob showing it was written by a jaxlib built on or
+    #: after that date
+    date: dt.date
+    adds: str
+    #: how a blob shows it (what the reader takes as evidence of this generation)
+    evidence: str
+    #: an older reader misreads the fields it moved, rather than skipping new ones
+    breaking: bool = False
+
+
+SCHEMA_HISTORY: tuple[SchemaVersion, ...] = (
+    SchemaVersion(1, dt.date(2023, 11, 1), "first version", "written number 1"),
+    SchemaVersion(2, dt.date(2023, 12, 16), "the f0 dtype", "default"),
+    SchemaVersion(
+        3, dt.date(2024, 10, 16), "custom and namedtuple pytree nodes", "a custom PyTreeDef node"
+    ),
+    SchemaVersion(4, dt.date(2025, 4, 7), "PRNG key dtypes", "dtype codes 27-29"),
+    SchemaVersion(
+        5,
+        dt.date(2025, 11, 23),
+        "AbstractValue.memory_space; nr_devices as uint32 (an older reader sees 0 devices)",
+        "slot 18 or a memory space",
+        breaking=True,
+    ),
+    SchemaVersion(
+        6, dt.date(2026, 1, 15), "Sharding.named_sharding (beside the HLO one)", "a NamedSharding"
+    ),
+    # 7 was briefly live and pulled back by JAX: no blob carries it
+    SchemaVersion(8, dt.date(2026, 3, 12), "AbstractMesh.abstract_device", "an AbstractDevice"),
+    SchemaVersion(
+        9, dt.date(2026, 3, 17), "HLO sharding proto dropped", "(an absence: not detectable)"
+    ),
+    SchemaVersion(
+        10,
+        dt.date(2026, 4, 4),
+        "shared tables of unique avals, meshes and shardings, indexed per argument",
+        "slots 19-25",
+        breaking=True,
+    ),
+    SchemaVersion(11, dt.date(2026, 5, 15), "AbstractDevice.platform", "a device platform"),
+    SchemaVersion(12, dt.date(2026, 7, 29), "Exported.jax_version", "slot 26"),
+)
+
+#: The generation a blob shows by each signal (the reader's evidence; see ``evidence`` above).
+SCHEMA_CUSTOM_NODES = 3
+SCHEMA_KEY_DTYPES = 4
+SCHEMA_NR_DEVICES_32 = 5
+SCHEMA_NAMED_SHARDINGS = 6
+SCHEMA_ABSTRACT_DEVICE = 8
+SCHEMA_UNIQUE_TABLES = 10
+SCHEMA_DEVICE_PLATFORM = 11
+SCHEMA_JAX_VERSION = 12
+#: The first DType code of the PRNG key dtypes (``key<fry>``).
+FIRST_KEY_DTYPE = 27
+
+#: The date of each schema version (``runtime.compat`` brackets a bare blob's writer with it).
+SCHEMA_DATES: dict[int, dt.date] = {v.number: v.date for v in SCHEMA_HISTORY}
+#: Versions an older reader misreads rather than partly ignores (flatbuffers skip unknown
+#: fields): the others add fields or values that a blob uses only when it needs them.
+BREAKING_SCHEMAS: tuple[int, ...] = tuple(v.number for v in SCHEMA_HISTORY if v.breaking)
+#: Blob signals only older writers produce (by default): value -> first jax that writes newer.
+#: jax 0.7.0 made calling convention 10 the default; the flatbuffer's serialization_version
+#: field reads 3 from jax 0.8.0 (2 before), whatever the real schema, until jax 0.12 wrote the
+#: real number (12 in 0.12.0.1).
+CALLING_CONVENTION_WRITTEN_UNTIL = {9: "0.7.0"}
+SERIALIZATION_FIELD_WRITTEN_UNTIL = {2: "0.8.0"}
+SERIALIZATION_FIELD_WRITTEN_FROM = {3: "0.8.0"}
+#: jax >= 0.11.1 refuses blobs of schema < 5 (without the 32-bit ``nr_devices``; written by
+#: jax <= 0.7) unless its ``jax_export_deserialize_expired_versions`` flag is set, and any
+#: sharding given only as an HLO sharding proto, whatever the flag (serialization.py, read in
+#: 0.11.0, 0.11.1, 0.11.2 and 0.12.0.1). No release refuses a blob by its date (a TODO in 0.12
+#: plans a minimum schema after 2027-01).
+ENFORCING_JAX = (0, 11, 1)
+OLDEST_SCHEMA_READ_BY_ENFORCING_JAX = SCHEMA_NR_DEVICES_32

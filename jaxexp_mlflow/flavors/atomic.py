@@ -99,7 +99,7 @@ def atomic_directory(path: str | os.PathLike, *, durable: bool = True) -> Iterat
     try:
         yield tmp
         if durable:
-            from jaxexp_mlflow.codec.params import fsync_tree
+            from jaxexp_mlflow.params import fsync_tree
 
             fsync_tree(tmp)
         publish(tmp, final)

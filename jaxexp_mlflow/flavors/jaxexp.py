@@ -7,7 +7,7 @@ Follows MLflow's built-in flavors (``mlflow.sklearn`` and friends): ``save_model
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -20,10 +20,9 @@ from mlflow.models import Model, ModelInputExample, ModelSignature
 from mlflow.models.model import MLMODEL_FILE_NAME, ModelInfo
 from mlflow.utils.file_utils import get_total_file_size, write_to
 
+from jaxexp_mlflow.flavors.section import FLAVOR_NAME, FlavorSection
 from jaxexp_mlflow.internals import mlflow_private
 from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
-
-FLAVOR_NAME = "jaxexp"
 
 #: Keys accepted in ``mlflow.pyfunc.load_model(..., model_config=...)`` (and ``mlflow models
 #: serve --model-config``); see docs/serving.md. MLflow only passes keys the MLmodel declares.
@@ -61,7 +60,7 @@ def get_default_pip_requirements(*, include_package: bool = False) -> list[str]:
     """
     reqs = [
         mlflow_private.pinned_requirement(name)
-        for name in ("jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy", "mlflow")
+        for name in ("jax", "jaxlib", "orbax-checkpoint", "numpy", "mlflow")
     ]
     if not include_package:
         reqs.append(f"{PACKAGE_REQUIREMENT}>={_package_version()}")
@@ -213,7 +212,7 @@ def _save_into(
     if code_ready is not None and code_dir_subpath:
         code_ready(os.path.join(path, code_dir_subpath), code_dir_subpath)
 
-    flavor_conf, exp, stored = saving.write_model_files(
+    section, exp, stored = saving.write_model_files(
         exported,
         path,
         params=params,
@@ -251,7 +250,6 @@ def _save_into(
         )
     clf = classifier_mod.check(out_specs, classifier)
     if clf is not None:
-        flavor_conf["classifier"] = clf
         if mlflow_model.signature is not None:
             mlflow_model.signature = ModelSignature(
                 mlflow_model.signature.inputs,
@@ -260,12 +258,14 @@ def _save_into(
             )
     if mlflow_model.signature is not None:
         sig.validated_by_model(mlflow_model.signature)
-    flavor_conf["io"] = sig.specs_to_conf(in_specs, out_specs)
-    flavor_conf["exported_nbytes"] = os.path.getsize(
-        os.path.join(path, flavor_conf["exported_file"])
+    section = dataclasses.replace(
+        section,
+        classifier=clf,
+        io=sig.specs_to_conf(in_specs, out_specs),
+        exported_nbytes=os.path.getsize(os.path.join(path, section.exported_file)),
+        serving=dict(serving_config) if serving_config else None,
+        code=code_dir_subpath,
     )
-    if serving_config:
-        flavor_conf["serving"] = dict(serving_config)
     if input_example is not None:
         example = sig.serving_example(in_specs, input_example)
         if example is not None:
@@ -284,16 +284,23 @@ def _save_into(
         # code (include_package=True or the user's code_paths)
         code=code_dir_subpath,
     )
-    mlflow_model.add_flavor(FLAVOR_NAME, code=code_dir_subpath, **flavor_conf)
+    mlflow_model.add_flavor(FLAVOR_NAME, **section.to_dict())
     _write_mlmodel(mlflow_model, path)
     _write_environment(
         path, conda_env, pip_requirements, extra_pip_requirements, include_package=include_package
     )
-    _read_back(path, target, exp, mlflow_model, params=stored, input_example=input_example)
+    _read_back(path, target, exp, mlflow_model, section, params=stored, input_example=input_example)
 
 
 def _read_back(
-    path: str, target: str, exp: Any, mlflow_model: Model, *, params: Any, input_example: Any
+    path: str,
+    target: str,
+    exp: Any,
+    mlflow_model: Model,
+    section: FlavorSection,
+    *,
+    params: Any,
+    input_example: Any,
 ) -> None:
     """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
 
@@ -310,12 +317,14 @@ def _read_back(
     found = readback.read_back(
         path, exp, flavor_name=FLAVOR_NAME, params=params, inputs=inputs, target=target
     )
-    conf = mlflow_model.flavors[FLAVOR_NAME]
     if inputs is not None:
-        conf["reference"] = artifact.write_reference(path, inputs, found.outputs)
+        reference = {"reference": artifact.write_reference(path, inputs, found.outputs)}
     elif found.model is not None:
-        conf.update(probes.store_reference(path, exp, conf, None, model=found.model))
-    if conf.get("reference"):
+        reference = probes.store_reference(path, exp, section.to_dict(), None, model=found.model)
+    else:
+        reference = {}
+    if reference.get("reference"):
+        mlflow_model.add_flavor(FLAVOR_NAME, **dataclasses.replace(section, **reference).to_dict())
         _write_mlmodel(mlflow_model, path)
     if inputs is not None:
         readback.check_reference(path, FLAVOR_NAME, found.outputs)
@@ -454,9 +463,8 @@ class _StagedFlavor:
 
     The params are written without the final fsync pass (the directory is deleted after the
     upload). Everything goes up on one pool as soon as it exists (``transfer.EarlyUpload``):
-    the ``code/`` copy as soon as it is made, each params array as Orbax finishes it (through a
-    proxied server, big arrays straight from memory without being written: ``codec.divert``),
-    then the rest of ``params/`` and the top-level files; with ``JAXEXP_EARLY_UPLOAD=0``,
+    the ``code/`` copy as soon as it is made, then ``params/`` as Orbax wrote it and the
+    top-level files; with ``JAXEXP_EARLY_UPLOAD=0``,
     ``params/`` and ``code/`` go up in parallel after ``save_model`` (``transfer.stage_upload``).
     ``Model.log`` then uploads what is left, ``MLmodel`` last. See docs/remote.md.
     """
@@ -469,9 +477,6 @@ class _StagedFlavor:
     @staticmethod
     def save_model(*, path: str, mlflow_model: Model, **kwargs: Any) -> None:
         from jaxexp_mlflow import artifact, transfer
-        from jaxexp_mlflow.codec import divert
-        from jaxexp_mlflow.codec.params import chunk_watcher
-        from jaxexp_mlflow.flavors import readback
 
         if not mlflow_model.artifact_path:
             save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
@@ -479,18 +484,13 @@ class _StagedFlavor:
         early = transfer.EarlyUpload(mlflow_model.artifact_path, artifact.PARAMS_DIR)
         params_dir = Path(path, artifact.PARAMS_DIR)
         try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(chunk_watcher(early))
-                # big arrays go up from memory: the read-back binds them (no restore from disk)
-                if early.from_memory and readback.binds(kwargs.get("_jax_params")):
-                    stack.enter_context(divert.sending(early.send_memory))
-                save_model(
-                    path=path,
-                    mlflow_model=mlflow_model,
-                    durable=False,
-                    _code_ready=early.send_tree,
-                    **kwargs,
-                )
+            save_model(
+                path=path,
+                mlflow_model=mlflow_model,
+                durable=False,
+                _code_ready=early.send_tree,
+                **kwargs,
+            )
             tops = [
                 p
                 for p in Path(path).iterdir()
@@ -526,6 +526,7 @@ def load_model(
     *,
     allow_incompatible: bool = False,
     backend: str = "jax",
+    route: str | None = None,
     **options: Any,
 ) -> Any:
     """Load a jaxexp model as a callable ``JaxExpModel`` with its params bound.
@@ -536,6 +537,8 @@ def load_model(
     the device placement (see ``runtime.devices.plan``). ``backend="iree"`` compiles the
     StableHLO module with IREE and runs it without importing JAX (an ``IreeModel``: numpy in and
     out, not differentiable; ``options``: ``allow_other_platform``, ``iree_cache``).
+    ``route="expired-flag"`` reads a blob jax >= 0.11.1 refuses as expired with JAX's flag set
+    around the deserialization only (``runtime/routes.py``); a refusal names the working routes.
 
     Every file is read confined to the model directory, bounded, and checked (blob sha256,
     params CRC-32C; docs/security.md). Limit: JAX's own deserializer is native code that trusts
@@ -546,6 +549,10 @@ def load_model(
     from jaxexp_mlflow import transfer
 
     backend = _check_backend(backend)
+    if route is not None:  # taken as asked, never chosen: runtime/routes.py
+        from jaxexp_mlflow.runtime.routes import check_name
+
+        options["route"] = check_name(route)
     # jaxexp is the loader: nothing in a model's code/ is ever imported here, so into a private
     # temp dir (dst_path=None) it is not even downloaded.
     skip = ("code",) if dst_path is None else ()
@@ -572,10 +579,10 @@ def _load_downloaded(
     options: dict[str, Any],
 ) -> Any:
     """``load_model`` once the model is on disk at ``local_path``."""
-    from jaxexp_mlflow.codec import mlmodel
+    from jaxexp_mlflow.flavors.section import read_section
 
     # validated (``code`` relative and inside the model, or null); never put on sys.path
-    flavor_conf = mlmodel.flavor_section(mlmodel.read_mlmodel(local_path), FLAVOR_NAME)
+    flavor_conf = read_section(local_path)
     if backend == "iree":
         from jaxexp_mlflow.iree.loader import load_directory as load_iree
 
@@ -603,51 +610,9 @@ def _load_downloaded(
 def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
     """Load the pyfunc implementation; called by ``mlflow.pyfunc.load_model``.
 
-    Turns on the persistent compilation cache first (``runtime.cache``), compiles the batch
-    buckets (``runtime.buckets``), and inside MLflow's scoring server installs the request
-    guard (``flavors.pyfunc.install_serving_guard``).
+    ``flavors.pyfunc.load_pyfunc``: once per process per model identity, buckets compiled on
+    first use (at load inside a scoring server), the compilation cache on.
     """
-    from jaxexp_mlflow.flavors import pyfunc as pyfunc_impl
-    from jaxexp_mlflow.flavors import signature as sig
+    from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
 
-    config = {k: v for k, v in (model_config or {}).items() if v is not None}
-    model_dir = Path(path)
-    if model_dir.is_file():
-        model_dir = model_dir.parent
-    from jaxexp_mlflow.codec import mlmodel
-
-    meta = mlmodel.read_mlmodel(model_dir)
-    flavor_conf = mlmodel.flavor_section(meta, FLAVOR_NAME)
-    saved = dict(flavor_conf.get("serving") or {})
-    backend = _check_backend(
-        config.get("backend", os.environ.get(ENV_BACKEND, saved.get("backend")))
-    )
-    load_options = {k: config[k] for k in ("allow_other_platform", "data_parallel") if k in config}
-    if backend == "iree":
-        from jaxexp_mlflow.iree.loader import load_directory
-
-        load_options.update({k: config[k] for k in ("iree_cache", "iree_driver") if k in config})
-    else:
-        from jaxexp_mlflow.runtime import cache
-        from jaxexp_mlflow.runtime.loader import load_directory
-
-        cache.configure(config.get("compilation_cache", saved.get("compilation_cache")))
-    model = load_directory(
-        model_dir,
-        flavor_conf,
-        allow_incompatible=bool(config.get("allow_incompatible", False)),
-        **load_options,
-    )
-    specs = sig.specs_from_conf(flavor_conf)
-    inputs, outputs = specs if specs is not None else (None, None)
-    impl = pyfunc_impl.JaxExpPyfunc(
-        model,
-        config,
-        inputs=inputs,
-        outputs=outputs,
-        saved_config=saved,
-        classifier=flavor_conf.get("classifier"),
-    )
-    pyfunc_impl.register(meta.get("model_uuid"), impl)
-    pyfunc_impl.install_serving_guard(impl)
-    return impl
+    return load_pyfunc(path, model_config)

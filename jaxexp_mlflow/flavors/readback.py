@@ -50,15 +50,10 @@ class ReadBack:
 
 
 def _flavor_conf(path: Path, flavor_name: str) -> dict[str, Any]:
-    from mlflow.models import Model
+    from jaxexp_mlflow.codec.mlmodel import read_mlmodel
+    from jaxexp_mlflow.flavors.section import flavor_section
 
-    try:
-        return Model.load(str(path)).flavors[flavor_name]
-    except Exception as err:  # noqa: BLE001 - any failure here means MLmodel is unusable
-        raise ArtifactError(
-            f"The MLmodel file just written to {path} cannot be read back ({err}). Check that "
-            "metadata= holds only YAML-serializable values (str, numbers, lists, dicts)."
-        ) from err
+    return flavor_section(read_mlmodel(path), flavor_name)  # as load_model reads it
 
 
 def _same_export(saved: Any, loaded: Any) -> None:
@@ -79,8 +74,7 @@ def _same_export(saved: Any, loaded: Any) -> None:
 def binds(params: Any) -> bool:
     """Whether the read-back binds these params (``{name: array}``) instead of restoring a
     second copy of them: more than ``RESTORE_MAX_BYTES`` (``JAXEXP_READBACK_RESTORE_MAX_BYTES``).
-    Then only the checkpoint's files, tree, shapes and dtypes are checked, and ``log_model`` may
-    send its arrays from memory (``codec.divert``)."""
+    Then only the checkpoint's files (every CRC-32C), tree, shapes and dtypes are checked."""
     import jax
 
     if params is None or isinstance(params, str | os.PathLike):
@@ -89,20 +83,13 @@ def binds(params: Any) -> bool:
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(params)) > limit
 
 
-def _sent_from_memory(path: Path, conf: dict[str, Any]) -> bool:
-    """Whether this process's ``log_model`` sent some of the checkpoint's files from memory
-    (``codec.divert``): they are not in ``path``, so the params can only be bound."""
-    from jaxexp_mlflow.codec import divert
-
-    return bool(conf.get("params")) and bool(divert.sent_from_memory(Path(path, conf["params"])))
-
-
 def _bind_params(path: Path, conf: dict[str, Any]) -> None:
-    """Bind the params checkpoint to this save (``codec.manifest.bind_manifest``): MLmodel is
+    """Bind the params checkpoint to this save (``params.manifest.bind_manifest``): MLmodel is
     written last, so a directory that mixes two saves (a re-log into the same ``model_id`` cut
     between the new params and the new MLmodel) is refused at load, never the previous function
     with the new weights. Done before the read-back's own load, which checks it."""
-    from jaxexp_mlflow.codec import manifest, mlmodel
+    from jaxexp_mlflow.codec import mlmodel
+    from jaxexp_mlflow.params import manifest
 
     ckpt = Path(path, conf["params"]) if isinstance(conf.get("params"), str) else None
     if ckpt is None or ckpt.parent.resolve() != path.resolve():
@@ -116,7 +103,7 @@ def _portable_load(path: Path, conf: dict[str, Any], bind: Any = None) -> Any:
     ``bind``: check the checkpoint against those avals and take these params instead."""
     from jaxexp_mlflow import artifact
     from jaxexp_mlflow.codec import blob
-    from jaxexp_mlflow.codec.params import check_checkpoint, restore_params, verify_manifest
+    from jaxexp_mlflow.params import check_checkpoint, restore_params, verify_manifest
 
     data = artifact.read_blob(path, conf)
     source = str(Path(path, conf.get("exported_file", artifact.EXPORTED_FILE)))
@@ -189,7 +176,7 @@ def read_back(
     _bind_params(path, conf)
     verdict = compat.assess(conf)
     result = ReadBack(loaded_here=verdict.status != compat.INCOMPATIBLE)
-    bind = params if binds(params) or _sent_from_memory(path, conf) else None
+    bind = params if binds(params) else None
     try:
         if result.loaded_here:
             model = load_directory(path, conf, bind=bind)
@@ -238,7 +225,7 @@ def _as_model_params(params: Any, conf: dict[str, Any]) -> Any:
     """The params as stored (``{name: array}``) in the form ``model.params`` has: typed keys."""
     if conf.get("param_names") is None:
         return params
-    from jaxexp_mlflow.named_params import wrap_keys
+    from jaxexp_mlflow.params.names import wrap_keys
 
     return wrap_keys(params, conf.get("param_keys"))
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from jaxexp_mlflow import artifact, named_params
+from jaxexp_mlflow import artifact
 from jaxexp_mlflow.codec import blob as blob_codec
-from jaxexp_mlflow.codec.metadata import exported_metadata, package_version
 from jaxexp_mlflow.errors import IncompatibleError, ParamsMismatchError, UnsupportedModelError
 from jaxexp_mlflow.export import export_function
+from jaxexp_mlflow.flavors.section import FlavorSection, package_version
+from jaxexp_mlflow.params import names as named_params
 from jaxexp_mlflow.pytrees import register_for_save
 
 
@@ -145,18 +147,19 @@ def write_model_files(
     platforms: Any = None,
     compression: Any = "default",
     durable: bool = True,
-) -> tuple[dict[str, Any], Any, Any]:
+) -> tuple[FlavorSection, Any, Any]:
     """Write blob and params into ``path``.
 
     ``durable=False`` (``log_model``'s staging directory, uploaded then deleted) skips the
     params' final fsync pass.
 
-    Returns the MLmodel ``jaxexp`` section, the ``Exported`` (to infer the signature from) and
-    the params as stored (``{name: array}``; None for none or an on-disk checkpoint). The
-    reference result (the input example's, or a synthetic probe's) is computed later, by the
-    read-back of the finished directory (``flavors.readback``), with the params as stored.
+    Returns the MLmodel ``jaxexp`` section (a ``flavors.section.FlavorSection``), the
+    ``Exported`` (to infer the signature from) and the params as stored (``{name: array}``;
+    None for none or an on-disk checkpoint). The reference result (the input example's, or a
+    synthetic probe's) is computed later, by the read-back of the finished directory
+    (``flavors.readback``), with the params as stored.
     """
-    from jaxexp_mlflow.codec import params as params_codec
+    from jaxexp_mlflow import params as params_codec
 
     exp, data, versions, description = resolve_exported(
         exported,
@@ -209,7 +212,7 @@ def write_model_files(
     artifact.write_blob(path, data)
 
     node_types = sorted({*register_for_save(exp.in_tree), *register_for_save(exp.out_tree)})
-    conf = exported_metadata(
+    section = FlavorSection.describe_export(
         exp,
         vjp_order=description.vjp_order,
         exported_file=artifact.EXPORTED_FILE,
@@ -218,6 +221,7 @@ def write_model_files(
         n_param_leaves=n_params,
         exporter_versions=versions,
         serialization_version=description.serialization_version,
+        schema_generation=description.schema_generation,
         custom_call_targets=(
             None
             if description.custom_call_targets is None
@@ -225,10 +229,12 @@ def write_model_files(
         ),
         node_types=node_types,
     )
-    conf["params_format"] = params_conf
-    conf.update(names_conf)
-    conf["schema_generation"] = description.schema_generation
-    conf["iree"] = _prepare_for_iree(exp, data, path, n_params)
+    section = dataclasses.replace(
+        section,
+        params_format=params_conf,
+        iree=_prepare_for_iree(exp, data, path, n_params),
+        **names_conf,
+    )
     if input_example is not None:  # the reference result is computed by the read-back
-        _refuse_if_it_cannot_run_here(conf, description)
-    return conf, exp, arrays
+        _refuse_if_it_cannot_run_here(section.to_dict(), description)
+    return section, exp, arrays

@@ -290,12 +290,6 @@ def _spec_str(spec: Any) -> str:
     return f"{spec.name or '?'}: {np.dtype(spec.type)}[{dims}]"
 
 
-def json_example(value: Any) -> bool:
-    """Whether an input example leaf can be carried by JSON unchanged (native numpy number)."""
-    dt = np.asarray(value).dtype
-    return dt.kind in "biuf" and dt.type.__module__ == "numpy"
-
-
 def expected(spec: LeafSpec) -> str:
     """Short text of what an input must be, for error messages."""
     return spec.describe()

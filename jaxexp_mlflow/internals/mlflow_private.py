@@ -152,26 +152,13 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
         "copy code_paths (and this package) into the model's code/",
         "reimplemented: the same copy (files, trees without __pycache__)",
     ),
-    f"{_MODEL_UTILS}:_add_code_from_conf_to_system_path": PrivateName(
-        "flavors/jaxexp.py (load_model), cli/loading.py",
-        "put the model's code/ first on sys.path, with MLflow's own checks (3.18: "
-        "MLFLOW_ALLOW_MODEL_CODE_EXECUTION)",
-        "reimplemented: refuses when MLFLOW_ALLOW_MODEL_CODE_EXECUTION is false, else "
-        "prepends code/",
-    ),
     "mlflow.models.utils:_save_example": PrivateName(
         "flavors/jaxexp.py (save_model)",
         "input_example.json, serving_input_example.json and the MLmodel saved_input_example_info",
         "reimplemented for {name: ndarray} (what the flavor passes): the same two files",
     ),
-    # --- used outside this module still (files other engineers own; see the report) ---
-    "mlflow.pyfunc.scoring_server:_parse_json_data": PrivateName(
-        "flavors/pyfunc.py (install_serving_guard; to route through scoring_parse_json)",
-        "parse /invocations JSON for jaxexp models with request limits",
-        "none needed: without it the guard is not installed (warning), MLflow parses",
-    ),
     "mlflow.models.signature:ModelSignature._is_signature_from_type_hint": PrivateName(
-        "flavors/signature.py (validated_by_model; to route through mark_signature_validated)",
+        "flavors/signature.py (validated_by_model, through mark_signature_validated)",
         "mark the signature as checked by the model, so predict hands inputs over unchanged",
         "none: MLflow's schema enforcement runs first (stricter dtypes, longer messages)",
     ),
@@ -184,7 +171,11 @@ REPLACED_BY_PUBLIC: dict[str, str] = {
         "(transfer.py, reexport.py)"
     ),
     "mlflow.utils.model_utils:_get_flavor_configuration": (
-        "mlflow.models.Model.load(path).flavors[name] (flavors/readback.py; what it returns)"
+        "the package's own bounded MLmodel reader: codec.mlmodel.read_mlmodel, then "
+        "flavors.section.flavor_section (validated)"
+    ),
+    f"{_MODEL_UTILS}:_add_code_from_conf_to_system_path": (
+        "nothing: no jaxexp path puts a model's code/ on sys.path (docs/security.md)"
     ),
 }
 
@@ -706,29 +697,6 @@ def copy_code_paths(code_paths: list[str] | None, path: str) -> str | None:
     return "code"
 
 
-def add_code_to_system_path(local_path: str | os.PathLike, conf: dict[str, Any]) -> None:
-    """Put the model's code directory (``conf["code"]``) first on ``sys.path``, with MLflow's
-    checks (MLflow 3.18 refuses when ``MLFLOW_ALLOW_MODEL_CODE_EXECUTION`` is false)."""
-    fn = _private(f"{_MODEL_UTILS}:_add_code_from_conf_to_system_path")
-    if fn is not None:
-        fn(str(local_path), conf)
-        return
-    if not conf.get("code"):
-        return
-    from mlflow import environment_variables as ev
-
-    allow = getattr(ev, "MLFLOW_ALLOW_MODEL_CODE_EXECUTION", None)
-    if allow is not None and not allow.get():
-        from mlflow.exceptions import MlflowException
-
-        raise MlflowException(
-            "Loading a model with a code directory is disallowed because it runs code supplied "
-            "by the model. If you trust this model, set environment variable "
-            f"'{allow.name}' to 'true' to load it."
-        )
-    sys.path = [os.path.join(str(local_path), conf["code"]), *sys.path]
-
-
 def _jsonable(arr: Any) -> Any:
     """An array as nested lists, NaN as None (MLflow's ``_handle_ndarray_input``)."""
     import numpy as np
@@ -766,19 +734,7 @@ def save_input_example(mlflow_model: Any, example: Any, path: str | os.PathLike)
 
 
 # ============================================================================================
-# serving (for flavors/pyfunc.py and flavors/signature.py)
-
-
-def scoring_parse_json(server: Any) -> Any | None:
-    """The scoring server's ``_parse_json_data`` (None: MLflow's layout changed; then the
-    serving guard is not installed and MLflow parses requests itself)."""
-    return _member(server, "mlflow.pyfunc.scoring_server:_parse_json_data")
-
-
-def set_scoring_parse_json(server: Any, fn: Any) -> None:
-    """Replace the scoring server's ``_parse_json_data`` (only after :func:`scoring_parse_json`
-    found it)."""
-    server._parse_json_data = fn
+# serving (for flavors/signature.py)
 
 
 def mark_signature_validated(signature: Any) -> bool:

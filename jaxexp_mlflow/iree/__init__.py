@@ -3,7 +3,7 @@
 ``mlflow.jaxexp.load_model(uri, backend="iree")``, the pyfunc ``model_config`` key ``backend``
 and ``jaxexp predict/verify --backend iree`` load a model through this package: the blob is read
 by the jax-free codec (``codec.reader``), the params by the jax-free zarr3 reader
-(``codec.params``), the StableHLO module is compiled by the IREE compiler (``compiler``, with a
+(``codec.zarr``), the StableHLO module is compiled by the IREE compiler (``compiler``, with a
 per-user ``.vmfb`` cache) and run by the IREE runtime (``model``). Install with
 ``pip install 'jaxexp-mlflow[iree]'``. See docs/longevity.md.
 

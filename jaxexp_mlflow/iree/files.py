@@ -72,13 +72,12 @@ def read_params(
     """Read the params checkpoint's arrays ``(directory name, shape, dtype)`` as numpy arrays.
 
     The checkpoint's manifest is checked first (no missing or truncated file); each leaf is read
-    by the JAX-free reader of ``codec.params`` (uncompressed zarr3, one ``preadv`` per chunk).
+    by the JAX-free reader ``codec.zarr`` (uncompressed zarr, one ``preadv`` per chunk).
     """
-    from types import SimpleNamespace
-
-    from jaxexp_mlflow.codec import params as codec_params
+    from jaxexp_mlflow.codec import zarr
     from jaxexp_mlflow.codec.arrays import resolve_dtype
     from jaxexp_mlflow.errors import IncompatibleError
+    from jaxexp_mlflow.params.restore import verify_manifest
 
     ckpt = inside(model_dir, meta["params"], "params checkpoint")
     if not ckpt.is_dir():
@@ -86,19 +85,18 @@ def read_params(
             f"The model's params checkpoint {ckpt} is missing. Download the complete model "
             "directory (exported.bin, params/, MLmodel) again."
         )
-    manifest = codec_params.verify_manifest(ckpt)  # file set, sizes, CRC-32C of the metadata
+    manifest = verify_manifest(ckpt)  # file set, sizes, CRC-32C of the metadata
     out = []
     for name, shape, dtype in leaves:
         array_dir = inside(ckpt, name, f"params array {name!s:.100}")
-        sds = SimpleNamespace(shape=shape, dtype=resolve_dtype(dtype))
         try:  # chunk CRC-32C checked as it is read
             rel = array_dir.relative_to(ckpt.resolve()).as_posix()
-            out.append(codec_params._fast_read_leaf(ckpt, rel, sds, manifest))
-        except codec_params._NoFastPath as why:
+            out.append(zarr.read_array(ckpt, rel, shape, resolve_dtype(dtype), manifest))
+        except zarr.NotPlain as why:
             compression = (meta.get("params_format") or {}).get("compression")
             raise IncompatibleError(
                 f"params[{name!r}] at {array_dir} is not stored as the IREE backend reads "
-                f"without JAX (uncompressed zarr3 of {dtype}{list(shape)}); found {why} "
+                f"without JAX (uncompressed zarr of {dtype}{list(shape)}); found {why} "
                 f"(compression: {compression}). Save the model with compression=None, or load "
                 "it with the JAX backend."
             ) from None

@@ -152,11 +152,11 @@ def _param_leaf_names(exported: Any, n_param_leaves: int) -> list[str] | None:
     import jax
 
     from jaxexp_mlflow.artifact import params_treedef
-    from jaxexp_mlflow.codec.params import _key_token, _param_dir_name
+    from jaxexp_mlflow.params.layout import dir_name, key_token
 
     placeholder = jax.tree.unflatten(params_treedef(exported), [0] * n_param_leaves)
     paths = jax.tree_util.tree_flatten_with_path(placeholder)[0]
-    return [_param_dir_name(tuple(_key_token(k) for k in path)) for path, _ in paths]
+    return [dir_name(tuple(key_token(k) for k in path)) for path, _ in paths]
 
 
 _CONSTRAINT_MESSAGE = re.compile(r"the symbolic shape constraint (.+?)\. Expected ")
@@ -189,7 +189,7 @@ def prepare(
     """
     import jax
 
-    from jaxexp_mlflow.codec.metadata import package_version
+    from jaxexp_mlflow.flavors.section import package_version
 
     description = reader.read_blob(data)
     module = reader.read_module(data)

@@ -78,7 +78,7 @@ def _build(node: TreeNode, it: Any) -> Any:
 def leaf_names(node: TreeNode) -> list[str] | None:
     """Orbax's directory names of the leaves (``w``, ``layers.0.b``), or None under custom nodes.
 
-    The names join the pytree keys with dots, as ``codec.params`` stores each array.
+    The names join the pytree keys with dots, as ``params.layout`` names each array.
     """
     names: list[str] = []
 

@@ -47,6 +47,16 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+# the schema's history (dates, breaking versions, what jax >= 0.11.1 refuses) is codec.schema's
+from jaxexp_mlflow.codec.schema import (
+    BREAKING_SCHEMAS,
+    CALLING_CONVENTION_WRITTEN_UNTIL,
+    ENFORCING_JAX,
+    OLDEST_SCHEMA_READ_BY_ENFORCING_JAX,
+    SCHEMA_DATES,
+    SERIALIZATION_FIELD_WRITTEN_FROM,
+    SERIALIZATION_FIELD_WRITTEN_UNTIL,
+)
 from jaxexp_mlflow.runtime import stablehlo_ops
 
 OK, WARN, INCOMPATIBLE = "ok", "warn", "incompatible"
@@ -56,38 +66,7 @@ _RANK = {OK: 0, WARN: 1, INCOMPATIBLE: 2}
 BACKWARD_WINDOW = dt.timedelta(days=183)  # 6 months
 FORWARD_WINDOW = dt.timedelta(days=21)  # 3 weeks
 
-#: Dates of the jax.export serialization schema versions (jax/_src/export/serialization.py).
-#: A blob showing fields of schema N was written by a jaxlib built on or after that date.
-SCHEMA_DATES = {
-    1: dt.date(2023, 11, 1),
-    2: dt.date(2023, 12, 16),
-    3: dt.date(2024, 10, 16),
-    4: dt.date(2025, 4, 7),
-    5: dt.date(2025, 11, 23),
-    6: dt.date(2026, 1, 15),
-    8: dt.date(2026, 3, 12),
-    9: dt.date(2026, 3, 17),
-    10: dt.date(2026, 4, 4),
-    11: dt.date(2026, 5, 15),
-    12: dt.date(2026, 7, 29),
-}
-#: Blob signals only older writers produce (by default): value -> first jax that writes newer.
-CALLING_CONVENTION_WRITTEN_UNTIL = {9: "0.7.0"}  # jax 0.7.0 made calling convention 10 default
-SERIALIZATION_FIELD_WRITTEN_UNTIL = {2: "0.8.0"}  # the flatbuffer field reads 3 from jax 0.8.0
-#: What jax >= 0.11.1 refuses when deserializing (``jax/_src/export/serialization.py``, read in
-#: 0.11.0, 0.11.1, 0.11.2 and 0.12.0.1): a blob without the 32-bit ``nr_devices`` field, i.e. of
-#: schema < 5 (jax <= 0.7), unless the config flag ``EXPIRED_FLAG`` is set; and any sharding
-#: given only as an HLO sharding proto (schema < 6, or 5 with shardings), whatever the flag.
-#: No release refuses a blob by its date (a TODO in 0.12 plans a minimum schema after 2027-01).
-ENFORCING_JAX = (0, 11, 1)
-OLDEST_SCHEMA_READ_BY_ENFORCING_JAX = 5
 EXPIRED_FLAG = "jax_export_deserialize_expired_versions"
-#: Schema generations an older reader misreads rather than partly ignores (flatbuffers skip
-#: unknown fields): 5 moved ``nr_devices`` to a 32-bit field (an older reader sees 0 devices),
-#: 10 moved avals and shardings into shared tables indexed per argument. The others add fields
-#: or values (f0 dtype, namedtuples, PRNG keys, memory spaces, named shardings beside the HLO
-#: ones, abstract devices, the writer's jax version) that a blob uses only when it needs them.
-BREAKING_SCHEMAS = (5, 10)
 EXPIRED_ENV = EXPIRED_FLAG.upper()
 
 #: Custom-call targets handled by JAX/XLA themselves (never in a runtime registry).
@@ -310,7 +289,7 @@ class Environment:
         import jax
         from jax import export as jax_export
 
-        from jaxexp_mlflow.codec.metadata import package_version
+        from jaxexp_mlflow.flavors.section import package_version
         from jaxexp_mlflow.internals.jax_private import stablehlo_version
 
         platform = jax.default_backend()
@@ -432,7 +411,7 @@ def exporter_dates(
         if until and (d := release_date(until)):
             highs.append(d)
             evidence.append(f"serialization version field {ser}")
-        elif int(ser) >= 3 and (d := release_date("0.8.0")):
+        elif int(ser) >= 3 and (d := release_date(SERIALIZATION_FIELD_WRITTEN_FROM[3])):
             lows.append(d)
             evidence.append(f"serialization version field {ser}")
     cc = meta.get("calling_convention_version")

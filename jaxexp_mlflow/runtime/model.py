@@ -121,7 +121,7 @@ class JaxExpModel:
                     shardings = jax.tree.unflatten(jax.tree.structure(params), shardings)
                 params = jax.device_put(params, shardings)
         if self._param_names is not None:
-            from jaxexp_mlflow.named_params import wrap_keys
+            from jaxexp_mlflow.params.names import wrap_keys
 
             params = wrap_keys(params, self.metadata.get("param_keys"))
         self.params = params
@@ -139,7 +139,7 @@ class JaxExpModel:
         self._jit_call_with_params = jax.jit(self._raw_call)
 
     def _named(self, params: Any) -> dict[str, Any]:
-        """The params as ``{name: array}`` in the export's leaf order (see named_params)."""
+        """The params as ``{name: array}`` in the export's leaf order (see params.names)."""
         from jaxexp_mlflow import artifact
 
         treedef = artifact.params_treedef(self.exported)
@@ -160,7 +160,7 @@ class JaxExpModel:
         if self._param_names is None:
             return params
         from jaxexp_mlflow import artifact
-        from jaxexp_mlflow.named_params import export_arg
+        from jaxexp_mlflow.params.names import export_arg
 
         treedef = artifact.params_treedef(self.exported)
         avals = self.exported.in_avals[: treedef.num_leaves]

@@ -3,7 +3,7 @@
 ``save_params`` writes ``jaxexp_manifest.json`` into the checkpoint::
 
     {"format": "jaxexp-manifest", "version": 2, "checksum": "crc32c",
-     "files": {"_METADATA": {"size": 397, "crc32c": "1a2b3c4d"}, "w/c.0.0": {...}, ...}}
+     "files": {"_METADATA": {"size": 397, "crc32c": "1a2b3c4d"}, "w/0.0": {...}, ...}}
 
 and every restore checks the directory against it before (sizes, file set, metadata files) and
 while (array data) reading: a file lost, added, truncated or altered is an ``ArtifactError``,
@@ -13,14 +13,13 @@ ARMv8 CRC) by ``google-crc32c`` at several GB/s, so checking costs a fraction of
 can rewrite the manifest (see docs/security.md).
 
 Manifests written before checksums existed (``{"files": {name: size}}``) are accepted with a
-warning (sizes checked); a checkpoint without a manifest is refused. Only the stdlib, numpy (for
-buffer addresses), ``google_crc32c`` and :mod:`jaxexp_mlflow.codec.files` are used, so readers
-without JAX (the IREE backend) call :func:`verify_checkpoint` too.
+warning (sizes checked); a checkpoint without a manifest is refused. Only the stdlib,
+``codec.crc32c`` (``google_crc32c``) and ``codec.files`` are used, so readers without JAX (the
+IREE backend, ``jaxexp check``) call :func:`verify_checkpoint` too.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from jaxexp_mlflow.codec import files
+from jaxexp_mlflow.codec.crc32c import crc32c, file_crc32c, path_crc32c
 from jaxexp_mlflow.codec.files import fail
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "model_identity",
     "crc32c",
     "file_crc32c",
+    "path_crc32c",
     "read_manifest",
     "verify_checkpoint",
     "write_manifest",
@@ -51,76 +52,6 @@ MANIFEST_FILE = "jaxexp_manifest.json"
 FORMAT = "jaxexp-manifest"
 VERSION = 2
 _MAX_FILES = 1_000_000
-_BLOCK = 8 << 20  # checksum streaming block: stays in the CPU caches
-
-
-@functools.cache
-def _native() -> Any:
-    """``crc32c_extend`` of the Google CRC32C library bundled with ``google-crc32c``, or None.
-
-    Called through ctypes because the extension module only takes ``bytes`` (a copy of every
-    buffer); ctypes passes the buffer's address and releases the GIL during the call.
-    """
-    import ctypes
-    import glob
-
-    import google_crc32c
-
-    pkg = os.path.dirname(google_crc32c.__file__)
-    for lib in sorted(glob.glob(os.path.join(pkg + "*", "*crc32c*.so*"))) + sorted(
-        glob.glob(os.path.join(pkg + "*", "*crc32c*.dylib"))
-    ):
-        try:
-            fn = ctypes.CDLL(lib).crc32c_extend
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-        fn.restype = ctypes.c_uint32
-        return fn
-    return None
-
-
-def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """CRC-32C of ``data`` continuing from ``value`` (hardware accelerated when available)."""
-    import numpy as np
-
-    view = memoryview(data).cast("B") if memoryview(data).ndim != 1 else memoryview(data)
-    if not len(view):
-        return value
-    fn = _native()
-    if fn is None:  # no bundled library found: the extension module, on a copy
-        import google_crc32c
-
-        return google_crc32c.extend(value, bytes(view))
-    return int(fn(value, np.frombuffer(view, np.uint8).ctypes.data, len(view)))
-
-
-def path_crc32c(path: str | os.PathLike) -> int:
-    """CRC-32C of a whole regular file this process has just written itself, read in 8 MiB
-    blocks (a mapping would be faster but counts the whole file in the RSS while it lasts:
-    eight workers checksumming 400 MiB files at once lifted log_model's peak to 1.3x)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        return file_crc32c(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-
-
-def file_crc32c(fd: int, size: int, offset: int = 0, value: int = 0) -> int:
-    """CRC-32C of ``size`` bytes of an open file from ``offset``, streamed in 8 MiB blocks."""
-    buf = bytearray(min(_BLOCK, max(size, 1)))
-    view = memoryview(buf)
-    while size > 0:
-        n = os.preadv(fd, [view[: min(size, len(buf))]], offset)
-        if n <= 0:
-            raise fail(
-                f"A params file ended {size} bytes early while it was checksummed. The checkpoint "
-                "is damaged; download the model again."
-            )
-        value = crc32c(view[:n], value)
-        size -= n
-        offset += n
-    return value
 
 
 @dataclass
@@ -346,7 +277,6 @@ def verify_checkpoint(
     directory: str | os.PathLike,
     *,
     checksum: bool | Callable[[str], bool] = True,
-    absent: dict[str, tuple[int, int]] | None = None,
 ) -> Manifest:
     """Check the checkpoint at ``directory`` against its manifest; return the manifest.
 
@@ -354,9 +284,7 @@ def verify_checkpoint(
     FIFO or device), the files on disk are exactly those listed (none missing, none added), each
     with the listed size. ``checksum`` selects the files whose CRC is verified now (True: all;
     a predicate on the relative path: those; the rest can be verified as they are read, with
-    :meth:`Manifest.check`, or later with :meth:`Manifest.verify_files`). ``absent``:
-    ``{relative path: (size, crc32c)}`` of files this process sent from memory and never wrote
-    here (``codec.divert``), accepted missing when the manifest lists them exactly so. Raises
+    :meth:`Manifest.check`, or later with :meth:`Manifest.verify_files`). Raises
     ``ArtifactError`` listing at most ten problems.
     """
     path = Path(directory)
@@ -375,11 +303,8 @@ def verify_checkpoint(
         if rel != MANIFEST_FILE
     }
     problems = []
-    for rel, (size, want) in manifest.files.items():
+    for rel, (size, _) in manifest.files.items():
         found = on_disk.get(rel)
-        if found is None and (absent or {}).get(rel) == (size, want):
-            manifest.verified.add(rel)
-            continue
         if found != size:
             problems.append(
                 f"{rel}: expected {size} bytes, found {'no file' if found is None else found}"
@@ -395,7 +320,7 @@ def verify_checkpoint(
             f"{len(manifest.files)} files):\n  {shown}\nThe download or copy lost or altered "
             "files: download the model again. "
             "If files keep missing, the artifact store drops them: re-log the model with this "
-            "version of jaxexp-mlflow, which stores array chunks as flat files."
+            "version of jaxexp-mlflow, which stores no directory of a single file."
         )
     if checksum is True:
         manifest.verify_files()
@@ -404,20 +329,8 @@ def verify_checkpoint(
     return manifest
 
 
-def write_manifest(
-    directory: str | os.PathLike,
-    known: dict[str, tuple[int, int, int]] | None = None,
-    absent: dict[str, tuple[int, int]] | None = None,
-) -> dict:
-    """Write the version-2 manifest of the checkpoint at ``directory``; return its content.
-
-    ``known``: ``{relative path: (st_dev, st_ino, crc32c)}`` of files this process has already
-    read whole since they were written (``log_model``'s early upload). A file that is still
-    that inode keeps its checksum instead of being read again: TensorStore writes every file
-    under a temporary name and renames it into place, so a rewrite is a new inode.
-    ``absent``: ``{relative path: (size, crc32c)}`` of files that belong to the checkpoint but
-    were sent from memory and never written here (``codec.divert``).
-    """
+def write_manifest(directory: str | os.PathLike) -> dict:
+    """Write the version-2 manifest of the checkpoint at ``directory``; return its content."""
     path = Path(directory)
     entries = {}
     for rel, _ in files.walk_files(path, ".", what="params checkpoint"):
@@ -425,17 +338,9 @@ def write_manifest(
             continue
         fd, size = files.open_regular(path / rel, what=f"params file {rel!r}", max_bytes=None)
         try:
-            st = os.fstat(fd)
-            dev, ino, value = (known or {}).get(rel, (None, None, None))
-            if value is None or (dev, ino) != (st.st_dev, st.st_ino):
-                value = file_crc32c(fd, size)
-            entries[rel] = {"size": size, "crc32c": f"{value:08x}"}
+            entries[rel] = {"size": size, "crc32c": f"{file_crc32c(fd, size):08x}"}
         finally:
             os.close(fd)
-    for rel, (size, value) in (absent or {}).items():
-        if rel in entries:
-            raise fail(f"The params file {rel!r} was both sent from memory and written: report it.")
-        entries[rel] = {"size": size, "crc32c": f"{value:08x}"}
     entries = dict(sorted(entries.items()))
     doc = {"format": FORMAT, "version": VERSION, "checksum": "crc32c", "files": entries}
     (path / MANIFEST_FILE).write_text(json.dumps(doc, indent=0))

@@ -1,0 +1,408 @@
+"""Read one uncompressed zarr array of an Orbax checkpoint straight into memory (no JAX, no Orbax).
+
+Orbax writes (``params.save``) each array as a plain zarr directory: zarr2 (``.zarray`` + chunk
+files ``0.0``, what this package saves) or, in models saved by earlier jaxexp-mlflow, zarr3
+(``zarr.json`` + ``sharding_indexed`` chunk files ``c.0.0`` or ``c/0/0``). Writing stays Orbax's
+and TensorStore's job; this module only reads, and only the simple layouts: the ``bytes`` codec
+alone (no compression), little-endian, C order, chunks split along axis 0 at most. Anything else
+raises :class:`NotPlain` and the caller hands the leaf to Orbax.
+
+Why a reader of our own (it is needed, not a copy for its own sake):
+
+* **the IREE backend runs without JAX**, and Orbax imports JAX: ``iree.files.read_params`` and
+  ``jaxexp check`` read params through this module;
+* **speed**: Orbax's restore makes three passes over the bytes (``np.zeros``, TensorStore's copy
+  into it, ``jax.device_put``) and reads at 0.33-0.45x of a raw ``readinto`` on this machine;
+  this reads each chunk with one ``preadv`` into a 64-byte aligned buffer that ``jax.device_put``
+  adopts without a copy, or maps it (``mapped``), checking each file's CRC-32C as it goes.
+
+``tests/test_params.py`` checks it against Orbax's own restore, dtype by dtype and layout by
+layout (``test_zarr_reader_agrees_with_orbax``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from jaxexp_mlflow.errors import ArtifactError
+
+__all__ = ["META_FILES", "NotPlain", "array_meta", "is_chunk_file", "read_array", "read_meta"]
+
+#: The metadata file of an array directory: zarr2, zarr3.
+META_FILES = (".zarray", "zarr.json")
+_MISSING = 2**64 - 1  # zarr3 sharding index entry of a chunk that was never written
+#: Arrays below this size are copied even when mapping is allowed: a mapping costs a page and a
+#: kernel map entry (at most ``vm.max_map_count``, 65530 by default, per process).
+MAP_MIN_BYTES = 1 << 20
+_CAN_MAP = os.name == "posix"
+_LE = [{"name": "bytes", "configuration": {"endian": "little"}}]
+_INDEX_CODECS = [*_LE, {"name": "crc32c"}]
+
+
+class NotPlain(Exception):
+    """The array's storage is not a layout this reader reads (compressed, another order...)."""
+
+
+class _Layout(NamedTuple):
+    """How one array's bytes lie in its chunk files."""
+
+    rows: int  # along axis 0, the axis chunks split
+    row_bytes: int
+    inner0: int  # rows per inner chunk
+    n_inner: int  # inner chunks per chunk file
+    sharded: bool  # zarr3 sharding_indexed: chunk index at the end of each file
+
+
+class ArrayMeta(NamedTuple):
+    """What an array's zarr metadata says: shape, dtype and where its bytes lie."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    keys: list[str]  # chunk files, relative to the array directory, in axis-0 order
+    outer0: int  # rows per chunk file
+    inner0: int  # rows per inner chunk (zarr3 sharding), else outer0
+    sharded: bool
+
+
+def is_chunk_file(rel: str) -> bool:
+    """Array data (zarr chunk files, OCDBT data files), as opposed to metadata: a file inside
+    a directory of the checkpoint other than an array's metadata and Orbax's ``_`` files."""
+    if "/" not in rel:
+        return False
+    name = rel.rsplit("/", 1)[-1]
+    return name not in META_FILES and not name.startswith("_")
+
+
+def read_meta(root: Path, rel_dir: str, listed: Any) -> dict | None:
+    """The parsed metadata of one array directory (``.zarray`` or ``zarr.json``, whichever
+    ``listed`` holds: the checkpoint's file names), or None when it has neither."""
+    from jaxexp_mlflow.codec import files
+
+    for name in META_FILES:
+        if f"{rel_dir}/{name}" in listed:
+            try:
+                meta = json.loads(
+                    files.read_file(
+                        root / rel_dir / name,
+                        what=f"array metadata {rel_dir}/{name}",
+                        max_bytes=files.MAX_SMALL_FILE_BYTES,
+                    )
+                )
+            except (ValueError, RecursionError) as e:
+                raise ArtifactError(
+                    f"The params array metadata {rel_dir}/{name} is not valid JSON "
+                    f"({type(e).__name__}). The checkpoint is damaged; download the model again."
+                ) from None
+            if not isinstance(meta, dict):
+                raise NotPlain("zarr metadata")
+            return meta
+    return None
+
+
+def _dtype(meta: dict) -> Any:
+    import re
+
+    import numpy as np
+
+    from jaxexp_mlflow.codec.arrays import resolve_dtype
+
+    name = meta.get("dtype") if meta.get("zarr_format") == 2 else meta.get("data_type")
+    if not isinstance(name, str) or not name or name.startswith(">"):
+        raise NotPlain("dtype")
+    try:
+        dtype = np.dtype(name) if name[0] in "<|" else resolve_dtype(name)
+    except (TypeError, AttributeError, ImportError):
+        raise NotPlain("dtype") from None
+    if dtype.hasobject or dtype.kind not in "biufcV" or dtype.itemsize == 0:
+        raise NotPlain("dtype")
+    if re.fullmatch(r"u?int[24]|float[46]_\w+", dtype.name):  # sub-byte: packed on disk
+        raise NotPlain("sub-byte dtype")
+    return dtype
+
+
+def array_meta(meta: dict) -> ArrayMeta:
+    """Shape, dtype and chunk files of a plain array (raises :class:`NotPlain` otherwise)."""
+    try:
+        shape = tuple(int(d) for d in meta["shape"])
+        dtype = _dtype(meta)
+        if any(d < 0 for d in shape) or sys.byteorder != "little":
+            raise NotPlain("shape")
+        if meta.get("zarr_format") == 2:
+            if meta.get("compressor") is not None or meta.get("filters"):
+                raise NotPlain("codecs")
+            if meta.get("order") != "C":
+                raise NotPlain("codecs")
+            outer = inner = tuple(int(d) for d in meta["chunks"])
+            sep, sharded = meta.get("dimension_separator", "."), False
+            prefix = ""
+        elif meta.get("zarr_format") == 3:
+            encoding = meta.get("chunk_key_encoding", {})
+            sep = encoding.get("configuration", {}).get("separator", "/")
+            if (
+                encoding.get("name") != "default"
+                or meta.get("chunk_grid", {}).get("name") != "regular"
+                or meta.get("storage_transformers")
+            ):
+                raise NotPlain("zarr metadata")
+            outer = tuple(int(d) for d in meta["chunk_grid"]["configuration"]["chunk_shape"])
+            codecs = meta.get("codecs", [])
+            raw = [_LE, [{"name": "bytes"}]] if dtype.itemsize == 1 else [_LE]
+            if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
+                conf = codecs[0]["configuration"]
+                inner = tuple(int(d) for d in conf["chunk_shape"])
+                if (
+                    conf.get("codecs") not in raw
+                    or conf.get("index_location", "end") != "end"
+                    or conf.get("index_codecs") != _INDEX_CODECS
+                ):
+                    raise NotPlain("codecs")
+                sharded = True
+            elif codecs in raw:
+                inner, sharded = outer, False
+            else:
+                raise NotPlain("codecs")
+            prefix = f"c{sep}"
+        else:
+            raise NotPlain("zarr format")
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise NotPlain("zarr metadata") from e  # Orbax judges (and refuses) it
+    if sep not in ("/", "."):
+        raise NotPlain("chunk key separator")
+    if len(outer) != len(shape) or len(inner) != len(shape) or outer[1:] != shape[1:]:
+        raise NotPlain("chunk shape")
+    if inner[1:] != shape[1:] or (shape and (not inner[0] or outer[0] % inner[0])):
+        raise NotPlain("chunk shape")
+    rows = shape[0] if shape else 1
+    outer0 = outer[0] if shape else 1
+    rest = f"{sep}0" * (len(shape) - 1)
+    if not shape:
+        keys = ["c" if prefix else "0"]
+    else:
+        keys = [f"{prefix}{s}{rest}" for s in range(-(-rows // outer0))] if rows else []
+    return ArrayMeta(shape, dtype, keys, outer0, inner[0] if shape else 1, sharded)
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = 64) -> Any:
+    """Uninitialised numpy array whose data is ``align``-byte aligned (``jax.device_put``
+    adopts aligned host buffers on CPU without a copy)."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off : off + nbytes].view(dtype).reshape(shape)
+
+
+class _Crc:
+    """A CRC-32C computed on a helper thread, block by block, while the next block is read."""
+
+    _pool: Any = None
+
+    def __init__(self, value: int = 0) -> None:
+        import concurrent.futures
+
+        if _Crc._pool is None:
+            _Crc._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxexp-crc32c")
+        self.value, self._last = value, None
+
+    def _extend(self, block: memoryview) -> None:
+        from jaxexp_mlflow.codec.crc32c import crc32c
+
+        self.value = crc32c(block, self.value)
+
+    def add(self, block: memoryview) -> None:
+        """Queue ``block`` (it must stay unchanged until :meth:`result`)."""
+        self._last = self._pool.submit(self._extend, block)  # one worker: blocks stay in order
+
+    def result(self) -> int:
+        if self._last is not None:
+            self._last.result()
+        return self.value
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, crc: _Crc | None) -> None:
+    while len(view):
+        n = os.preadv(fd, [view[: 8 << 20]], offset)  # blocks of 8 MiB: checksummed while cached
+        if n <= 0:
+            raise ArtifactError(
+                f"Truncated params array file: expected {len(view)} more bytes at offset "
+                f"{offset}, found end of file. The artifact is damaged; re-log the model."
+            )
+        if crc is not None:
+            crc.add(view[:n])
+        view = view[n:]
+        offset += n
+
+
+def _file_regions(
+    fd: int, size: int, rel: str, row0: int, layout: _Layout
+) -> list[tuple[int, int, int]]:
+    """``(file offset, byte offset in the array, length)`` of every chunk one file holds,
+    checked against the file's size (a chunk never written or lying past the end is an error)."""
+    import numpy as np
+
+    chunk_bytes = layout.inner0 * layout.row_bytes
+    if layout.sharded:
+        index_bytes = layout.n_inner * 16
+        if size < index_bytes + 4:
+            raise ArtifactError(
+                f"Truncated params array file {rel}: expected at least {index_bytes + 4} bytes, "
+                f"found {size}. Re-log the model."
+            )
+        index = np.frombuffer(os.pread(fd, index_bytes, size - index_bytes - 4), "<u8")
+        entries = [(int(o), int(n)) for o, n in index.reshape(layout.n_inner, 2)]
+    else:
+        entries = [(0, chunk_bytes)]
+    regions = []
+    for c_idx, (offset, nb) in enumerate(entries):
+        start_row = row0 + c_idx * layout.inner0
+        if start_row >= layout.rows:
+            break
+        if offset == _MISSING and nb == _MISSING:
+            raise ArtifactError(
+                f"The params array file {rel} marks chunk {c_idx} as never written: expected "
+                "every chunk of the array (it would read as zeros). The checkpoint is damaged; "
+                "download the model again."
+            )
+        if nb != chunk_bytes:
+            raise NotPlain("chunk size (compressed?)")
+        if offset + nb > size:
+            raise ArtifactError(
+                f"The params array file {rel} is damaged: chunk {c_idx} lies past its end "
+                f"({offset + nb} > {size} bytes). Download the model again."
+            )
+        valid = min(layout.inner0, layout.rows - start_row) * layout.row_bytes
+        regions.append((offset, start_row * layout.row_bytes, valid))
+    return regions
+
+
+def read_array(
+    root: Path,
+    rel_dir: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    manifest: Any,
+    meta: dict | None = None,
+    mapped: dict[str, int] | None = None,
+) -> Any:
+    """Read the array ``rel_dir`` of the checkpoint at ``root`` into an aligned numpy buffer.
+
+    ``manifest`` (``params.manifest.Manifest``) lists the files with their sizes; each chunk
+    file's CRC-32C, computed as it is read, is checked with ``manifest.check``. Every chunk file
+    must be present and hold the bytes it claims (checked before the buffer is allocated): a
+    missing chunk is an error, never zeros. ``mapped`` (not None): an array held whole in one
+    file is mapped read-only instead of copied, with the checksums ``mapped`` already knows
+    (only for a directory this process owns: a mapped file truncated by another process would
+    kill it with SIGBUS). Raises :class:`NotPlain` for layouts it does not read.
+    """
+    import numpy as np
+
+    from jaxexp_mlflow.codec import files
+    from jaxexp_mlflow.codec.crc32c import file_crc32c
+
+    if meta is None:
+        meta = read_meta(root, rel_dir, manifest.files)
+        if meta is None:
+            raise NotPlain("no zarr metadata")
+    info = array_meta(meta)
+    shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+    if info.shape != shape or info.dtype != dtype:
+        raise NotPlain("shape or dtype")
+    rows = shape[0] if shape else 1
+    row_bytes = (int(np.prod(shape[1:], dtype=np.int64)) if shape else 1) * dtype.itemsize
+    if rows == 0 or row_bytes == 0:
+        return aligned_empty(shape, dtype)
+    layout = _Layout(rows, row_bytes, info.inner0, info.outer0 // info.inner0, info.sharded)
+    missing = [k for k in info.keys if f"{rel_dir}/{k}" not in manifest.files]
+    if missing:
+        raise ArtifactError(
+            f"The params array {rel_dir} lacks its chunk file {missing[0]!r} (and "
+            f"{len(missing) - 1} more): expected every chunk of the array, found none, which "
+            "would read as zeros. The checkpoint is incomplete; download the model again."
+        )
+    on_disk = sum(manifest.files[f"{rel_dir}/{k}"][0] for k in info.keys)
+    nbytes = rows * row_bytes
+    if on_disk < nbytes:  # before allocating: the files must hold the bytes they claim
+        raise ArtifactError(
+            f"The params array {rel_dir} claims {nbytes} bytes ({dtype.name}{list(shape)}) but "
+            f"its chunk files hold {on_disk}. The checkpoint is damaged or forged; download the "
+            "model again."
+        )
+    if mapped is not None and len(info.keys) == 1 and nbytes >= MAP_MIN_BYTES and _CAN_MAP:
+        rel = f"{rel_dir}/{info.keys[0]}"
+        host = _map(root, rel, shape, dtype, manifest, layout, mapped.get(rel))
+        if host is not None:
+            return host
+    out = aligned_empty(shape, dtype)
+    flat = out.reshape(-1).view(np.uint8) if out.ndim else out.reshape(1).view(np.uint8)
+    for s_idx, key in enumerate(info.keys):
+        rel = f"{rel_dir}/{key}"
+        fd, size = files.open_regular(
+            root / rel, what=f"params file {rel!r}", max_bytes=manifest.files[rel][0]
+        )
+        try:
+            found = _file_regions(fd, size, rel, s_idx * info.outer0, layout)
+            regions = [(offset, flat[first : first + n]) for offset, first, n in found]
+            crc, pos = _Crc(), 0
+            for offset, dst in sorted(regions, key=lambda r: r[0]):
+                if offset < pos:  # overlapping chunks: checksum the file on its own
+                    crc, pos = None, size
+                    break
+                if offset > pos:  # bytes between chunks
+                    crc = _Crc(file_crc32c(fd, offset - pos, pos, crc.result()))
+                _pread_into(fd, memoryview(dst), offset, crc)
+                pos = offset + len(dst)
+            if crc is None:
+                for offset, dst in regions:
+                    _pread_into(fd, memoryview(dst), offset, None)
+                value = file_crc32c(fd, size)
+            else:
+                value = file_crc32c(fd, size - pos, pos, crc.result())
+            manifest.check(rel, value)
+        finally:
+            os.close(fd)
+    return out
+
+
+def _map(
+    root: Path,
+    rel: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    manifest: Any,
+    layout: _Layout,
+    known_crc: int | None,
+) -> Any:
+    """The array as a read-only private mapping of its one chunk file, checksummed whole, or
+    None when its bytes are not one run at the start of the file (then it is copied).
+
+    No anonymous memory is touched: the pages are the page cache's, which a download has just
+    filled. ``known_crc``: the file's CRC-32C as this process computed it when its download
+    wrote the file, checked against the manifest instead of reading the pages again.
+    """
+    import mmap
+
+    import numpy as np
+
+    from jaxexp_mlflow.codec import files
+    from jaxexp_mlflow.codec.crc32c import crc32c
+
+    nbytes = layout.rows * layout.row_bytes
+    fd, size = files.open_regular(
+        root / rel, what=f"params file {rel!r}", max_bytes=manifest.files[rel][0]
+    )
+    try:
+        regions = _file_regions(fd, size, rel, 0, layout)
+        if sum(n for _, _, n in regions) != nbytes or any(o != a for o, a, _ in regions):
+            return None
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    manifest.check(rel, crc32c(memoryview(mapping)) if known_crc is None else known_crc)
+    return np.frombuffer(mapping, dtype, count=nbytes // dtype.itemsize).reshape(shape)
