@@ -1,13 +1,23 @@
-"""REST latency of ``mlflow models serve`` for a jaxexp model, against the raw jitted call.
+"""REST latency of a served jaxexp model, against the raw jitted call, the JSON floor and the peer.
 
-Starts a real server (``--env-manager local``) on 127.0.0.1 and measures, in the same run:
+Starts real servers on 127.0.0.1 and measures, in the same run:
 
-* batch 1 and batch 1024 request latency (median) as a ratio to ``jax.jit(f)(params, x)``;
+* the request parse at batch 256 of the 784-512-512-10 MLP (a 4.1 MB JSON body), in process:
+  ``pyfunc.parse_request`` (what ``jaxexp serve`` runs: ``json.loads`` + the contract on the
+  arrays) and the whole server-side request (parse, predict, JSON answer) against the floor,
+  a plain ``json.loads`` + ``np.asarray`` of the same body, and against the per-number-hook
+  parser of earlier releases; contenders interleaved in rounds, ``gc.collect()`` between them;
+* REST p50 at batch 1 and 256 of the same model through ``jaxexp serve``, through ``mlflow models
+  serve`` and of the peer (a hand-written MLflow ``PythonModel`` around ``jax.jit(exp.call)``
+  served by ``mlflow models serve``), requests of the three servers interleaved;
+* batch 1 and batch 1024 latency of ``jaxexp serve`` (64-256-256-10 MLP) as a ratio to
+  ``jax.jit(f)(params, x)``;
 * p50/p99 under a mix of batch sizes (uniform 1..128, every request a new random size) after a
   warm-up, with buckets on (the default) and, unless ``--quick``, with ``JAXEXP_BUCKETS=off``
   for comparison (each new batch size then compiles on the request path).
 
-Goal: REST p99 under mixed batch sizes no more than 2x its p50.
+Goals: the request parse within 1.2x of the floor; REST p99 under mixed batch sizes no more
+than 2x its p50.
 
     python benchmarks/bench_rest.py [--quick] [--json out.json]
 """
@@ -15,10 +25,13 @@ Goal: REST p99 under mixed batch sizes no more than 2x its p50.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,13 +54,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model_dir: Path, env: dict, log: Path) -> tuple[subprocess.Popen, str]:
+def start(
+    model_dir: Path, env: dict, log: Path, server: str = "mlflow"
+) -> tuple[subprocess.Popen, str]:
+    """``mlflow models serve`` (``server="mlflow"``) or ``jaxexp serve`` on a free port."""
     port = free_port()
     venv_bin = str(Path(sys.executable).parent)
     env = {**env, "PATH": venv_bin + os.pathsep + env.get("PATH", "")}
+    if server == "jaxexp":
+        cmd = [os.path.join(venv_bin, "jaxexp"), "serve", "-m", str(model_dir), "--host"]
+        cmd += ["127.0.0.1", "-p", str(port)]
+    else:
+        cmd = [os.path.join(venv_bin, "mlflow"), "models", "serve", "-m", str(model_dir)]
+        cmd += ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
     proc = subprocess.Popen(
-        [os.path.join(venv_bin, "mlflow"), "models", "serve", "-m", str(model_dir)]
-        + ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+        cmd,
         env=env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
@@ -112,6 +133,138 @@ def mixed(url: str, n_requests: int, seed: int) -> dict:
     }
 
 
+BIG = (784, 512, 512, 10)  # the model of the parse and peer figures: 4.1 MB bodies at batch 256
+
+PEER_SOURCE = """
+import mlflow
+import numpy as np
+
+
+class Peer(mlflow.pyfunc.PythonModel):
+    \"\"\"What a user writes without jaxexp-mlflow: deserialize, restore, jit, predict.\"\"\"
+
+    def load_context(self, context):
+        import jax
+        from jax import export
+
+        with open(context.artifacts["blob"], "rb") as fh:
+            exp = export.deserialize(bytearray(fh.read()))
+        flat = np.load(context.artifacts["params"])
+        n = len(flat.files) // 2
+        self.params = [{"w": flat[f"{i}.w"], "b": flat[f"{i}.b"]} for i in range(n)]
+        self.params = jax.device_put(self.params)
+        self.fn = jax.jit(exp.call)
+
+    def predict(self, context, model_input, params=None):
+        x = np.asarray(model_input, dtype=np.float32)
+        return np.asarray(self.fn(self.params, x))
+
+
+mlflow.models.set_model(Peer())
+"""
+
+
+def save_peer(params: list, widths: tuple, tmp: Path) -> Path:
+    """The peer: an MLflow ``PythonModel`` (models from code) around ``jax.jit(exp.call)``."""
+    import mlflow
+
+    spec = jax.export.symbolic_shape(f"b, {widths[0]}")
+    exp = jax.export.export(jax.jit(apply))(
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
+        jax.ShapeDtypeStruct(spec, np.float32),
+    )
+    (tmp / "peer.bin").write_bytes(exp.serialize())
+    flat = {f"{i}.{k}": np.asarray(v) for i, layer in enumerate(params) for k, v in layer.items()}
+    np.savez(tmp / "peer_params.npz", **flat)
+    (tmp / "peer_model.py").write_text(PEER_SOURCE)
+    path = tmp / "peer"
+    mlflow.pyfunc.save_model(
+        path,
+        python_model=str(tmp / "peer_model.py"),
+        artifacts={"blob": str(tmp / "peer.bin"), "params": str(tmp / "peer_params.npz")},
+    )
+    return path
+
+
+def hook_loads(text: str) -> object:
+    """The parser of earlier releases: ``json.loads`` with a Python hook per number."""
+
+    def parse_int(s: str) -> int:
+        if len(s.lstrip("-")) > 40:
+            raise ValueError(s[:20])
+        return int(s)
+
+    def parse_float(s: str) -> float:
+        value = float(s)
+        if not math.isfinite(value):
+            raise ValueError(s[:20])
+        return value
+
+    def parse_constant(s: str) -> float:
+        raise ValueError(s)
+
+    return json.loads(
+        text, parse_int=parse_int, parse_float=parse_float, parse_constant=parse_constant
+    )
+
+
+def parse_figures(model_dir: Path, rounds: int) -> dict:
+    """Request parse and server-side request at batch 256 against the JSON floor, in process."""
+    from jaxexp_mlflow.flavors import pyfunc, server
+
+    _, impl = server.load(str(model_dir), {"precompile": [256]})
+    x = np.random.default_rng(256).standard_normal((256, BIG[0])).astype(np.float32)
+    data = body(x).encode()
+    contenders = {
+        "floor": lambda: np.asarray(json.loads(data)["inputs"]),
+        "hooks": lambda: impl.convert_inputs(hook_loads(data.decode())["inputs"], wire=True),
+        "parse": lambda: pyfunc.parse_request(impl, data),
+        "request": lambda: server.invocations(impl, data, "application/json"),
+    }
+    assert contenders["request"]()[1] == 200
+    times: dict[str, list] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return {
+        "body_bytes": len(data),
+        "rounds": rounds,
+        **{f"{k}_ms": round(v, 2) for k, v in med.items()},
+        **{f"{k}_ratio": round(med[k] / med["floor"], 3) for k in ("hooks", "parse", "request")},
+    }
+
+
+def peer_figures(servers: dict[str, str], rounds: int) -> dict:
+    """REST latency at batch 1 and 256 of each server, requests interleaved in rounds."""
+    out: dict = {}
+    for n in (1, 256):
+        x = np.random.default_rng(n).standard_normal((n, BIG[0])).astype(np.float32)
+        data = body(x)
+        sessions = {name: requests.Session() for name in servers}
+        first = {}
+        for name, url in servers.items():  # warm-up (the peer compiles this batch size here)
+            for _ in range(3):
+                r = sessions[name].post(
+                    f"{url}/invocations", data=data, headers={"Content-Type": "application/json"}
+                )
+            assert r.status_code == 200, (name, r.text[:300])
+            first[name] = np.asarray(r.json()["predictions"])
+        for name in servers:
+            np.testing.assert_allclose(first[name], first["peer"], rtol=1e-4, atol=1e-4)
+        times: dict[str, list] = {name: [] for name in servers}
+        for _ in range(rounds):
+            for name, url in servers.items():
+                times[name].append(post(sessions[name], url, data))
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        out[n] = {f"{k}_ms": round(v, 2) for k, v in med.items()}
+        out[n].update({f"{k}_vs_peer": round(v / med["peer"], 3) for k, v in med.items()})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few seconds of load")
@@ -136,7 +289,29 @@ def main(argv: list[str] | None = None) -> int:
     n_mixed = 150 if args.quick else 600
     results: dict = {"jax": jax.__version__, "model": f"mlp-{'-'.join(map(str, WIDTHS))}"}
 
-    proc, url = start(model_dir, env, tmp / "server.log")
+    big_params = make_params(BIG)
+    big_dir = tmp / "big"
+    mlflow.jaxexp.save_model(
+        jax.jit(apply), big_dir, params=big_params, input_example=np.zeros((2, BIG[0]), "f4")
+    )
+    results["parse"] = parse_figures(big_dir, 7 if args.quick else 25)
+    peer_dir = save_peer(big_params, BIG, tmp)
+    procs = []
+    try:
+        servers = {}
+        for name, path, kind in (
+            ("peer", peer_dir, "mlflow"),
+            ("mlflow_serve", big_dir, "mlflow"),
+            ("jaxexp_serve", big_dir, "jaxexp"),
+        ):
+            proc, servers[name] = start(path, env, tmp / f"{name}.log", kind)
+            procs.append(proc)
+        results["peer"] = peer_figures(servers, 10 if args.quick else 40)
+    finally:
+        for proc in procs:
+            stop(proc)
+
+    proc, url = start(model_dir, env, tmp / "server.log", "jaxexp")
     try:
         session = requests.Session()
         latency = {}
@@ -162,13 +337,29 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop(proc)
     if not args.quick:
-        proc, url = start(model_dir, {**env, "JAXEXP_BUCKETS": "off"}, tmp / "server-off.log")
+        proc, url = start(
+            model_dir, {**env, "JAXEXP_BUCKETS": "off"}, tmp / "server-off.log", "jaxexp"
+        )
         try:
             mixed(url, 50, seed=0)
             results["mixed_no_buckets"] = mixed(url, n_mixed, seed=1)
         finally:
             stop(proc)
 
+    pr = results["parse"]
+    print(
+        f"parse, batch 256 of mlp-784-512-512-10 ({pr['body_bytes']} bytes, {pr['rounds']} "
+        f"rounds): floor json.loads+np.asarray {pr['floor_ms']} ms; per-number hooks "
+        f"{pr['hooks_ms']} ms ({pr['hooks_ratio']}x); parse_request {pr['parse_ms']} ms "
+        f"({pr['parse_ratio']}x, goal <= 1.2); whole request {pr['request_ms']} ms "
+        f"({pr['request_ratio']}x)"
+    )
+    for n, r in results["peer"].items():
+        print(
+            f"REST p50 batch {n:>3}: peer {r['peer_ms']} ms, mlflow models serve "
+            f"{r['mlflow_serve_ms']} ms ({r['mlflow_serve_vs_peer']}x), jaxexp serve "
+            f"{r['jaxexp_serve_ms']} ms ({r['jaxexp_serve_vs_peer']}x)"
+        )
     print(f"model {results['model']}, jax {results['jax']}")
     for n, r in results["latency"].items():
         print(
@@ -190,7 +381,38 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary_rows(results: dict) -> list[dict]:
     """The figure/baseline/ratio/goal rows the suite runner (run_all.py) prints."""
+    pr = results["parse"]
     rows = [
+        {
+            "figure": f"REST request parse, batch 256, {name} (ms)",
+            "value": pr[f"{key}_ms"],
+            "baseline_name": "json.loads + np.asarray of the same 4.1 MB body",
+            "baseline": pr["floor_ms"],
+            "ratio": pr[f"{key}_ratio"],
+            "goal": goal,
+        }
+        for key, name, goal in (
+            ("parse", "parse_request", "<= 1.2"),
+            ("request", "parse + predict + answer", "(reference)"),
+            ("hooks", "per-number hooks (before)", "(reference)"),
+        )
+    ]
+    for n, r in results["peer"].items():
+        for key, name in (
+            ("jaxexp_serve", "jaxexp serve"),
+            ("mlflow_serve", "mlflow models serve"),
+        ):
+            rows.append(
+                {
+                    "figure": f"REST p50, batch {n}, mlp-784-512-512-10, {name} (ms)",
+                    "value": r[f"{key}_ms"],
+                    "baseline_name": "peer PythonModel under mlflow models serve",
+                    "baseline": r["peer_ms"],
+                    "ratio": r[f"{key}_vs_peer"],
+                    "goal": "(reference)",
+                }
+            )
+    rows += [
         {
             "figure": f"REST /invocations, batch {n} (µs)",
             "value": r["rest_us"],

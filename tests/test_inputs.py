@@ -1,5 +1,5 @@
 """One input contract at every door (issue 12): the same table of cases through in-process
-``pyfunc.predict``, ``jaxexp predict``, REST (``mlflow models serve``) and ``mlflow models
+``pyfunc.predict``, ``jaxexp predict``, REST (``jaxexp serve``) and ``mlflow models
 predict``; Spark and MLServer in their own (slow) tests."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jaxexp_mlflow.errors import InputError
 from tests.models import batch, mlp_apply, mlp_params
 from tests.test_cli import run_cli
 from tests.test_pyfunc import two_input_example, two_input_fn
-from tests.test_serving import log_two_input_model, start_server, stop_server
+from tests.test_serving import log_two_input_model, start_jaxexp_server, stop_server
 
 FAST = {"buckets": "off", "precompile": False}
 MARK = 12345.678  # a value that must never come back in an error message
@@ -106,7 +106,7 @@ def logged(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(logged):
-    proc, url = start_server(logged["uri"], "local", logged["env"], logged["tmp"] / "server.log")
+    proc, url = start_jaxexp_server(logged["uri"], logged["env"], logged["tmp"] / "server.log")
     try:
         yield url
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -204,7 +205,7 @@ def test_casting_rules(two_dir):
         ({"x": x}, r"missing 'ids'. Expected: ids: int32\[-1\]"),
         ({"x": x, "ids": [1, 2], "y": [0]}, r"unknown 'y'"),
         ({"x": [], "ids": []}, r"a batch of 0 rows"),
-        ({"x": [[float("nan")] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*NaN values"),
+        ({"x": [[float("nan")] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*NaN"),
         ({"x": x, "ids": [1, 2, 3]}, r"share 'b' but have 3 and 2"),
         ({"x": [["a"] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*Send numbers"),
         ({"x": [[1.0] * 8, [1.0]], "ids": [1, 2]}, r"Input 'x'.*ragged"),
@@ -224,11 +225,18 @@ def test_casting_rules(two_dir):
 def test_buckets_bound_compilations_and_match(mlp_dir):
     path, params = mlp_dir
     impl = _load_pyfunc(str(path), {"buckets": [1, 4, 8], "compilation_cache": False})
-    assert impl._flat._cache_size() == 3  # compiled at load time
+    assert impl._flat._cache_size() == 0  # a bucket compiles on its first use, not at load
+    impl.predict(batch(3))
+    assert impl._flat._cache_size() == 1  # only the bucket the batch needed (4)
     for n in (1, 2, 3, 5, 7, 8, 9, 20):  # 9 and 20 run in chunks of 8
         x = batch(n, seed=n)
         np.testing.assert_allclose(impl.predict(x), mlp_apply(params, x), rtol=1e-5, atol=1e-6)
-    assert impl._flat._cache_size() == 3  # no compile on the request path
+    assert impl._flat._cache_size() == 3  # one compilation per bucket, whatever the batch sizes
+
+    eager = _load_pyfunc(
+        str(path), {"buckets": [1, 4, 8], "precompile": True, "compilation_cache": False}
+    )
+    assert eager._flat._cache_size() == 3  # precompile: every bucket at load
 
     off = _load_pyfunc(str(path), {"buckets": "off", "compilation_cache": False})
     assert off._flat._cache_size() == 0
@@ -238,18 +246,68 @@ def test_buckets_bound_compilations_and_match(mlp_dir):
 
 
 def test_bucket_settings_from_env_and_mlmodel(mlp_dir, tmp_path, monkeypatch):
+    from jaxexp_mlflow.runtime import buckets
+
     path, params = mlp_dir
     monkeypatch.setenv("JAXEXP_BUCKETS", "2,16")
-    monkeypatch.setenv("JAXEXP_PRECOMPILE", "0")
+    monkeypatch.setenv("JAXEXP_PRECOMPILE", "1")
     impl = _load_pyfunc(str(path), {"compilation_cache": False})
-    assert impl.policy.sizes == (2, 16) and impl._flat._cache_size() == 0
+    assert impl.policy.sizes == (2, 16) and impl._flat._cache_size() == 2
     monkeypatch.delenv("JAXEXP_BUCKETS")
     monkeypatch.delenv("JAXEXP_PRECOMPILE")
     mlflow.jaxexp.save_model(
         export_mlp(params), tmp_path / "s", params=params, serving_config={"max_batch": 4}
     )
     impl = _load_pyfunc(str(tmp_path / "s"), {"compilation_cache": False})
-    assert impl.policy.sizes == (1, 2, 4) and impl._flat._cache_size() == 3
+    assert impl.policy.sizes == (1, 2, 4) and impl._flat._cache_size() == 0
+    # unset precompile: every bucket at load inside a scoring server, none elsewhere
+    assert buckets.resolve({}, {"max_batch": 4}, serving=True).precompile == (1, 2, 4)
+    assert buckets.resolve({}, {"max_batch": 4}).precompile == ()
+    assert buckets.resolve({"precompile": False}, {}, serving=True).precompile == ()
+
+
+def test_loaded_once_per_process_by_identity(mlp_dir, tmp_path, monkeypatch):
+    """Loads of one model share one implementation; a rewritten directory loads again."""
+    path, params = mlp_dir
+    conf = {"buckets": [1, 4], "compilation_cache": False}
+    first = _load_pyfunc(str(path), conf)
+    assert _load_pyfunc(str(path / "MLmodel"), dict(conf)) is first  # path of the file: same
+    pyfunc_model = mlflow.pyfunc.load_model(str(path), model_config=conf)
+    assert pyfunc_model.get_raw_model() is first.model
+    assert _load_pyfunc(str(path), {**conf, "buckets": [1, 8]}) is not first  # another config
+    monkeypatch.setenv("JAXEXP_MAX_BATCH", "8")
+    assert _load_pyfunc(str(path), conf) is not first  # another environment
+    monkeypatch.delenv("JAXEXP_MAX_BATCH")
+
+    # the same path rewritten with other params: another identity, never the stale model
+    target = tmp_path / "m"
+    mlflow.jaxexp.save_model(export_mlp(params), target, params=params)
+    one = _load_pyfunc(str(target), conf)
+    other = {k: v * 2 for k, v in params.items()}
+    shutil.rmtree(target)
+    mlflow.jaxexp.save_model(export_mlp(other), target, params=other)
+    two = _load_pyfunc(str(target), conf)
+    assert two is not one
+    x = batch(3)
+    np.testing.assert_allclose(two.predict(x), mlp_apply(other, x), rtol=1e-5, atol=1e-6)
+
+    monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
+    assert _load_pyfunc(str(target), conf) is not _load_pyfunc(str(target), conf)
+
+
+def test_array_cells_concatenated_and_checked(mlp_dir):
+    """DataFrame cells of numpy arrays (Spark's Arrow lists) -> one array, ragged refused."""
+    path, params = mlp_dir
+    impl = _load_pyfunc(str(path), FAST)
+    x = batch(5)
+    frame = pd.DataFrame({"x": list(x)})  # object column of float32[8] arrays
+    np.testing.assert_allclose(impl.predict(frame), mlp_apply(params, x), rtol=1e-5, atol=1e-6)
+    ragged = pd.DataFrame({"x": [x[0], x[1][:7], np.concatenate([x[2], x[2][:1]])]})
+    with pytest.raises(InputError, match=r"Input 'x'"):
+        impl.predict(ragged)  # 8 + 7 + 9 values: not reshaped into 3 rows of 8
+    short = pd.DataFrame({"x": [x[0][:7], x[1][:7]]})
+    with pytest.raises(InputError, match=r"Input 'x': expected x: float32\[-1,8\]"):
+        impl.predict(short)
 
 
 # -- compilation cache and environment -------------------------------------------------------------
@@ -306,7 +364,7 @@ def test_environment_files_and_carried_package(mlp_dir, tmp_path):
     )
     reqs = (path / "requirements.txt").read_text().splitlines()
     names = {r.split("==")[0] for r in reqs}
-    assert {"jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy", "mlflow"} <= names
+    assert {"jax", "jaxlib", "orbax-checkpoint", "numpy", "mlflow"} <= names
     conf = _mlmodel(path)["flavors"]["python_function"]
     assert conf["code"] == "code" and conf["loader_module"] == "jaxexp_mlflow.flavors.jaxexp"
     assert (path / "code" / "jaxexp_mlflow" / "flavors" / "jaxexp.py").is_file()

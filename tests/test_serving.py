@@ -1,4 +1,9 @@
-"""A real ``mlflow models serve`` process answering for a jaxexp model (issue 4)."""
+"""Real servers answering for a jaxexp model over HTTP on 127.0.0.1 (issues 4, 11, 26, 27).
+
+``jaxexp serve`` (MLflow's scoring protocol with the request limits: ``flavors/server.py``) is
+the guarded server; ``mlflow models serve`` runs as MLflow made it (nothing patched), with the
+input contract applied by ``predict`` on the arrays MLflow hands over.
+"""
 
 from __future__ import annotations
 
@@ -47,20 +52,22 @@ def wait_for_ping(url: str, proc: subprocess.Popen, timeout: float = 180) -> Non
 def start_server(model_uri: str, env_manager: str, env: dict, log: Path, timeout: float = 180):
     """Start ``mlflow models serve`` on a free port; return (process, base url)."""
     port = free_port()
+    cmd = [os.path.join(VENV_BIN, "mlflow"), "models", "serve", "-m", model_uri]
+    cmd += ["--env-manager", env_manager, "-h", "127.0.0.1", "-p", str(port)]
+    return _launch(cmd, port, env, log, timeout)
+
+
+def start_jaxexp_server(model_uri: str, env: dict, log: Path, *extra: str, timeout: float = 180):
+    """Start ``jaxexp serve`` on a free port; return (process, base url)."""
+    port = free_port()
+    cmd = [os.path.join(VENV_BIN, "jaxexp"), "serve", "-m", model_uri, "--host", "127.0.0.1"]
+    cmd += ["-p", str(port), *extra]
+    return _launch(cmd, port, env, log, timeout)
+
+
+def _launch(cmd: list[str], port: int, env: dict, log: Path, timeout: float):
     proc = subprocess.Popen(
-        [
-            os.path.join(VENV_BIN, "mlflow"),
-            "models",
-            "serve",
-            "-m",
-            model_uri,
-            "--env-manager",
-            env_manager,
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-        ],
+        cmd,
         env=env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
@@ -116,13 +123,20 @@ def log_two_input_model(tmp: Path, serving_config: dict) -> tuple[str, dict, dic
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The two-input model logged to a sqlite store and served from its runs:/ URI."""
+def logged_model(tmp_path_factory):
+    """The two-input model logged to a sqlite store: (runs:/ URI, env, params, in-process)."""
     tmp = tmp_path_factory.mktemp("serve")
     uri, env, params = log_two_input_model(tmp, SERVE_CONFIG)
     local = mlflow.pyfunc.load_model(uri)
     mlflow.set_tracking_uri(None)
-    proc, url = start_server(uri, "local", env, tmp / "server.log")
+    return uri, env, params, local, tmp
+
+
+@pytest.fixture(scope="module")
+def served(logged_model):
+    """The two-input model served by ``jaxexp serve`` from its runs:/ URI."""
+    uri, env, params, local, tmp = logged_model
+    proc, url = start_jaxexp_server(uri, env, tmp / "server.log")
     try:
         yield url, local, params, proc
     finally:
@@ -286,6 +300,51 @@ def test_concurrent_load_no_failures_bounded_memory(served):
     assert failures == []
     growth_mb = (after - before) / 2**20
     assert growth_mb < RSS_GROWTH_BOUND_MB, f"server RSS grew by {growth_mb:.1f} MB"
+
+
+def test_mlflow_models_serve_as_mlflow_made_it(logged_model):
+    """``mlflow models serve`` is not patched: its ``inputs`` format reaches predict, which
+    applies the contract on the arrays (lossless casts, NaN and infinities refused: 400)."""
+    uri, env, _, local, tmp = logged_model
+    inp = two_input_example(5)
+    proc, url = start_server(uri, "local", env, tmp / "mlflow-serve.log")
+    try:
+        r = post(url, {"inputs": {"x": inp["x"].tolist(), "ids": inp["ids"].tolist()}})
+        assert r.status_code == 200, r.text[:500]
+        want = local.predict(inp)
+        np.testing.assert_allclose(r.json()["predictions"]["logits"], want["logits"], rtol=1e-6)
+        for bad, must in (
+            ({**_good(), "ids": [1.5, 1.0]}, "ids: int32[-1]"),
+            ({**_good(1), "x": [[float("nan")] * 8]}, "NaN"),
+            ({**_good(1), "x": [[float("inf")] + [0.0] * 7]}, "infinite"),
+        ):
+            r = post(url, {"inputs": bad})
+            assert r.status_code == 400 and must in r.json()["message"], r.text[:500]
+        assert proc.poll() is None
+    finally:
+        stop_server(proc)
+
+
+def test_loading_patches_neither_fastapi_nor_mlflow(logged_model):
+    """Loading a jaxexp model where MLflow's scoring server is imported changes nothing there."""
+    import fastapi
+    from mlflow.pyfunc import scoring_server
+
+    before = {
+        name: getattr(scoring_server, name)
+        for name in ("_parse_json_data", "invocations", "parse_csv_input", "init")
+    }
+    app_class = fastapi.FastAPI
+    uri, env, *_ = logged_model
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    try:
+        model = mlflow.pyfunc.load_model(uri)
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert fastapi.FastAPI is app_class
+    assert {name: getattr(scoring_server, name) for name in before} == before
+    app = scoring_server.init(model)  # MLflow's own app: no middleware of ours on it
+    assert not any("BodyLimit" in repr(m) for m in app.user_middleware)
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 * Defect 4: a small REST body must not cost a large allocation. ``dataframe_records`` rows were
   widened to the first record's keys and a CSV header widened every short row, so ~270 kB grew
-  ``mlflow models serve`` by gigabytes; both are now refused by their width before anything is
+  the server by gigabytes; both are now refused by their width before anything is
   widened (a real server, its RSS watched while the request runs).
 * Defects 6 and 7: MLmodel's ``python_function.config`` (MLflow passes it to the loader as the
   ``model_config`` defaults) went around the flavor section's checks: it chose the compilation
@@ -37,7 +37,7 @@ import yaml
 
 import jaxexp_mlflow  # noqa: F401
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
-from tests.test_serving import _tree_rss, server_env, start_server, stop_server
+from tests.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
 
 REPO = Path(__file__).resolve().parents[1]
 RSS_BOUND_MB = 100
@@ -61,7 +61,7 @@ def _hostile_csv() -> bytes:
 
 @pytest.fixture
 def served_mlp(tmp_path):
-    """The single-input MLP (``x: float32[-1, 8]``) served by ``mlflow models serve``."""
+    """The single-input MLP (``x: float32[-1, 8]``) served by ``jaxexp serve``."""
     params = mlp_params()
     model_dir = tmp_path / "mlp"
     mlflow.jaxexp.save_model(
@@ -71,7 +71,7 @@ def served_mlp(tmp_path):
         input_example=batch(2),
         serving_config={"buckets": [1, 8]},
     )
-    proc, url = start_server(str(model_dir), "local", server_env(tmp_path), tmp_path / "log")
+    proc, url = start_jaxexp_server(str(model_dir), server_env(tmp_path), tmp_path / "log")
     tree = psutil.Process(proc.pid).children(recursive=True)
     try:
         yield url, proc, params

@@ -18,6 +18,7 @@ from jaxexp_mlflow.cli.inspect import inspect
 from jaxexp_mlflow.cli.log import log
 from jaxexp_mlflow.cli.predict import predict
 from jaxexp_mlflow.cli.refresh import refresh
+from jaxexp_mlflow.cli.serve import serve
 from jaxexp_mlflow.cli.verify import verify
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     """
 
 
-for _command in (inspect, check, predict, verify, log, refresh, audit):
+for _command in (inspect, check, predict, verify, log, refresh, audit, serve):
     main.add_command(_command)
 
 __all__ = ["main"]

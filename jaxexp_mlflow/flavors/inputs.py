@@ -1,9 +1,10 @@
 """The input contract of a jaxexp model: one set of rules for every door.
 
-``pyfunc.predict`` (in-process), the scoring server (``mlflow models serve``: the four JSON
-formats and CSV), ``mlflow models predict``, ``spark_udf``, MLServer and ``jaxexp predict`` all
-turn what they receive into the exported input leaves with ``InputContract.leaves``; the table in
-docs/serving.md ("The input contract") is this module in prose.
+``pyfunc.predict`` (in-process), the scoring server (``jaxexp serve``: the four JSON formats and
+CSV; ``mlflow models serve``: MLflow's ``inputs`` format), ``mlflow models predict``,
+``spark_udf``, MLServer and ``jaxexp predict`` all turn what they receive into the exported input
+leaves with ``InputContract.leaves``; the table in docs/serving.md ("The input contract") is
+this module in prose.
 
 Forms (``InputContract.named``), for inputs named as in the signature:
 
@@ -25,9 +26,10 @@ information. Accepted: the exact dtype; ints into wider/narrower ints when every
 bools into bool; ints (exactly representable) and floats into any float type (rounding to the
 nearest representable value, e.g. float64 -> float32 or float32 -> bfloat16; that is how the
 ml_dtypes types JSON cannot carry arrive); anything real into complex. Refused: floats into
-ints or bool, values out of the target's range (300 into int8, 1e6 into float16), NaN unless
-``allow_nan`` is set, strings/objects, ragged lists, wrong rank or fixed dimension, a batch of
-0, inputs sharing a symbolic dimension with different sizes, missing or unknown inputs.
+ints or bool, values out of the target's range (300 into int8, 1e6 into float16), NaN and
+infinities unless ``allow_nan`` is set, strings/objects, ragged lists, wrong rank or fixed
+dimension, a batch of 0, inputs sharing a symbolic dimension with different sizes, missing or
+unknown inputs.
 Every refusal is an ``InputError`` (HTTP 400, CLI exit 2) stating the rule, the expected spec
 and what was found, in a few hundred characters: never the input itself.
 """
@@ -78,7 +80,7 @@ def convert(value: Any, spec: LeafSpec, *, dtype: np.dtype | None = None, allow_
             value = np.asarray(value)  # jax arrays, pandas Series
         try:
             arr = np.asarray(value)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):
             raise input_error(
                 spec, "a ragged or non-numeric nested list", "Send a rectangular array of numbers."
             ) from None
@@ -91,21 +93,23 @@ def convert(value: Any, spec: LeafSpec, *, dtype: np.dtype | None = None, allow_
         raise input_error(spec, _describe_found(arr), _shape_hint(spec, arr))
     if spec.shape and spec.shape[0] is None and arr.shape[0] == 0:
         raise input_error(spec, "a batch of 0 rows", "Send at least one row.")
-    if (
-        not allow_nan
-        and arr.size
-        and (arr.dtype.kind == "f" or _is_ml_float(arr.dtype))
-        and (
-            np.isnan(arr.sum()) and np.isnan(arr).any()  # the sum is a cheap first test
-        )
-    ):
-        raise input_error(
-            spec,
-            "NaN values",
-            "NaN is not allowed for this model (set allow_nan in the model_config or "
-            f"{ENV_ALLOW_NAN}=1 to allow it).",
-        )
+    if not allow_nan and arr.size and (arr.dtype.kind in "fc" or _is_ml_float(arr.dtype)):
+        if not _all_finite(arr):
+            raise input_error(
+                spec,
+                "NaN or infinite values",
+                "NaN and infinities are not allowed for this model (set allow_nan in the "
+                f"model_config or {ENV_ALLOW_NAN}=1 to allow them).",
+            )
     return arr
+
+
+def _all_finite(arr: np.ndarray) -> bool:
+    """Whether every value is finite: one vectorised sum first, a full pass only if it is not."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(arr.sum()):
+            return True
+        return bool(np.isfinite(arr).all())
 
 
 def _is_ml_float(dt: np.dtype) -> bool:
@@ -346,6 +350,15 @@ def column(series: Any) -> Any:
     """A DataFrame column as an array: scalar cells -> 1-D, array/list cells -> stacked."""
     values = series.to_numpy()
     if values.dtype == object and len(values) and isinstance(values[0], list | tuple | np.ndarray):
+        first = values[0]
+        if isinstance(first, np.ndarray) and first.ndim and set(map(type, values)) == {np.ndarray}:
+            # Arrow's list cells (Spark): one concatenation, ~6x faster than a stack of rows
+            if len(set(map(len, values))) == 1:
+                try:
+                    flat = np.concatenate(values)
+                except ValueError:
+                    return values  # ragged: refused by convert
+                return flat.reshape(len(values), *first.shape)
         try:
             return np.stack([np.asarray(v) for v in values])
         except ValueError:

@@ -7,13 +7,17 @@ a numpy array for a single output leaf, a dict ``{output name: array}`` otherwis
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import sys
+import threading
+from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mlflow.exceptions import MlflowException
 
 from jaxexp_mlflow.errors import ArtifactError, InputError
 from jaxexp_mlflow.flavors import serving_guard
@@ -23,7 +27,6 @@ from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public n
     convert,
     from_records,
     from_split,
-    read_csv,
 )
 from jaxexp_mlflow.flavors.signature import LeafSpec
 from jaxexp_mlflow.runtime import buckets as buckets_mod
@@ -46,6 +49,7 @@ class JaxExpPyfunc:
         outputs: list[LeafSpec] | None = None,
         saved_config: dict[str, Any] | None = None,
         classifier: dict[str, Any] | None = None,
+        serving: bool = False,
     ) -> None:
         from jaxexp_mlflow.flavors import signature
 
@@ -78,7 +82,7 @@ class JaxExpPyfunc:
                 ),
             )
         )
-        self.policy = buckets_mod.resolve(self.model_config, saved)
+        self.policy = buckets_mod.resolve(self.model_config, saved, serving=serving)
         self.batch_symbol = buckets_mod.batch_symbol(
             [s.symbols for s in inputs], [s.symbols for s in outputs]
         )
@@ -216,13 +220,135 @@ class JaxExpPyfunc:
         return self.format_outputs(self.run(self.convert_inputs(data)))
 
 
-# -- the scoring server guard -------------------------------------------------------------------
+# -- loading, once per process -------------------------------------------------------------------
 #
-# MLflow's scoring server parses the JSON body itself before calling predict: it casts lists with
-# np.array(data, dtype=<signature dtype>) (silently truncating floats sent to an int input), and
-# its error messages repeat the request body or the parsed data. For jaxexp models only, the
-# guard below parses the four JSON formats with ``convert`` (same rules as predict), refuses
-# oversized bodies with 413 and keeps error messages short. Other models are untouched.
+# Spark's ``spark_udf`` (local mode) and ``mlflow.models.evaluate`` call
+# ``mlflow.pyfunc.load_model`` on the same directory again and again in one Python worker. Each
+# implementation loaded is kept under the model's identity (the directory's real path, the sha256
+# of its MLmodel, of its blob and of its params manifest, the model_config and the JAXEXP_*
+# environment), never under its path alone: a directory rewritten in place is a new identity
+# and loads again.
+
+ENV_PYFUNC_CACHE = "JAXEXP_PYFUNC_CACHE"
+_CACHE_SIZE = 4
+_CACHE: OrderedDict[tuple, JaxExpPyfunc] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+_SERVER_MODULES = ("mlflow.pyfunc.scoring_server.app", "jaxexp_mlflow.flavors.server")
+
+
+def in_scoring_server() -> bool:
+    """Whether this process is a scoring server (``mlflow models serve``, ``jaxexp serve``)."""
+    return any(name in sys.modules for name in _SERVER_MODULES)
+
+
+def model_identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tuple:
+    """What makes two loads the same model: real path, file digests, config, environment."""
+    from jaxexp_mlflow import artifact
+    from jaxexp_mlflow.codec import files
+    from jaxexp_mlflow.codec.mlmodel import MLMODEL, load_yaml
+    from jaxexp_mlflow.flavors.section import flavor_section
+    from jaxexp_mlflow.params.manifest import MANIFEST_FILE
+
+    raw = files.read_bytes(
+        model_dir, MLMODEL, what=f"{MLMODEL} file", max_bytes=files.MAX_MLMODEL_BYTES
+    )
+    meta = load_yaml(raw)
+    conf = flavor_section(meta if isinstance(meta, dict) else {})
+    blob_digest = hashlib.sha256(artifact.read_blob(model_dir, conf)).hexdigest()
+    manifest = ""
+    ckpt = artifact.params_dir(model_dir, conf)
+    if ckpt is not None and (ckpt / MANIFEST_FILE).is_file():
+        data = files.read_file(ckpt / MANIFEST_FILE, what="params manifest", max_bytes=256 << 20)
+        manifest = hashlib.sha256(data).hexdigest()
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("JAXEXP_")))
+    return (
+        os.path.realpath(model_dir),
+        hashlib.sha256(raw).hexdigest(),
+        blob_digest,
+        manifest,
+        json.dumps(config, sort_keys=True, default=str),
+        env,
+        in_scoring_server(),
+    )
+
+
+def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = None) -> Any:
+    """The jaxexp pyfunc implementation of the model at ``path``, loaded once per process.
+
+    A second load of the same model (see ``model_identity``) returns the implementation already
+    loaded, with the buckets it has compiled. ``JAXEXP_PYFUNC_CACHE=0`` loads every time.
+    """
+    config = {k: v for k, v in (model_config or {}).items() if v is not None}
+    model_dir = Path(path)
+    if model_dir.is_file():
+        model_dir = model_dir.parent
+    if os.environ.get(ENV_PYFUNC_CACHE, "1").lower() in ("0", "off", "false", "no"):
+        return _load_uncached(model_dir, config)
+    key = model_identity(model_dir, config)
+    with _CACHE_LOCK:
+        impl = _CACHE.get(key)
+        if impl is not None:
+            _CACHE.move_to_end(key)
+            return impl
+    impl = _load_uncached(model_dir, config)
+    with _CACHE_LOCK:
+        _CACHE[key] = impl
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return impl
+
+
+def _load_uncached(model_dir: Path, config: dict[str, Any]) -> JaxExpPyfunc:
+    """Read, judge and load the model at ``model_dir`` into a new ``JaxExpPyfunc``."""
+    from jaxexp_mlflow.codec.mlmodel import read_mlmodel
+    from jaxexp_mlflow.flavors import signature as sig
+    from jaxexp_mlflow.flavors.jaxexp import ENV_BACKEND, _check_backend
+    from jaxexp_mlflow.flavors.section import flavor_section
+
+    meta = read_mlmodel(model_dir)
+    flavor_conf = flavor_section(meta)
+    saved = dict(flavor_conf.get("serving") or {})
+    backend = _check_backend(
+        config.get("backend", os.environ.get(ENV_BACKEND, saved.get("backend")))
+    )
+    load_options = {k: config[k] for k in ("allow_other_platform", "data_parallel") if k in config}
+    if backend == "iree":
+        from jaxexp_mlflow.iree.loader import load_directory
+
+        load_options.update({k: config[k] for k in ("iree_cache", "iree_driver") if k in config})
+    else:
+        from jaxexp_mlflow.runtime import cache
+        from jaxexp_mlflow.runtime.loader import load_directory
+
+        cache.configure(config.get("compilation_cache", saved.get("compilation_cache")))
+    model = load_directory(
+        model_dir,
+        flavor_conf,
+        allow_incompatible=bool(config.get("allow_incompatible", False)),
+        **load_options,
+    )
+    specs = sig.specs_from_conf(flavor_conf)
+    inputs, outputs = specs if specs is not None else (None, None)
+    impl = JaxExpPyfunc(
+        model,
+        config,
+        inputs=inputs,
+        outputs=outputs,
+        saved_config=saved,
+        classifier=flavor_conf.get("classifier"),
+        serving=in_scoring_server(),
+    )
+    register(meta.get("model_uuid"), impl)
+    return impl
+
+
+# -- requests of the jaxexp scoring server ------------------------------------------------------
+#
+# ``jaxexp serve`` (``flavors/server.py``) parses ``/invocations`` bodies with ``parse_request``:
+# the four JSON formats of MLflow's scoring protocol, through the input contract (the same rules
+# as predict), at the cost of a plain ``json.loads`` + ``np.asarray``. ``mlflow models serve``
+# keeps MLflow's own parsing (its ``inputs`` format reaches ``predict``, which applies the
+# contract on arrays); nothing here changes MLflow's server.
 
 _FORMATS = ("inputs", "instances", "dataframe_split", "dataframe_records")
 
@@ -236,32 +362,34 @@ _LOADED: dict[str, JaxExpPyfunc] = {}
 
 
 def register(model_uuid: str | None, impl: JaxExpPyfunc) -> None:
-    """Remember a loaded implementation so the serving guard finds it from MLflow's metadata."""
+    """Remember a loaded implementation, found again from MLflow's metadata by ``impl_for``."""
     if model_uuid:
         _LOADED[model_uuid] = impl
 
 
-def _impl_for(metadata: Any) -> JaxExpPyfunc | None:
+def impl_for(metadata: Any) -> JaxExpPyfunc | None:
+    """The implementation loaded for a ``PyFuncModel``'s metadata (``None``: not jaxexp)."""
     flavors = getattr(metadata, "flavors", None) or {}
     if "jaxexp" not in flavors:
         return None
     return _LOADED.get(_model_uuid(metadata))
 
 
-def parse_request(impl: JaxExpPyfunc, body: Any) -> tuple[Any, dict | None]:
-    """Parse a JSON request body into validated wire-dtype arrays and MLflow params."""
-    if isinstance(body, bytes | bytearray):
+def parse_request(impl: JaxExpPyfunc, body: Any) -> tuple[list[np.ndarray], dict | None]:
+    """Parse a JSON request body into validated wire-dtype arrays and MLflow params.
+
+    ``json.loads`` without per-number hooks (``serving_guard.loads``), then the contract on the
+    converted arrays: finiteness, integer ranges and lossless casts checked vectorised.
+    """
+    if isinstance(body, bytes | bytearray | memoryview):
         try:
-            body = body.decode("utf-8")
+            body = bytes(body).decode("utf-8")
         except UnicodeDecodeError:
             raise InputError(
                 "The request body is not UTF-8 JSON. Send a JSON object such as "
                 f'{{"inputs": ...}} with: {impl._expected()}.'
             ) from None
-    if isinstance(body, str):
-        obj = serving_guard.loads(body, allow_nan=impl.allow_nan, expected=impl._expected())
-    else:
-        obj = body
+    obj = serving_guard.loads(body, expected=impl._expected()) if isinstance(body, str) else body
     if not isinstance(obj, dict):
         raise InputError(
             f"The request body must be a JSON object with one of the keys {list(_FORMATS)}, "
@@ -272,11 +400,17 @@ def parse_request(impl: JaxExpPyfunc, body: Any) -> tuple[Any, dict | None]:
     if len(keys) != 1 or extra:
         raise InputError(
             f"The request must have exactly one of the keys {list(_FORMATS)} (plus optional "
-            f"'params'), found keys {list(obj)[:10]}. Inputs: {impl._expected()}."
+            f"'params'), found keys {[str(k)[:40] for k in list(obj)[:10]]}. "
+            f"Inputs: {impl._expected()}."
         )
     fmt = keys[0]
     payload = obj[fmt]
     params = obj.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise InputError(
+            f"The request's 'params' must be a JSON object, found a JSON "
+            f"{type(params).__name__}. Inputs: {impl._expected()}."
+        )
     if fmt in ("inputs", "instances"):
         data = payload
     elif fmt == "dataframe_split":
@@ -286,72 +420,6 @@ def parse_request(impl: JaxExpPyfunc, body: Any) -> tuple[Any, dict | None]:
     return impl.convert_inputs(data, wire=True), params
 
 
-def _short(message: str, limit: int = 600) -> str:
+def short(message: str, limit: int = 600) -> str:
+    """``message`` cut to ``limit`` characters."""
     return message if len(message) <= limit else message[:limit] + " ..."
-
-
-def install_serving_guard(impl: JaxExpPyfunc | None = None) -> bool:
-    """Wrap the scoring server's JSON parsing and invocations for jaxexp models (idempotent).
-
-    Called by the pyfunc loader when it runs inside MLflow's scoring server or ``mlflow models
-    predict`` (``mlflow.pyfunc.scoring_server`` imported). With ``impl``, the app the server
-    builds next also limits request bodies while they stream in and the bytes in flight
-    (``flavors.serving_guard``). Turn off with ``JAXEXP_SERVING_GUARD=0``.
-    """
-    server = sys.modules.get("mlflow.pyfunc.scoring_server")
-    if server is None or os.environ.get("JAXEXP_SERVING_GUARD", "1").lower() in ("0", "off"):
-        return False
-    if impl is not None:  # 413 while the body streams in, bytes in flight bounded
-        serving_guard.install_body_limit(server, impl)
-    if getattr(server, "_jaxexp_guarded", False):
-        return True
-    orig_parse = getattr(server, "_parse_json_data", None)
-    orig_invocations = getattr(server, "invocations", None)
-    response_type = getattr(server, "InvocationsResponse", None)
-    parsed_type = getattr(server, "ParsedJsonInput", None)
-    if None in (orig_parse, orig_invocations, response_type, parsed_type):
-        _logger.warning("jaxexp: unknown MLflow scoring server layout; serving guard not installed")
-        return False
-
-    def _parse_json_data(data: Any, metadata: Any, input_schema: Any) -> Any:
-        impl = _impl_for(metadata)
-        if impl is None:
-            return orig_parse(data, metadata, input_schema)
-        leaves, params = parse_request(impl, data)
-        return parsed_type(dict(zip(impl._names, leaves, strict=True)), params, False)
-
-    def invocations(data: Any, content_type: Any, model: Any, input_schema: Any) -> Any:
-        impl = _impl_for(getattr(model, "metadata", None))
-        if impl is None:
-            return orig_invocations(data, content_type, model, input_schema)
-        if data is not None and len(data) > impl.max_request_bytes:
-            err = InputError(
-                f"The request body has {len(data)} bytes, more than the limit of "
-                f"{impl.max_request_bytes} (model_config max_request_bytes / "
-                f"{ENV_MAX_REQUEST_BYTES}). Send smaller batches; inputs: {impl._expected()}."
-            )
-            return response_type(err.serialize_as_json(), 413, "application/json")
-        try:
-            return orig_invocations(data, content_type, model, input_schema)
-        except MlflowException as err:  # MLflow prefixes the data to messages: drop it
-            text = err.message
-            if text.startswith("Failed to predict data '") and ". \nError: " in text:
-                text = text.split(". \nError: ", 1)[1]
-            err.message = _short(text)
-            raise
-
-    orig_csv = getattr(server, "parse_csv_input", None)
-
-    def parse_csv_input(csv_input: Any, schema: Any = None) -> Any:
-        if _LOADED and schema is not None and schema.is_tensor_spec():
-            # the jaxexp model served here: its contract checks the widths, then casts
-            served = list(_LOADED.values())
-            return read_csv(csv_input, served[0].contract if len(served) == 1 else None)
-        return orig_csv(csv_input, schema)
-
-    if orig_csv is not None:
-        server.parse_csv_input = parse_csv_input
-    server._parse_json_data = _parse_json_data
-    server.invocations = invocations
-    server._jaxexp_guarded = True
-    return True

@@ -1,85 +1,77 @@
-"""Request limits of MLflow's scoring server for jaxexp models: body size, concurrency, JSON.
+"""Request limits of the jaxexp scoring server (``jaxexp serve``): body size, bytes in flight, JSON.
 
-MLflow's server (FastAPI under uvicorn) reads the whole body with ``await request.body()``
-before anything looks at it, and parses it with ``json.loads``. For jaxexp models:
-
-* :class:`BodyLimit`, an ASGI middleware installed on the app ``scoring_server.init`` builds,
+* :class:`BodyLimit`, an ASGI middleware on the server's own app (``flavors/server.py``),
   answers 413 as soon as ``Content-Length`` or the bytes received so far pass the model's
   ``max_request_bytes``: a chunked 1 GiB body is refused after the first 64 MiB, never
   buffered. It also bounds the bytes of all request bodies in flight together (default 4x the
   limit, ``JAXEXP_MAX_INFLIGHT_BYTES``): a request that would pass it is answered 503 with
   ``Retry-After``, so many concurrent large requests cannot exhaust memory, while small ones
   are never turned away.
-* :func:`loads` parses JSON refusing, as a 400, integers of more than ``MAX_INT_DIGITS``
-  digits, non-finite numbers (``NaN``, ``Infinity``, ``1e400``) unless the model allows NaN, and
-  nesting deeper than Python's recursion limit.
+* :func:`loads` parses JSON with CPython's C scanner and no per-number hook (the JSON floor),
+  and turns what it raises into a 400: integers longer than CPython's digit limit
+  (``sys.get_int_max_str_digits``, 4300 by default; where a process lifted that limit, a
+  bounded ``parse_int`` takes over), nesting deeper than the recursion limit, invalid JSON or
+  UTF-8. Non-finite numbers and integers beyond the input dtypes are refused on the converted
+  arrays, vectorised (``flavors/inputs.convert``).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
+import sys
 from typing import Any
 
 from jaxexp_mlflow.errors import InputError
 
 ENV_MAX_INFLIGHT = "JAXEXP_MAX_INFLIGHT_BYTES"
-#: Longer integer literals than any dtype holds (uint64 max has 20 digits) are refused unparsed.
-MAX_INT_DIGITS = 40
+#: CPython's default digit limit: int literals up to it parse in time linear in the body.
+MAX_INT_DIGITS = 4300
 
 
-def loads(text: str | bytes, *, allow_nan: bool, expected: str) -> Any:
-    """``json.loads`` with the request rules above; ``InputError`` (400) otherwise."""
+def _bounded_int(s: str) -> int:
+    if len(s) > MAX_INT_DIGITS + 1:  # + 1: the sign
+        raise ValueError(f"Exceeds the limit ({MAX_INT_DIGITS} digits)")
+    return int(s)
 
-    def parse_int(s: str) -> int:
-        if len(s.lstrip("-")) > MAX_INT_DIGITS:
-            raise InputError(
-                f"The request holds an integer of {len(s)} digits: expected at most "
-                f"{MAX_INT_DIGITS}, which every input dtype can hold. Inputs: {expected}."
-            )
-        return int(s)
 
-    def parse_float(s: str) -> float:
-        value = float(s)
-        if not allow_nan and not math.isfinite(value):
-            raise InputError(
-                f"The request holds {s[:30]!r}, which is not a finite float: expected finite "
-                f"numbers (set allow_nan in the model_config to accept NaN and infinities). "
-                f"Inputs: {expected}."
-            )
-        return value
+def _int_parser() -> Any:
+    """``None`` (json's own fast path) unless this process lifted CPython's digit limit."""
+    limit = sys.get_int_max_str_digits()
+    return None if 0 < limit <= MAX_INT_DIGITS else _bounded_int
 
-    def parse_constant(s: str) -> float:
-        if not allow_nan:
-            raise InputError(
-                f"The request holds {s}: expected finite numbers (set allow_nan in the "
-                f"model_config to accept NaN and infinities). Inputs: {expected}."
-            )
-        return float(s)
 
+def loads(body: str | bytes, *, expected: str) -> Any:
+    """``json.loads`` of a request body; what it cannot take is an ``InputError`` (400)."""
     try:
-        return json.loads(
-            text, parse_int=parse_int, parse_float=parse_float, parse_constant=parse_constant
-        )
+        return json.loads(body, parse_int=_int_parser())
     except RecursionError:
         raise InputError(
             f"The request body nests JSON too deeply: expected arrays as deep as the inputs' "
             f"rank. Inputs: {expected}."
+        ) from None
+    except UnicodeDecodeError:
+        raise InputError(
+            "The request body is not UTF-8 JSON. Send a JSON object such as "
+            f'{{"inputs": ...}} with: {expected}.'
         ) from None
     except json.JSONDecodeError as err:
         raise InputError(
             f"The request body is not valid JSON ({err.msg} at line {err.lineno} column "
             f'{err.colno}). Send a JSON object such as {{"inputs": ...}} with: {expected}.'
         ) from None
-    except ValueError as err:  # e.g. int() beyond sys.get_int_max_str_digits
+    except ValueError as err:  # int() beyond the digit limit
+        detail = "an integer longer than any input dtype holds" if "digits" in str(err) else ""
         raise InputError(
-            f"The request body holds a value JSON cannot carry here ({str(err)[:100]}). "
-            f"Inputs: {expected}."
+            f"The request body holds {detail or 'a value JSON cannot carry here'} "
+            f"({str(err)[:60]}): expected numbers within the inputs' dtypes. Inputs: {expected}."
         ) from None
 
 
 class _TooLarge(Exception):
+    pass
+
+
+class _Busy(Exception):
     pass
 
 
@@ -89,7 +81,7 @@ class BodyLimit:
     def __init__(self, app: Any, *, limit: int, inflight: int) -> None:
         self.app = app
         self.limit = int(limit)
-        self.inflight = int(inflight)
+        self.inflight = max(int(inflight), self.limit)
         self.used = 0  # body bytes held by requests in progress (one event loop per worker)
 
     async def _reply(self, send: Any, status: int, message: str, headers: list = ()) -> None:
@@ -162,41 +154,3 @@ class BodyLimit:
                 )
         finally:
             self.used -= held
-
-
-class _Busy(Exception):
-    pass
-
-
-def install_body_limit(server: Any, impl: Any) -> bool:
-    """Add :class:`BodyLimit` to the app the scoring server is about to build for ``impl``.
-
-    ``scoring_server/app.py`` runs ``app = init(load_model(...))``: ``init`` is looked up before
-    the model (and this guard) loads, so it cannot be wrapped. It builds its app with
-    ``fastapi.FastAPI()`` imported at call time: a one-shot subclass adds the middleware to the
-    app created by ``scoring_server.init`` (and to no other), then restores ``FastAPI``.
-    """
-    import sys
-
-    try:
-        import fastapi
-    except ImportError:
-        return False
-    original = fastapi.FastAPI
-    if getattr(original, "_jaxexp_guard", False):
-        return True
-    limit = int(impl.max_request_bytes)
-    inflight = max(int(os.environ.get(ENV_MAX_INFLIGHT, 4 * limit)), limit)
-
-    class GuardedFastAPI(original):  # type: ignore[misc, valid-type]
-        _jaxexp_guard = True
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            caller = sys._getframe(1)
-            if caller.f_globals.get("__name__") == server.__name__:
-                fastapi.FastAPI = original
-                self.add_middleware(BodyLimit, limit=limit, inflight=inflight)
-
-    fastapi.FastAPI = GuardedFastAPI
-    return True

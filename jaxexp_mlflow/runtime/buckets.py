@@ -4,8 +4,10 @@ A model exported with a symbolic batch dimension compiles once per distinct batc
 buckets (default: powers of two up to ``max_batch``), a batch of ``n`` rows is padded to the
 smallest bucket ``>= n`` (by repeating its last row, so padding never introduces NaN/inf), run,
 and the outputs are sliced back to ``n`` rows; a batch larger than the largest bucket runs in
-chunks of that size. All buckets are compiled at load time (``precompile``), so the request
-path only ever runs compiled code.
+chunks of that size. A bucket compiles on its first use (through the persistent compilation
+cache, ``runtime/cache.py``), so a process compiles only the sizes its batches need; inside a
+scoring server every bucket is compiled at load (``precompile``), so requests only ever run
+compiled code.
 
 Bucketing applies only when every input and every output has the same symbolic leading
 dimension (and it appears nowhere else); otherwise batches run at their own size. A function
@@ -84,12 +86,18 @@ def _parse_sizes(value: Any, max_batch: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def resolve(config: dict[str, Any] | None, saved: dict[str, Any] | None = None) -> BucketPolicy:
+def resolve(
+    config: dict[str, Any] | None,
+    saved: dict[str, Any] | None = None,
+    *,
+    serving: bool = False,
+) -> BucketPolicy:
     """The bucket policy from ``model_config``, then the environment, then the MLmodel section.
 
     Keys (model_config or the MLmodel ``jaxexp.serving`` section): ``buckets`` (``"pow2"``
     (default), ``"off"``, or a list of sizes), ``max_batch`` (largest power-of-two bucket,
-    default 1024), ``precompile`` (``true`` (default): every bucket, ``false``: none, or a list).
+    default 1024), ``precompile`` (``true``: every bucket at load, ``false``: none, each compiles
+    on first use, or a list; unset: every bucket when ``serving``, else none).
     Environment: ``JAXEXP_BUCKETS``, ``JAXEXP_MAX_BATCH``, ``JAXEXP_PRECOMPILE`` with the same
     values (comma-separated lists).
     """
@@ -106,7 +114,9 @@ def resolve(config: dict[str, Any] | None, saved: dict[str, Any] | None = None) 
     max_batch = int(pick("max_batch", ENV_MAX_BATCH) or DEFAULT_MAX_BATCH)
     sizes = _parse_sizes(pick("buckets", ENV_BUCKETS), max_batch)
     pre = pick("precompile", ENV_PRECOMPILE)
-    if pre is None or pre is True or (isinstance(pre, str) and pre.lower() in ("1", "true", "on")):
+    if pre is None:
+        precompile = sizes if serving else ()
+    elif pre is True or (isinstance(pre, str) and pre.lower() in ("1", "true", "on")):
         precompile = sizes
     elif pre is False or (isinstance(pre, str) and pre.lower() in ("0", "false", "off", "")):
         precompile = ()

@@ -1,0 +1,52 @@
+"""``jaxexp serve``: MLflow's scoring protocol for a jaxexp model, with request limits."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+from jaxexp_mlflow.cli._common import Command
+
+
+@click.command(
+    cls=Command,
+    epilog="""\b
+Examples:
+  jaxexp serve -m runs:/0f3c.../model -p 5000
+  jaxexp serve -m models:/classifier@best --workers 2 --model-config '{"buckets": "off"}'
+\b
+Answers as `mlflow models serve` does (/ping, /health, /version, /invocations with the JSON
+formats inputs, instances, dataframe_split, dataframe_records, CSV and parquet), plus: 413 for
+bodies over max_request_bytes while they stream in, 503 when the bodies in flight pass
+JAXEXP_MAX_INFLIGHT_BYTES, 400 for hostile JSON and inputs the contract refuses
+(docs/serving.md). The model loads through mlflow.pyfunc.load_model; no environment is created
+(like --env-manager local).
+""",
+)
+@click.option("-m", "--model-uri", required=True, help="The model: any URI MLflow understands.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("-p", "--port", default=5000, show_default=True, type=int, help="Port.")
+@click.option("-w", "--workers", default=1, show_default=True, type=int, help="Processes.")
+@click.option(
+    "--model-config", default=None, help="JSON object passed as model_config to the loader."
+)
+def serve(model_uri: str, host: str, port: int, workers: int, model_config: str | None) -> None:
+    """Serve a jaxexp model over HTTP (MLflow's scoring protocol, with request limits)."""
+    import uvicorn
+
+    from jaxexp_mlflow.flavors import server
+
+    config = json.loads(model_config) if model_config else {}
+    if not isinstance(config, dict):
+        raise click.BadParameter("expected a JSON object", param_hint="--model-config")
+    os.environ[server.ENV_MODEL_URI] = model_uri
+    os.environ[server.ENV_MODEL_CONFIG] = json.dumps(config)
+    if workers > 1:  # each worker process loads the model through the factory
+        uvicorn.run(
+            f"{server.__name__}:app_from_env", factory=True, host=host, port=port, workers=workers
+        )
+        return
+    _, impl = server.load(model_uri, config)  # load errors exit with the CLI's codes
+    uvicorn.run(server.build_app(impl), host=host, port=port)
