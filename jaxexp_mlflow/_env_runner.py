@@ -1,6 +1,8 @@
 """Run inside a model's restored environment (``jaxexp verify --env-manager``); not imported.
 
-Usage: ``python _env_runner.py MODEL_DIR OUT_DIR [LOADER_DIR]``. Loads the model with the
+Usage: ``python _env_runner.py MODEL_DIR OUT_DIR [LOADER_DIR]``, or ``python _env_runner.py
+--blob MODE BLOB OUT_DIR`` (``MODE`` ``run`` or ``reexport``; see :func:`blob_main`). Loads the
+model with the
 jaxexp-mlflow installed in the environment (its requirements name it) and the jax/jaxlib they
 pinned, runs the stored reference input, and writes ``OUT_DIR/result.json`` (versions, output
 dtypes, or the error) and ``OUT_DIR/outputs.npz`` (outputs; dtypes numpy lacks, such as
@@ -79,5 +81,131 @@ def main(model_dir: str, out_dir: str, loader_dir: str | None = None) -> int:
     return 0
 
 
+def _placement(exported, jax, np):  # noqa: ANN001, ANN202 - jax and numpy passed in
+    """(in shardings, out shardings) of ``exported`` on this process's devices: a 1-axis mesh
+    of ``nr_devices`` for HLO shardings (what the old blobs carry); None for 1 device."""
+    n = int(exported.nr_devices)
+    if n == 1:
+        return (None,) * len(exported.in_avals), None
+    devs = jax.devices()
+    if len(devs) < n:
+        raise RuntimeError(f"exported for {n} devices, {len(devs)} visible")
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(devs[:n]), ("jaxexp",))
+    return tuple(exported.in_shardings_jax(mesh)), tuple(exported.out_shardings_jax(mesh))
+
+
+def _init_kernels(jax, np) -> None:  # noqa: ANN001 - jax and numpy passed in
+    """Old jaxlibs (<= 0.6) fill their LAPACK/BLAS kernel table from scipy only when JAX
+    lowers a linear-algebra op; a deserialized module lowers none, and calling a kernel before
+    that crashes the process. Lowering (not running) a triangular solve, an LU and an eigh
+    fills it; on newer jaxlibs it costs a few milliseconds."""
+    try:
+        a = np.eye(2, dtype=np.float32)
+        for fn in (
+            lambda x: jax.scipy.linalg.solve_triangular(x, x),
+            jax.numpy.linalg.solve,
+            jax.numpy.linalg.eigh,
+        ):
+            jax.jit(fn).lower(a, a) if fn is jax.numpy.linalg.solve else jax.jit(fn).lower(a)
+    except Exception:  # noqa: BLE001 - a jax without these: nothing to fill
+        pass
+
+
+def _vjp_depth(exported, limit: int = 8) -> int:  # noqa: ANN001
+    depth, e = 0, exported
+    while depth < limit and e.has_vjp():
+        e, depth = e.vjp(), depth + 1
+    return depth
+
+
+def blob_main(mode: str, blob: str, out_dir: str) -> int:
+    """A bare blob in a jax-only environment (the ``bridge`` and ``recorded-env`` routes).
+
+    ``run``: the blob called on ``OUT_DIR/inputs.npz`` (flat leaves ``in_0``...; dtypes numpy
+    lacks as raw bits, real dtypes in ``OUT_DIR/inputs.json``), outputs to ``outputs.npz``.
+    ``reexport``: the blob deserialized, wrapped in ``jax.jit`` of ``Exported.call`` (HLO
+    shardings placed as NamedShardings on a 1-axis mesh), exported again with the same
+    platforms, symbolic shapes, disabled checks and VJP depth, written to ``exported.bin``.
+    Imports only jax and numpy; ``result.json`` holds versions and the error, if any.
+    """
+    result = {"python": platform.python_version(), "mode": mode}
+    try:
+        _add_loader(None)
+        import jax
+        import numpy as np
+        from jax import export
+
+        result["jax_version"] = jax.__version__
+        result["jaxlib_version"] = getattr(__import__("jaxlib"), "__version__", None)
+        _init_kernels(jax, np)
+        with open(blob, "rb") as f:
+            exported = export.deserialize(bytearray(f.read()))
+        in_sh, out_sh = _placement(exported, jax, np)
+        start = time.perf_counter()
+        if mode == "reexport":
+            specs = [
+                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                for a, s in zip(exported.in_avals, in_sh, strict=True)
+            ]
+            args, kwargs = jax.tree.unflatten(exported.in_tree, specs)
+
+            def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                return exported.call(*a, **k)
+
+            wrapper.__name__ = wrapper.__qualname__ = str(exported.fun_name)
+            if out_sh is not None:
+                jitted = jax.jit(
+                    wrapper, out_shardings=jax.tree.unflatten(exported.out_tree, out_sh)
+                )
+            else:
+                jitted = jax.jit(wrapper)
+            new = export.export(
+                jitted,
+                platforms=tuple(exported.platforms),
+                disabled_checks=list(exported.disabled_safety_checks),
+            )(*args, **kwargs)
+            depth = _vjp_depth(exported)
+            result["vjp_order"] = depth
+            with open(f"{out_dir}/exported.bin", "wb") as f:
+                f.write(new.serialize(vjp_order=depth))
+        elif mode == "run":
+            with open(f"{out_dir}/inputs.json") as f:
+                dtypes = json.load(f)
+            with np.load(f"{out_dir}/inputs.npz", allow_pickle=False) as data:
+                raw = [data[f"in_{i}"] for i in range(len(dtypes))]
+            leaves = [
+                r if str(r.dtype) == d else r.view(jax.numpy.dtype(d))
+                for r, d in zip(raw, dtypes, strict=True)
+            ]
+            leaves = [
+                x if s is None else jax.device_put(x, s) for x, s in zip(leaves, in_sh, strict=True)
+            ]
+            args, kwargs = jax.tree.unflatten(exported.in_tree, leaves)
+            outs = [np.asarray(x) for x in jax.tree.leaves(jax.jit(exported.call)(*args, **kwargs))]
+            result["output_dtypes"] = [str(o.dtype) for o in outs]
+            np.savez(
+                f"{out_dir}/outputs.npz",
+                **{
+                    f"out_{i}": o.view(f"u{o.dtype.itemsize}")
+                    if o.dtype.kind == "V" or o.dtype.name not in np.sctypeDict
+                    else o
+                    for i, o in enumerate(outs)
+                },
+            )
+        else:
+            raise ValueError(f"mode must be run or reexport, got {mode!r}")
+        result["seconds"] = round(time.perf_counter() - start, 3)
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        result["error"] = f"{type(err).__name__}: {err}"[:4000]
+        result["traceback"] = traceback.format_exc()[-4000:]
+    with open(f"{out_dir}/result.json", "w") as f:
+        json.dump(result, f)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--blob"]:
+        sys.exit(blob_main(*sys.argv[2:5]))
     sys.exit(main(*sys.argv[1:4]))

@@ -292,8 +292,8 @@ def test_check_across_the_version_line(tmp_path):
     fed what ``jaxexp check`` feeds it (``blob_meta`` of the jax-free reader's description),
     against this environment with the other jax's measured facts."""
     from jaxexp_mlflow.cli.check import blob_meta
-    from jaxexp_mlflow.codec.metadata import package_version
     from jaxexp_mlflow.codec.reader import read_blob_file
+    from jaxexp_mlflow.flavors.section import package_version
 
     here = compat.Environment.current()
     jax_0102 = here.replace(  # measured with jax/jaxlib 0.10.2
@@ -573,7 +573,7 @@ def test_verify_an_expired_model_with_and_without_the_flag(store, expired_env, m
 
 
 def test_log_blob_with_orbax_params_into_an_existing_run(store, tmp_path):
-    from jaxexp_mlflow.codec.params import save_params
+    from jaxexp_mlflow.params import save_params
 
     params = store["params"]
     blob = tmp_path / "mlp.bin"

@@ -14,6 +14,7 @@ def load_judged(
     allow_incompatible: bool = False,
     allow_other_platform: bool = False,
     backend: str = "jax",
+    route: str | None = None,
     **options: Any,
 ) -> Any:
     """:func:`load`; after ``--allow-incompatible``, a JAX load that fails as the verdict said
@@ -24,6 +25,7 @@ def load_judged(
             allow_incompatible=allow_incompatible,
             allow_other_platform=allow_other_platform,
             backend=backend,
+            route=route,
             **options,
         )
     except Exception as err:
@@ -42,22 +44,29 @@ def load(
     allow_incompatible: bool = False,
     isolate: bool = False,
     backend: str = "jax",
+    route: str | None = None,
     **options: Any,
 ) -> Any:
     """The model (params bound) or, for a bare blob, the export alone (no params).
 
     ``isolate`` has JAX deserialize the blob in a capped child process first (see
     ``runtime.isolate``); ``options`` go to the device placement (``allow_other_platform``...).
-    ``backend="iree"`` loads an ``IreeModel`` without importing JAX."""
+    ``backend="iree"`` loads an ``IreeModel`` without importing JAX. ``route`` (``direct``,
+    ``expired-flag`` or ``bridge``; ``runtime/routes.py``) is taken as asked; the model's
+    ``route`` attribute says which ran."""
     if backend == "iree":
         return _load_iree(target, allow_incompatible=allow_incompatible, **options)
+    from jaxexp_mlflow.runtime import routes
+
+    if route == routes.BRIDGE:
+        return _load_bridged(target, allow_incompatible=allow_incompatible, **options)
+    routes.check_name(route)
     if target.kind == "blob":
         from jaxexp_mlflow.cli.check import blob_meta
         from jaxexp_mlflow.codec import files
         from jaxexp_mlflow.codec.blob import describe, deserialize_checked
-        from jaxexp_mlflow.runtime import compat, devices
+        from jaxexp_mlflow.runtime import devices
         from jaxexp_mlflow.runtime.isolate import probe
-        from jaxexp_mlflow.runtime.loader import enforce
         from jaxexp_mlflow.runtime.model import JaxExpModel
 
         with step("Checking and deserializing the blob"):
@@ -66,17 +75,24 @@ def load(
                 target.blob_path, what="serialized function", max_bytes=files.MAX_BLOB_BYTES
             )
             desc = describe(data, source=source)
-            verdict = compat.assess(
+            _, scope = routes.judge(
                 blob_meta(desc),
-                description=desc,
+                desc,
+                route,
                 allow_other_platform=bool(options.get("allow_other_platform")),
+                allow_incompatible=allow_incompatible,
+                uri=target.uri,
             )
-            enforce(verdict, allow_incompatible=allow_incompatible)
-            if isolate:  # JAX's deserializer, in a capped child first
-                probe(data, source=source)
-            exported = deserialize_checked(data, source=source, description=desc)
+            with scope():
+                if isolate:  # JAX's deserializer, in a capped child first
+                    probe(data, source=source)
+                exported = deserialize_checked(data, source=source, description=desc)
+            if route == routes.EXPIRED_FLAG:
+                exported = routes.with_scoped_vjp(exported)
             placement = devices.plan(exported, **options)
-        return JaxExpModel(placement.exported, None, {}, placement=placement)
+        model = JaxExpModel(placement.exported, None, {}, placement=placement)
+        model.route = route or routes.DIRECT
+        return model
     from jaxexp_mlflow.runtime.loader import load_directory
 
     # jaxexp is the loader: nothing from the model's code/ goes on sys.path (docs/security.md)
@@ -88,8 +104,92 @@ def load(
             target.flavor,
             allow_incompatible=allow_incompatible,
             isolate=isolate,
+            route=route,
             **options,
         )
+
+
+def blob_bytes(target: Target) -> bytes:
+    """The target's serialized blob, read bounded and confined (model dir or bare file)."""
+    from jaxexp_mlflow.codec import files
+
+    if target.kind == "blob":
+        return files.read_file(
+            target.blob_path, what="serialized function", max_bytes=files.MAX_BLOB_BYTES
+        )
+    from jaxexp_mlflow import artifact
+
+    return artifact.read_blob(target.path, target.flavor)
+
+
+def plan_routes(target: Target, *, allow_other_platform: bool = False) -> list[Any]:
+    """The routes that work here for ``target`` (``runtime.routes.plan``), in order."""
+    from jaxexp_mlflow.cli.check import blob_meta
+    from jaxexp_mlflow.codec.blob import describe
+    from jaxexp_mlflow.runtime import compat, routes
+
+    desc = describe(blob_bytes(target), source=str(target.blob_path))
+    meta = blob_meta(desc) if target.kind == "blob" else target.flavor
+    verdict = compat.assess(meta, description=desc, allow_other_platform=allow_other_platform)
+    return routes.plan(verdict, meta, desc, uri=target.uri)
+
+
+def pick_route(target: Target, route: str | None, **options: Any) -> Any:
+    """The :class:`~jaxexp_mlflow.runtime.routes.Route` to take: the one named by ``route``
+    (refused naming the working ones if it does not work here), the first that works for
+    ``auto``, None for no ``--route`` (the plain load, refused naming the routes)."""
+    from jaxexp_mlflow.cli._common import Failure
+    from jaxexp_mlflow.runtime import routes
+
+    if route is None:
+        return None
+    available = plan_routes(target, allow_other_platform=bool(options.get("allow_other_platform")))
+    chosen = available[0] if route == "auto" and available else routes.find(available, route)
+    if chosen is None:
+        raise Failure(
+            f"--route {route}: "
+            + ("no route works" if route == "auto" else "that route does not work here")
+            + f" for {target.uri}.\n{routes.describe(available)}"
+        )
+    return chosen
+
+
+def _load_bridged(target: Target, *, allow_incompatible: bool, **options: Any) -> Any:
+    """The bridge route: the blob re-exported by jax ``routes.BRIDGE_JAX`` in a cached venv,
+    checked like any blob, loaded here (params, if any, bound from the model's checkpoint)."""
+    from jaxexp_mlflow import env_routes
+    from jaxexp_mlflow.cli.check import blob_meta
+    from jaxexp_mlflow.codec.blob import describe, deserialize_checked
+    from jaxexp_mlflow.runtime import compat, devices, routes
+    from jaxexp_mlflow.runtime.loader import enforce
+    from jaxexp_mlflow.runtime.model import JaxExpModel
+
+    data = blob_bytes(target)
+    desc = describe(data, source=str(target.blob_path))
+    with step(f"Re-exporting the blob with jax {routes.BRIDGE_JAX} (bridge venv)"):
+        new, _ = env_routes.reexport_in(routes.BRIDGE_JAX, data, nr_devices=int(desc.nr_devices))
+    source = f"{target.blob_path} (re-exported by jax {routes.BRIDGE_JAX})"
+    new_desc = describe(new, source=source)
+    meta = blob_meta(new_desc)
+    verdict = compat.assess(
+        meta, description=new_desc, allow_other_platform=bool(options.get("allow_other_platform"))
+    )
+    enforce(verdict, allow_incompatible=allow_incompatible)
+    node_types = None if target.kind == "blob" else target.flavor.get("pytree_node_types")
+    with step("Loading the re-exported blob here"):
+        exported = deserialize_checked(
+            new, source=source, node_types=node_types, description=new_desc
+        )
+        placement = devices.plan(exported, **options)
+        if target.kind == "blob":
+            model = JaxExpModel(placement.exported, None, {}, placement=placement)
+        else:
+            from jaxexp_mlflow.reexport import _bind
+
+            model = _bind(placement.exported, target.path, target.flavor, placement)
+    model.route = routes.BRIDGE
+    model.bridged_blob = new
+    return model
 
 
 def _load_iree(target: Target, *, allow_incompatible: bool, **options: Any) -> Any:
@@ -153,3 +253,70 @@ def environment_line(env: dict[str, Any]) -> str:
         f"jax {env['jax_version']} / jaxlib {env['jaxlib_version']} on {env['backend']} "
         f"({n} device{'s' if n != 1 else ''}: {env['device_kind']})"
     )
+
+
+ROUTE_CHOICES = ("auto", "direct", "expired-flag", "bridge", "recorded-env", "iree")
+
+
+def route_option(fn: Any) -> Any:
+    """``--route``: take a route (``runtime/routes.py``) explicitly, never silently."""
+    import click
+
+    return click.option(
+        "--route",
+        type=click.Choice(ROUTE_CHOICES),
+        default=None,
+        help="Take this route to run a model this JAX refuses (see `jaxexp check`): "
+        "expired-flag (JAX's flag around the deserialization), bridge (re-export with jax "
+        "0.10.2 in a cached venv, run here), recorded-env (the writer's jax in a cached venv), "
+        "iree; auto takes the first that works. The output says which ran.",
+    )(fn)
+
+
+def route_line(chosen: Any) -> str:
+    """``Route     expired-flag (jax 0.12.0.1)``: which route ran, for the text output."""
+    who = f" (jax {chosen.jax_version})" if chosen.jax_version else ""
+    return f"Route     {chosen.name}{who}"
+
+
+def exported_for_specs(data: bytes) -> Any:
+    """An ``Exported`` of ``data`` for its input structure only (never called here): read as
+    is, else with JAX's expired-versions flag in scope; a Failure if this jax cannot read it."""
+    from jaxexp_mlflow.cli._common import Failure
+    from jaxexp_mlflow.codec.blob import deserialize_checked
+    from jaxexp_mlflow.runtime import routes
+
+    try:
+        return deserialize_checked(data)
+    except Exception:  # noqa: BLE001 - try with the flag, then give up
+        pass
+    try:
+        with routes.expired_flag():
+            return deserialize_checked(data)
+    except Exception as err:  # noqa: BLE001
+        raise Failure(
+            "this jax cannot read the blob's input structure, which the recorded-env route "
+            f"needs to read the inputs: {err}; take --route bridge"
+        ) from err
+
+
+def run_recorded_env(target: Target, chosen: Any, leaves: list[Any]) -> list[Any]:
+    """The recorded-env route: the blob run by jax ``chosen.jax_version`` in a cached venv on
+    the flat input ``leaves``; a model with params is refused (its params need the model's own
+    recorded environment: `jaxexp verify --env-manager uv`)."""
+    from jaxexp_mlflow import env_routes
+    from jaxexp_mlflow.cli._common import Failure
+    from jaxexp_mlflow.codec.blob import describe
+
+    if target.kind != "blob" and target.flavor.get("params"):
+        raise Failure(
+            f"--route recorded-env runs bare blobs; {target.uri} has params, which need the "
+            f"model's recorded requirements: run `jaxexp verify {target.uri} --env-manager uv`"
+        )
+    data = blob_bytes(target)
+    desc = describe(data, source=str(target.blob_path))
+    with step(f"Running it with jax {chosen.jax_version} (recorded-env venv)"):
+        outs, _ = env_routes.run_in(
+            chosen.jax_version, data, leaves, nr_devices=int(desc.nr_devices)
+        )
+    return outs

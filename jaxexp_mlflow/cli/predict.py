@@ -16,6 +16,7 @@ from jaxexp_mlflow.cli._common import (
     step,
     table,
 )
+from jaxexp_mlflow.cli.loading import route_line, route_option
 from jaxexp_mlflow.cli.uri import resolve
 
 
@@ -58,12 +59,14 @@ input_example.json / serving_input_example.json. Casts are lossless only (exit 2
     type=click.Path(path_type=Path, dir_okay=False),
     help="Write the outputs (flat leaves out_0, ...) to .npz, .npy or .json.",
 )
+@route_option
 @run_options
 @common_options
 def predict(
     uri: str,
     input_file: Path,
     output_file: Path | None,
+    route: str | None,
     allow_incompatible: bool,
     allow_other_platform: bool,
     backend: str,
@@ -73,11 +76,11 @@ def predict(
     """Run a model (or a bare blob without params) on inputs read from a file.
 
     Without --output, prints a summary of each output (shape, dtype, min, max, mean); with
-    --json, the values too.
+    --json, the values too. For a model this JAX refuses, the error names the routes that
+    work; --route takes one (auto: the first), and the output says which ran.
     """
     setup_logging(debug)
     from jaxexp_mlflow.cli.arrays_io import (
-        call_args,
         input_leaves,
         input_specs,
         read_payload,
@@ -92,39 +95,21 @@ def predict(
 
         _check_suffix(output_file, "output file")  # fail before the expensive part
     target = resolve(uri)
-    from jaxexp_mlflow.cli.loading import load_judged
+    from jaxexp_mlflow.cli.loading import pick_route
 
-    model = load_judged(
-        target,
-        allow_incompatible=allow_incompatible,
-        allow_other_platform=allow_other_platform,
-        backend=backend,
-    )
-    import numpy as np
+    chosen = pick_route(target, route, allow_other_platform=allow_other_platform)
+    name = chosen.name if chosen is not None else None
+    if name == "iree":
+        backend = "iree"
 
     flavor = target.flavor if target.kind != "blob" else None
-    try:
-        if backend == "iree":
-            from jaxexp_mlflow.cli.arrays_io import iree_input_specs
+    if name == "recorded-env":
+        from jaxexp_mlflow.cli.loading import blob_bytes, exported_for_specs, run_recorded_env
 
-            leaves_in = input_leaves(payload, iree_input_specs(model, flavor))
-            with step("Running"):
-                leaves = model.call_flat(leaves_in)
-        else:
-            import jax
-
-            has_params = bool(model._n_param_leaves)
-            specs = input_specs(model.exported, has_params, flavor)
-            args, kwargs = call_args(model.exported, has_params, input_leaves(payload, specs))
-            with step("Running (compile + run)"):
-                out = model(*args, **kwargs)
-                leaves = [np.asarray(x) for x in jax.tree.leaves(out)]
-    except Exception as err:
-        if "JaxExpError" in {c.__name__ for c in type(err).__mro__}:
-            raise
-        raise Failure(
-            f"the model failed to run here ({type(err).__name__}: {err}); see `jaxexp check {uri}`"
-        ) from err
+        specs = input_specs(exported_for_specs(blob_bytes(target)), False, flavor)
+        leaves = run_recorded_env(target, chosen, input_leaves(payload, specs))
+    else:
+        leaves = _run_here(target, payload, name, backend, allow_incompatible, allow_other_platform)
     from jaxexp_mlflow.codec.reader import read_blob_file
     from jaxexp_mlflow.flavors.signature import specs_from_conf
 
@@ -142,6 +127,7 @@ def predict(
             {
                 "ok": True,
                 "uri": uri,
+                "route": chosen.to_dict() if chosen is not None else {"name": "direct"},
                 "output_file": None if output_file is None else str(output_file),
                 "outputs": [
                     {
@@ -160,6 +146,54 @@ def predict(
         [p, "x".join(map(str, a.shape)) or "scalar", a.dtype, *_stats(a)]
         for p, a in zip(paths, leaves, strict=True)
     ]
+    if chosen is not None:
+        click.echo(route_line(chosen))
     click.echo(table(["output", "shape", "dtype", "min", "max", "mean"], rows))
     if output_file is not None:
         click.echo(f"\nWrote {len(leaves)} output(s) to {output_file}")
+
+
+def _run_here(
+    target,  # noqa: ANN001
+    payload,  # noqa: ANN001
+    route: str | None,
+    backend: str,
+    allow_incompatible: bool,
+    allow_other_platform: bool,
+) -> list:
+    """The model loaded in this process (by ``route``, if given) and run on ``payload``."""
+    import numpy as np
+
+    from jaxexp_mlflow.cli.arrays_io import call_args, input_leaves, input_specs
+    from jaxexp_mlflow.cli.loading import load_judged
+
+    model = load_judged(
+        target,
+        allow_incompatible=allow_incompatible,
+        allow_other_platform=allow_other_platform,
+        backend=backend,
+        route=route if route not in (None, "iree") else None,
+    )
+    flavor = target.flavor if target.kind != "blob" else None
+    try:
+        if backend == "iree":
+            from jaxexp_mlflow.cli.arrays_io import iree_input_specs
+
+            leaves_in = input_leaves(payload, iree_input_specs(model, flavor))
+            with step("Running"):
+                return model.call_flat(leaves_in)
+        import jax
+
+        has_params = bool(model._n_param_leaves)
+        specs = input_specs(model.exported, has_params, flavor)
+        args, kwargs = call_args(model.exported, has_params, input_leaves(payload, specs))
+        with step("Running (compile + run)"):
+            out = model(*args, **kwargs)
+            return [np.asarray(x) for x in jax.tree.leaves(out)]
+    except Exception as err:
+        if "JaxExpError" in {c.__name__ for c in type(err).__mro__}:
+            raise
+        raise Failure(
+            f"the model failed to run here ({type(err).__name__}: {err}); see `jaxexp check "
+            f"{target.uri}`"
+        ) from err

@@ -9,16 +9,18 @@ from typing import Any
 
 from jaxexp_mlflow import artifact
 from jaxexp_mlflow.codec import blob
-from jaxexp_mlflow.codec.mlmodel import validate_flavor
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
+from jaxexp_mlflow.flavors.section import validate_flavor
 from jaxexp_mlflow.runtime import compat, devices
 from jaxexp_mlflow.runtime.model import JaxExpModel
 
 _logger = logging.getLogger(__name__)
 
 
-def enforce(verdict: compat.Verdict, *, allow_incompatible: bool) -> None:
-    """Refuse an incompatible verdict (unless overridden) and log a warning verdict."""
+def enforce(verdict: compat.Verdict, *, allow_incompatible: bool, hint: str = "") -> None:
+    """Refuse an incompatible verdict (unless overridden) and log a warning verdict.
+
+    ``hint`` (the working routes, ``runtime.routes.describe``) is added to the refusal."""
     if verdict.status == compat.INCOMPATIBLE and not allow_incompatible:
         raise IncompatibleError(
             "This model cannot run here:\n- "
@@ -26,7 +28,8 @@ def enforce(verdict: compat.Verdict, *, allow_incompatible: bool) -> None:
             + "".join(
                 f"\n- (warning) {r}" for r in verdict.reasons if r.severity != compat.INCOMPATIBLE
             )
-            + "\nFix the above, or pass allow_incompatible=True to try anyway."
+            + (f"\n{hint}" if hint else "")
+            + "\nFix the above, take a route, or pass allow_incompatible=True to try anyway."
         )
     for reason in verdict.reasons:
         _logger.warning("jaxexp: %s", reason)
@@ -40,6 +43,7 @@ def load_directory(
     isolate: bool = False,
     bind: Any = None,
     mapped: dict[str, int] | None = None,
+    route: str | None = None,
     **options: Any,
 ) -> JaxExpModel:
     """Verify, judge, deserialize and bind params for the model stored at ``path``.
@@ -53,8 +57,10 @@ def load_directory(
     instead of restored; the checkpoint is still checked whole (every file's CRC-32C, tree,
     shapes, dtypes) but not read into a second copy in memory. ``mapped`` (not None): the
     directory is private to this process (``load_model``'s download), so params may be mapped
-    rather than copied (``codec.params.restore_params``); it maps file paths relative to
-    ``path`` to the CRC-32C the download computed as each file landed.
+    rather than copied (``params.restore_params``); it maps file paths relative to
+    ``path`` to the CRC-32C the download computed as each file landed. ``route`` (``direct``
+    or ``expired-flag``, ``runtime.routes``) is taken as asked, never chosen silently; a refusal
+    names the routes that work.
     """
     meta = validate_flavor(meta)
     data = artifact.read_blob(path, meta)
@@ -67,24 +73,33 @@ def load_directory(
             "path of its params checkpoint. The MLmodel file was altered; download the model "
             "again."
         )
-    verdict = compat.assess(
-        meta,
-        description=description,
-        allow_other_platform=bool(options.get("allow_other_platform", False)),
-    )
-    enforce(verdict, allow_incompatible=allow_incompatible)
-    if isolate:
-        from jaxexp_mlflow.runtime.isolate import probe
+    from jaxexp_mlflow.runtime import routes
 
-        probe(data, source=source, node_types=meta.get("pytree_node_types"))
-    exported = blob.deserialize_checked(
-        data, source=source, node_types=meta.get("pytree_node_types"), description=description
+    verdict, scope = routes.judge(
+        meta,
+        description,
+        route,
+        allow_other_platform=bool(options.get("allow_other_platform", False)),
+        allow_incompatible=allow_incompatible,
     )
+    with scope():
+        if isolate:
+            from jaxexp_mlflow.runtime.isolate import probe
+
+            probe(data, source=source, node_types=meta.get("pytree_node_types"))
+        exported = blob.deserialize_checked(
+            data,
+            source=source,
+            node_types=meta.get("pytree_node_types"),
+            description=description,
+        )
+    if route == routes.EXPIRED_FLAG:
+        exported = routes.with_scoped_vjp(exported)
     placement = devices.plan(exported, **options)
     params = None
     ckpt = artifact.params_dir(path, meta)
     if ckpt is not None:
-        from jaxexp_mlflow.codec.params import check_checkpoint, restore_params, verify_manifest
+        from jaxexp_mlflow.params import check_checkpoint, restore_params, verify_manifest
 
         target = artifact.params_target(placement.exported, placement.in_shardings, meta)
         if bind is None:
@@ -99,4 +114,5 @@ def load_directory(
             params = bind
     model = JaxExpModel(placement.exported, params, meta, placement=placement)
     model.verdict = verdict
+    model.route = route or routes.DIRECT
     return model
