@@ -24,7 +24,6 @@ Nothing here runs at import time; jax, orbax and mlflow are imported when the ho
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -59,7 +58,10 @@ def _scalar(value: Any) -> float:
 
 def _memoize_vjp(exported: Any, order: int) -> Any:
     """Make ``exported.serialize(vjp_order=order)`` lower each VJP once, not at every log."""
-    inner = getattr(exported, "_get_vjp", None)
+    from jaxexp_mlflow.internals.jax_private import get_vjp as private_get_vjp
+    from jaxexp_mlflow.internals.jax_private import with_vjp
+
+    inner = private_get_vjp(exported)
     if order <= 0 or inner is None:
         return exported
     cache: dict[str, Any] = {}
@@ -69,7 +71,7 @@ def _memoize_vjp(exported: Any, order: int) -> Any:
             cache["vjp"] = _memoize_vjp(inner(e), order - 1)
         return cache["vjp"]
 
-    return dataclasses.replace(exported, _get_vjp=get_vjp)
+    return with_vjp(exported, get_vjp)
 
 
 class TrainingHook:

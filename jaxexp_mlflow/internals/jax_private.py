@@ -191,6 +191,13 @@ def with_vjp(exported: Any, get_vjp_fn: Callable[[Any], Any]) -> Any:
     return dataclasses.replace(exported, _get_vjp=get_vjp_fn)
 
 
+def named_shardings(exported: Any, side: str) -> tuple[Any, ...] | None:
+    """The ``Exported``'s ``side`` ("in"/"out") NamedShardings (jax >= 0.9), or None where this
+    jax has none (the caller then works from the public HLO shardings)."""
+    named = getattr(exported, f"_{side}_named_shardings", None)
+    return None if named is None else tuple(named)
+
+
 def shardings(exported: Any, side: str) -> tuple[Any, ...]:
     """The ``Exported``'s ``side`` ("in"/"out") shardings: NamedShardings where it has them
     (jax >= 0.8 when deserialized from named shardings, always in jax 0.12), else HLO ones."""

@@ -94,8 +94,10 @@ def _mesh_for(exported: Any, devices: list[Any]) -> Any:
     import numpy as np
     from jax.sharding import Mesh
 
-    named = getattr(exported, "_in_named_shardings", None) or ()
-    for s in (*named, *(getattr(exported, "_out_named_shardings", None) or ())):
+    from jaxexp_mlflow.internals.jax_private import named_shardings
+
+    named = named_shardings(exported, "in") or ()
+    for s in (*named, *(named_shardings(exported, "out") or ())):
         mesh = getattr(s, "mesh", None)
         if mesh is not None and getattr(mesh, "axis_sizes", None):
             return Mesh(np.array(devices).reshape(mesh.axis_sizes), mesh.axis_names)
@@ -211,8 +213,10 @@ def _shardings(exported: Any, mesh: Any, devs: list[Any]) -> tuple[tuple, tuple]
     try:
         return tuple(exported.in_shardings_jax(mesh)), tuple(exported.out_shardings_jax(mesh))
     except ValueError as err:
-        named_in = getattr(exported, "_in_named_shardings", None)
-        named_out = getattr(exported, "_out_named_shardings", None)
+        from jaxexp_mlflow.internals.jax_private import named_shardings
+
+        named_in = named_shardings(exported, "in")
+        named_out = named_shardings(exported, "out")
         if named_in is None or named_out is None:
             from jaxexp_mlflow.errors import IncompatibleError
 
