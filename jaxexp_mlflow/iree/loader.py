@@ -32,16 +32,40 @@ def platform_index(platforms: tuple[str, ...] | list[str]) -> int | None:
     return list(platforms).index("cpu") if "cpu" in platforms else 0
 
 
-def param_leaf_names(description: Any, prepared: dict[str, Any] | None) -> list[str]:
+def param_leaf_names(
+    description: Any, prepared: dict[str, Any] | None, meta: dict[str, Any] | None = None
+) -> list[str]:
     """Orbax directory names of the params leaves, in the module's order.
 
-    Recorded at save time (``prepared["param_leaves"]``); derived from the blob's in_tree for
-    models saved before, when the params are dicts, lists and tuples only.
+    The names the flavor recorded, never reconstructed: a checkpoint of the named layout
+    (``params_layout: named``) stores the flat dict ``{name: array}`` under MLmodel's
+    ``param_names`` (``layers[0].w``, ``non_trainable[0]``), each array in the directory of its
+    name; other checkpoints (copied ones, older models) under the names the save-time
+    preparation recorded (``param_leaves``). Only models saved before both are named from the
+    blob's in_tree, when the params are dicts, lists and tuples.
     """
+    meta = meta or {}
+    n = None
+    args = description.in_tree.children[0] if description.in_tree.children else None
+    if args is not None and args.children:
+        n = args.children[0].num_leaves
+    recorded = meta.get("param_names")
+    if meta.get("params_layout") == "named" and recorded is not None:
+        if (
+            not isinstance(recorded, list)
+            or (n is not None and len(recorded) != n)
+            or len(set(map(str, recorded))) != len(recorded)
+            or not all(isinstance(x, str) and x for x in recorded)
+        ):
+            raise ArtifactError(
+                f"MLmodel's param_names do not fit the export: expected {n} distinct names, "
+                f"found {str(recorded)[:200]}. The MLmodel file was altered; download the model "
+                "again."
+            )
+        return list(recorded)
     if prepared and prepared.get("param_leaves") is not None:
         return list(prepared["param_leaves"])
-    args = description.in_tree.children[0]
-    names = trees.leaf_names(args.children[0]) if args.children else None
+    names = trees.leaf_names(args.children[0]) if args is not None and args.children else None
     if names is None:
         raise ArtifactError(
             "The params pytree holds custom nodes (e.g. Flax FrozenDict) whose key paths only "
@@ -125,7 +149,7 @@ def build(
     module = read_module(prepared) if use_prepared else original
     params: list[Any] = []
     if meta.get("params") and read_params is not None:
-        names = param_leaf_names(description, prepared)
+        names = param_leaf_names(description, prepared, meta)
         avals = description.in_avals[: len(names)]
         from jaxexp_mlflow.iree.shapes import Aval
 

@@ -263,7 +263,8 @@ class IreeModel:
 
     def _upload(self, arr: Any, index: int | None) -> Any:
         rt = self._rt
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr)
+        arr = np.ascontiguousarray(arr).reshape(arr.shape)  # ascontiguousarray makes 0-d 1-d
         et = (
             self._element_types[index]
             if index is not None

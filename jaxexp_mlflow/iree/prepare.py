@@ -10,6 +10,14 @@ Stores beside the original blob (kept byte-for-byte) what IREE needs and only JA
 * shapes made explicit where IREE needs it: ``dynamic_broadcast_in_dim`` ops of symbolic-batch
   exports get ``known_nonexpanding_dimensions`` (IREE refuses to lower them otherwise; JAX never
   expands a dimension of unknown size), so one compiled module still serves every batch size;
+* ``dot_general`` algorithms dropped where the operand and result types already say it
+  (``bf16 x bf16 -> f32`` with ``accumulation_type = f32``, what ``jax.nn.dot_product_attention``
+  writes for bfloat16): IREE 3.13 cannot legalize the ``algorithm`` attribute; the op computes
+  the same without it;
+* the ops IREE cannot compile, found while walking (``unsupported``): a ``gather`` (or
+  ``dynamic_gather``) whose result has a symbolic dimension (embedding lookups of
+  symbolic-batch exports). The IREE verdict refuses them up front, naming the op and the way out
+  (save with ``batch_polymorphic=False``);
 * the calling-convention facts: the Orbax directory names of the params leaves (custom pytree
   nodes such as Flax's ``FrozenDict`` have key paths only JAX can compute), the exporter's
   symbolic shape constraints (checked before each call, since IREE drops shape assertions), the
@@ -92,7 +100,50 @@ def _explicit_broadcast(op: Any, ir: Any) -> bool:
     return True
 
 
-def _rewrite_op(op: Any, ir: Any, changes: set[str]) -> None:
+#: What the IREE verdict says about a gather of a symbolic-batch export (IREE 3.13 lowers a gather
+#: through a reshape that must be static, and fails on dynamic ones).
+SYMBOLIC_GATHER = "gather with a symbolic batch dimension"
+
+
+def _implied_algorithm(op: Any, ir: Any) -> bool:
+    """Drop a ``dot_general``'s ``algorithm`` when the types already state it: one primitive
+    operation, each operand's precision its own element type, accumulation in the result's
+    element type (the default dot of those types). IREE 3.13 cannot legalize the attribute."""
+    attrs = op.attributes
+    if "algorithm" not in attrs:
+        return False
+    text = str(attrs["algorithm"])
+
+    def field(name: str) -> str | None:
+        m = re.search(rf"\b{name}\s*=\s*([A-Za-z0-9_]+)", text)
+        return m.group(1) if m else None
+
+    def element(value: Any) -> str:
+        return str(ir.RankedTensorType(value.type).element_type)
+
+    implied = (
+        field("lhs_precision_type") == element(op.operands[0])
+        and field("rhs_precision_type") == element(op.operands[1])
+        and field("accumulation_type") == element(op.results[0])
+        and field("lhs_component_count") in (None, "1")
+        and field("rhs_component_count") in (None, "1")
+        and field("num_primitive_operations") in (None, "1")
+        and field("allow_imprecise_accumulation") in (None, "false")
+    )
+    if implied:
+        del attrs["algorithm"]
+    return implied
+
+
+def _symbolic_result(op: Any, ir: Any) -> bool:
+    try:
+        result = ir.RankedTensorType(op.results[0].type)
+    except (ValueError, TypeError, IndexError):
+        return False
+    return any(result.is_dynamic_dim(i) for i in range(result.rank))
+
+
+def _rewrite_op(op: Any, ir: Any, changes: set[str], unsupported: set[str]) -> None:
     for region in op.regions:
         for block in region.blocks:
             for child in list(block.operations):
@@ -118,32 +169,46 @@ def _rewrite_op(op: Any, ir: Any, changes: set[str]) -> None:
                         child, ir
                     ):
                         changes.add("dynamic broadcasts made explicit")
-                    _rewrite_op(child, ir, changes)
+                    elif name == "stablehlo.dot_general" and _implied_algorithm(child, ir):
+                        changes.add("dot algorithms implied by the types dropped")
+                    elif name in ("stablehlo.gather", "stablehlo.dynamic_gather") and (
+                        _symbolic_result(child, ir)
+                    ):
+                        unsupported.add(SYMBOLIC_GATHER)
+                    _rewrite_op(child, ir, changes, unsupported)
 
 
-def rewrite(module: bytes, target_version: str) -> tuple[bytes, list[str]]:
-    """The portable artifact ``module`` as IREE needs it, at ``target_version``, and the changes:
-    the Shardy dialect stripped, dynamic broadcasts' expanding dimensions made explicit."""
+def analyse(module: bytes, target_version: str) -> tuple[bytes, list[str], list[str] | None]:
+    """The portable artifact ``module`` as IREE needs it, at ``target_version``, the changes
+    (the Shardy dialect stripped, dynamic broadcasts' expanding dimensions made explicit, implied
+    dot algorithms dropped) and the ops IREE cannot compile (None: the module was not walked)."""
     from jaxexp_mlflow.internals.jax_private import portable_artifact_api
 
     api = portable_artifact_api()
     if api is None:
-        return module, ["kept as stored (this jaxlib offers no portable-artifact reader)"]
+        return module, ["kept as stored (this jaxlib offers no portable-artifact reader)"], None
     make_ir_context, ir, artifacts = api
     changes: set[str] = set()
+    unsupported: set[str] = set()
     with make_ir_context():
         parsed = artifacts.deserialize_portable_artifact(module)
         text_api = isinstance(parsed, str)  # jaxlib < 0.7 passes modules as text
         if text_api:
             parsed = ir.Module.parse(parsed)
         _strip_attrs(parsed.operation, ir)
-        _rewrite_op(parsed.operation, ir, changes)
+        _rewrite_op(parsed.operation, ir, changes, unsupported)
         if not changes:
-            return module, []
+            return module, [], sorted(unsupported)
         out = artifacts.serialize_portable_artifact(
             str(parsed) if text_api else parsed, target_version
         )
-    return bytes(out), sorted(changes)
+    return bytes(out), sorted(changes), sorted(unsupported)
+
+
+def rewrite(module: bytes, target_version: str) -> tuple[bytes, list[str]]:
+    """The portable artifact ``module`` as IREE needs it and the changes (see :func:`analyse`)."""
+    out, changes, _ = analyse(module, target_version)
+    return out, changes
 
 
 def _param_leaf_names(exported: Any, n_param_leaves: int) -> list[str] | None:
@@ -207,7 +272,7 @@ def prepare(
         producer = description.stablehlo_producer or ""
         target = producer.rsplit("_v", 1)[-1] if "_v" in producer else "1.0.0"
         try:
-            rewritten, changes = rewrite(module, target)
+            rewritten, changes, unsupported = analyse(module, target)
         except _CannotStrip as err:
             section["problem"] = f"the module uses {err}, which carries computation"
             _logger.warning("jaxexp: IREE preparation: %s", section["problem"])
@@ -215,6 +280,8 @@ def prepare(
             section["problem"] = f"rewriting the module failed: {type(err).__name__}: {err}"[:500]
             _logger.warning("jaxexp: IREE preparation: %s", section["problem"])
         else:
+            if unsupported is not None:
+                section["unsupported"] = unsupported
             if changes:
                 path = Path(model_dir, PREPARED_MODULE)
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,11 @@ anything is compiled. Reasons (codes):
 ``iree_custom_calls``  custom calls other than ``shape_assertion`` (LAPACK, host callbacks...)
 ``iree_module``        the module cannot be read as MLIR bytecode
 ``iree_dtypes``        dtypes the IREE runtime cannot pass (e.g. int4, float4)
+``iree_ops``           ops IREE 3.13 cannot compile: a ``gather`` whose result has a symbolic
+                       (batch) dimension, i.e. an embedding lookup of a ``batch_polymorphic``
+                       export. From the save-time walk of the module (``iree.unsupported``);
+                       for models without one, from the blob: a gather op in a module with
+                       symbolic input shapes
 ``iree_sdy``           the module carries Shardy (``sdy``), which IREE cannot parse, and the model
                        has no prepared module (saved before preparation existed or without JAX)
 """
@@ -21,10 +26,42 @@ from typing import Any
 
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.iree.model import DTYPES_HINT, unsupported_dtypes
+from jaxexp_mlflow.iree.shapes import Aval
 from jaxexp_mlflow.runtime.compat import INCOMPATIBLE, OK, WARN, Reason, Verdict
 
 #: Custom calls the IREE path handles itself: shape assertions are checked before the call.
 HANDLED_TARGETS = frozenset({"shape_assertion"})
+
+#: As ``iree.prepare.SYMBOLIC_GATHER`` (that module imports jax).
+SYMBOLIC_GATHER = "gather with a symbolic batch dimension"
+#: The way out of each construct ``iree_ops`` refuses.
+OPS_ACTION = {
+    SYMBOLIC_GATHER: (
+        "Save the model with batch_polymorphic=False (IREE then compiles it for the saved batch "
+        "size; serve other sizes with fixed batch buckets, one model per size), or load it "
+        "with the JAX backend (backend='jax')."
+    ),
+}
+
+
+def unsupported_ops(description: Any, prepared: dict[str, Any] | None) -> list[str]:
+    """The constructs of the module IREE 3.13 cannot compile (see ``iree_ops``).
+
+    The save-time walk (``prepared["unsupported"]``) knows each op's result type; without it
+    (bare blobs, models saved before it) any ``gather`` of a module with a symbolic input shape
+    is taken for one: every such gather measured (embedding lookups, ``vmap``-ed takes,
+    ``take_along_axis``) failed to compile.
+    """
+    recorded = (prepared or {}).get("unsupported")
+    if isinstance(recorded, list):
+        return sorted({str(x)[:200] for x in recorded})
+    ops = description.vhlo_ops or ()
+    gathers = any(op.startswith(("gather_v", "dynamic_gather_v")) for op in ops)
+    try:
+        symbolic = any(Aval.parse(a).symbolic for a in description.in_avals)
+    except ValueError:
+        symbolic = False
+    return [SYMBOLIC_GATHER] if gathers and symbolic else []
 
 
 def iree_installed() -> bool:
@@ -113,6 +150,13 @@ def assess(
                 f"The module calls {foreign}, kernels that exist only inside jaxlib.",
                 use_jax + " Or export the function without them (e.g. no jnp.linalg).",
             )
+    for construct in unsupported_ops(description, prepared):
+        add(
+            "iree_ops",
+            INCOMPATIBLE,
+            f"The module has a {construct}, which IREE 3.13 cannot compile.",
+            OPS_ACTION.get(construct, use_jax),
+        )
     if unknown := unsupported_dtypes(description):
         add("iree_dtypes", INCOMPATIBLE, f"The model uses dtypes {unknown},", DTYPES_HINT)
     if dialects and "sdy" in dialects and not (prepared and prepared.get("module")):
