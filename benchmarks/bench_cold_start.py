@@ -33,11 +33,37 @@ import tempfile
 import time
 from pathlib import Path
 
+MODES = ("raw", "flavor", "peer", "pyfunc")
+
 CHILD = r"""
 import json, os, sys, time
 t0 = float(os.environ["BENCH_T0"])
 mode, path = sys.argv[1], sys.argv[2]
 out = {}
+if mode in ("pyfunc", "peer"):  # what a user runs: mlflow.pyfunc.load_model(uri).predict(x)
+    import mlflow.pyfunc
+    import numpy as np
+    t_imports = time.time()
+    x = np.load(os.path.join(path, "x.npy"))
+    model = mlflow.pyfunc.load_model(os.path.join(path, "model" if mode == "pyfunc" else "peer"))
+    t_loaded = time.time()
+    y = np.asarray(model.predict(x))
+    t_first = time.time()
+    y2 = np.asarray(model.predict(x))
+    t_second = time.time()
+    out.update(
+        imports_s=t_imports - t0,
+        load_s=t_loaded - t_imports,
+        first_call_s=t_first - t_loaded,
+        second_call_s=t_second - t_first,
+        load_to_first_s=t_first - t_imports,
+        to_first_s=t_first - t0,
+        checksum=float(np.abs(y).sum()),
+        jaxexp_import_s=0.0,
+        jaxexp_import_loads=[],
+    )
+    print("BENCH " + json.dumps(out))
+    sys.exit(0)
 t = time.time()
 import jaxexp_mlflow
 out["jaxexp_import_s"] = time.time() - t
@@ -69,10 +95,57 @@ out.update(
     first_call_s=t_first - t_loaded,
     second_call_s=t_second - t_first,
     load_to_first_s=t_first - t_imports,
+    to_first_s=t_first - t0,
     checksum=float(np.abs(y).sum()),
 )
 print("BENCH " + json.dumps(out))
 """
+
+PEER_SOURCE = """
+import mlflow
+import numpy as np
+
+
+class Peer(mlflow.pyfunc.PythonModel):
+    \"\"\"What a user writes without jaxexp-mlflow: deserialize, Orbax restore, jit, predict.\"\"\"
+
+    def load_context(self, context):
+        import jax
+        import orbax.checkpoint as ocp
+
+        with open(context.artifacts["blob"], "rb") as fh:
+            exp = jax.export.deserialize(bytearray(fh.read()))
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
+        target = jax.tree.unflatten(exp.in_tree, avals)[0][0]  # the params argument
+        self.params = ocp.StandardCheckpointer().restore(context.artifacts["params"], target)
+        self.fn = jax.jit(exp.call)
+
+    def predict(self, context, model_input, params=None):
+        x = np.asarray(model_input, dtype=np.float32)
+        return np.asarray(self.fn(self.params, x))
+
+
+mlflow.models.set_model(Peer())
+"""
+
+
+def save_peer(directory: Path, params: list) -> None:
+    """The peer: an MLflow ``PythonModel`` (models from code) around ``jax.jit(exp.call)`` with
+    the same blob as the flavor's model and the same params in an Orbax checkpoint."""
+    import mlflow
+    import orbax.checkpoint as ocp
+
+    ckpt = directory / "peer_params"
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(ckpt.absolute(), params)
+    checkpointer.wait_until_finished()
+    (directory / "peer_model.py").write_text(PEER_SOURCE)
+    mlflow.pyfunc.save_model(
+        directory / "peer",
+        python_model=str(directory / "peer_model.py"),
+        artifacts={"blob": str(directory / "peer.bin"), "params": str(ckpt)},
+        pip_requirements=["mlflow", "jax", "orbax-checkpoint"],
+    )
 
 
 def build_model(directory: Path, depth: int, width: int) -> None:
@@ -105,6 +178,14 @@ def build_model(directory: Path, depth: int, width: int) -> None:
     np.save(directory / "x.npy", x)
     flat = jax.tree.leaves(params)
     np.savez(directory / "params.npz", **{f"p_{i}": np.asarray(a) for i, a in enumerate(flat)})
+    # the peer exports the same function itself (symbolic batch, like the flavor's export)
+    spec = jax.export.symbolic_shape(f"b, {width}")
+    exp = jax.export.export(jax.jit(apply))(
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
+        jax.ShapeDtypeStruct(spec, np.float32),
+    )
+    (directory / "peer.bin").write_bytes(exp.serialize())
+    save_peer(directory, params)
 
 
 def spawn(code: str, args: list[str], env: dict) -> dict:
@@ -137,6 +218,7 @@ def run_child(mode: str, model_dir: Path, cache_dir: Path) -> dict:
     }
     env.pop("XLA_FLAGS", None)
     res = spawn(CHILD, [mode, str(model_dir)], env)
+    res["loadavg_1min"] = os.getloadavg()[0]
     res["cache_files"] = sum(1 for _ in cache_dir.rglob("*") if _.is_file())
     return res
 
@@ -148,7 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", type=int, default=None, help="MLP layers (compile cost)")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated subset of {','.join(MODES)} (default: all)",
+    )
     args = ap.parse_args(argv)
+    modes = [m for m in MODES if m in args.modes.split(",")]
     rounds = args.rounds or (1 if args.quick else 5)
     depth = args.depth or (8 if args.quick else 24)
 
@@ -159,11 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         build_model(model_dir, depth, args.width)
         results: dict[str, list[dict]] = {}
         warm_dirs = {}
-        for mode in ("raw", "flavor"):  # fill one warm cache per mode, untimed
+        for mode in modes:  # fill one warm cache per mode, untimed
             warm_dirs[mode] = tmp / f"warm-{mode}"
             run_child(mode, model_dir, warm_dirs[mode])
         for r in range(rounds):  # interleave so that drift hits every variant alike
-            for mode in ("raw", "flavor"):
+            for mode in modes:
                 cold = run_child(mode, model_dir, tmp / f"cold-{mode}-{r}")
                 warm = run_child(mode, model_dir, warm_dirs[mode])
                 results.setdefault(f"{mode}/cold", []).append(cold)
@@ -173,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(x[field] for x in results[key])
 
     fields = (
+        "to_first_s",
         "process_s",
         "imports_s",
         "load_s",
@@ -181,29 +270,49 @@ def main(argv: list[str] | None = None) -> int:
         "load_to_first_s",
     )
     summary = {k: {f: med(k, f) for f in fields} for k in results}
-    check = {x["checksum"] for v in results.values() for x in v}
+    for k in summary:
+        summary[k]["loadavg_1min"] = med(k, "loadavg_1min")
+    check = {round(x["checksum"], 2) for v in results.values() for x in v}
+
+    def ratio(a: str, b: str, field: str) -> float | None:
+        if a in summary and b in summary:
+            return summary[a][field] / summary[b][field]
+        return None
+
     ratios = {
-        "flavor warm/cold load_to_first": summary["flavor/warm"]["load_to_first_s"]
-        / summary["flavor/cold"]["load_to_first_s"],
-        "flavor warm/cold process": summary["flavor/warm"]["process_s"]
-        / summary["flavor/cold"]["process_s"],
-        "raw warm/cold load_to_first": summary["raw/warm"]["load_to_first_s"]
-        / summary["raw/cold"]["load_to_first_s"],
-        "flavor/raw load_to_first cold": summary["flavor/cold"]["load_to_first_s"]
-        / summary["raw/cold"]["load_to_first_s"],
-        "flavor/raw load_to_first warm": summary["flavor/warm"]["load_to_first_s"]
-        / summary["raw/warm"]["load_to_first_s"],
-        "flavor/raw process warm": summary["flavor/warm"]["process_s"]
-        / summary["raw/warm"]["process_s"],
+        "pyfunc/peer to_first cold": ratio("pyfunc/cold", "peer/cold", "to_first_s"),
+        "pyfunc/peer to_first warm": ratio("pyfunc/warm", "peer/warm", "to_first_s"),
+        "pyfunc/peer load_to_first cold": ratio("pyfunc/cold", "peer/cold", "load_to_first_s"),
+        "pyfunc/peer load_to_first warm": ratio("pyfunc/warm", "peer/warm", "load_to_first_s"),
     }
-    first = results["flavor/cold"][0]
+    if "flavor" not in modes or "raw" not in modes:
+        ratios = {k: v for k, v in ratios.items() if v is not None}
+    else:
+        ratios.update(
+            {
+                "flavor warm/cold load_to_first": summary["flavor/warm"]["load_to_first_s"]
+                / summary["flavor/cold"]["load_to_first_s"],
+                "flavor warm/cold process": summary["flavor/warm"]["process_s"]
+                / summary["flavor/cold"]["process_s"],
+                "raw warm/cold load_to_first": summary["raw/warm"]["load_to_first_s"]
+                / summary["raw/cold"]["load_to_first_s"],
+                "flavor/raw load_to_first cold": summary["flavor/cold"]["load_to_first_s"]
+                / summary["raw/cold"]["load_to_first_s"],
+                "flavor/raw load_to_first warm": summary["flavor/warm"]["load_to_first_s"]
+                / summary["raw/warm"]["load_to_first_s"],
+                "flavor/raw process warm": summary["flavor/warm"]["process_s"]
+                / summary["raw/warm"]["process_s"],
+            }
+        )
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+    first = results.get("flavor/cold", results[next(iter(results))])[0]
     print(
         f"cold start, {rounds} round(s), MLP depth {depth} width {args.width}, "
         f"python {platform.python_version()}, {os.cpu_count()} cpus (median seconds)"
     )
-    print(f"{'variant':14s}" + "".join(f"{f:>16s}" for f in fields))
+    print(f"{'variant':14s}" + "".join(f"{f:>16s}" for f in (*fields, "loadavg_1min")))
     for k, row in summary.items():
-        print(f"{k:14s}" + "".join(f"{row[f]:16.3f}" for f in fields))
+        print(f"{k:14s}" + "".join(f"{row[f]:16.3f}" for f in (*fields, "loadavg_1min")))
     for name, value in ratios.items():
         print(f"ratio {name:36s} {value:6.3f}")
     print(
@@ -244,9 +353,25 @@ def summary_rows(summary: dict) -> list[dict]:
             "baseline": round(baseline, 3),
             "ratio": round(value / baseline, 3),
             "goal": goal,
+            "loadavg_1min": round(summary[key]["loadavg_1min"], 2),
         }
 
-    return [
+    rows = []
+    if "pyfunc/cold" in summary and "peer/cold" in summary:
+        for cache in ("warm", "cold"):
+            rows.append(
+                row(
+                    f"fresh process to first mlflow.pyfunc predict, {cache} compilation cache (s)",
+                    f"pyfunc/{cache}",
+                    "peer PythonModel (jax.jit(exp.call) + Orbax restore), same cache state",
+                    f"peer/{cache}",
+                    "to_first_s",
+                    "<= 0.9",
+                )
+            )
+    if "flavor/cold" not in summary or "raw/cold" not in summary:
+        return rows
+    return rows + [
         row(
             "flavor load -> first prediction, warm compilation cache (s)",
             "flavor/warm",

@@ -300,6 +300,7 @@ def bench_model(size_gib: float, rounds: int, workdir: str) -> list[dict]:
     spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     exp = jax.export.export(jax.jit(fn))(spec, jax.ShapeDtypeStruct(x.shape, x.dtype))
     times: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read", "save", "load")}
+    loads: list[float] = []
     for r in range(rounds + 1):
         raw, path = os.path.join(workdir, f"mraw{r}"), os.path.join(workdir, f"model{r}")
         order = ("raw", "ours") if r % 2 == 0 else ("ours", "raw")
@@ -332,8 +333,11 @@ def bench_model(size_gib: float, rounds: int, workdir: str) -> list[dict]:
             if r:
                 times["save"].append(save)
                 times["load"].append(load)
+        loads.append(os.getloadavg()[0])
         print(
-            f"model round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items() if v),
+            f"model round {r}: "
+            + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items() if v)
+            + f", loadavg {os.getloadavg()}",
             flush=True,
         )
 
@@ -350,6 +354,7 @@ def bench_model(size_gib: float, rounds: int, workdir: str) -> list[dict]:
             "goal": ">= 0.8",
             "samples_s": [round(v, 4) for v in times[ours]],
             "baseline_samples_s": [round(v, 4) for v in times[base]],
+            "loadavg_1min": [round(v, 2) for v in loads],
         }
         for fig, ours, base, label in (
             ("mlflow.jaxexp.save_model", "save", "raw_write", "raw write+fsync"),

@@ -94,7 +94,9 @@ def bench_model(name: str, widths: tuple[int, ...], tmp: Path, seconds: float) -
     jitted = jax.jit(apply)
     # the same param arrays for every contender: calls are interleaved, and two copies of the
     # weights would evict each other from the CPU caches and bias the comparison
-    dev_params = impl.model.params
+    # (the model stores its params as a flat {name: array} dict, docs/model-families.md)
+    flat = impl.model.params
+    dev_params = [{k: flat[f"[{i}].{k}"] for k in ("w", "b")} for i in range(len(widths) - 1)]
     rows = {}
     for n in (1, 1024):
         x = np.random.default_rng(n).standard_normal((n, widths[0])).astype(np.float32)
@@ -128,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = 0.3 if args.quick else 2.0
     os.environ.setdefault("JAXEXP_COMPILATION_CACHE", tempfile.mkdtemp(prefix="jaxexp-bench-"))
     results = {"jax": jax.__version__, "backend": jax.default_backend(), "models": {}}
+    results["loadavg_start"] = [round(v, 2) for v in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         for name, widths in MODELS.items():
             results["models"][name] = bench_model(name, widths, Path(tmp), seconds)
@@ -142,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['ratio_pyfunc']:>8.2f}{r['jaxexp_predict_us']:>11.1f}{r['ratio_jaxexp']:>8.2f}"
             )
     print("goal: pyfunc.predict at batch 1 within 1.3x of the jitted call")
+    results["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
+    print(f"loadavg start {results['loadavg_start']}, end {results['loadavg_end']}")
     if args.json:
         results["rows"] = summary_rows(results)
         args.json.write_text(json.dumps(results, indent=2))

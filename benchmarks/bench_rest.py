@@ -233,6 +233,7 @@ def parse_figures(model_dir: Path, rounds: int) -> dict:
     return {
         "body_bytes": len(data),
         "rounds": rounds,
+        "loadavg": [round(v, 2) for v in os.getloadavg()],
         **{f"{k}_ms": round(v, 2) for k, v in med.items()},
         **{f"{k}_ratio": round(med[k] / med["floor"], 3) for k in ("hooks", "parse", "request")},
     }
@@ -261,6 +262,7 @@ def peer_figures(servers: dict[str, str], rounds: int) -> dict:
                 times[name].append(post(sessions[name], url, data))
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         out[n] = {f"{k}_ms": round(v, 2) for k, v in med.items()}
+        out[n]["loadavg"] = [round(v, 2) for v in os.getloadavg()]
         out[n].update({f"{k}_vs_peer": round(v / med["peer"], 3) for k, v in med.items()})
     return out
 
@@ -269,7 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few seconds of load")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--only",
+        default="parse,peer,latency,mixed",
+        help="comma-separated parts to run: parse, peer, latency, mixed (default: all)",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of the parse/peer parts")
     args = parser.parse_args(argv)
+    parts = set(args.only.split(","))
 
     import mlflow
 
@@ -294,10 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     mlflow.jaxexp.save_model(
         jax.jit(apply), big_dir, params=big_params, input_example=np.zeros((2, BIG[0]), "f4")
     )
-    results["parse"] = parse_figures(big_dir, 7 if args.quick else 25)
+    if "parse" in parts:
+        results["parse"] = parse_figures(big_dir, args.rounds or (7 if args.quick else 25))
     peer_dir = save_peer(big_params, BIG, tmp)
     procs = []
     try:
+        if "peer" not in parts:
+            raise _Skip
         servers = {}
         for name, path, kind in (
             ("peer", peer_dir, "mlflow"),
@@ -306,13 +318,17 @@ def main(argv: list[str] | None = None) -> int:
         ):
             proc, servers[name] = start(path, env, tmp / f"{name}.log", kind)
             procs.append(proc)
-        results["peer"] = peer_figures(servers, 10 if args.quick else 40)
+        results["peer"] = peer_figures(servers, args.rounds or (10 if args.quick else 40))
+    except _Skip:
+        pass
     finally:
         for proc in procs:
             stop(proc)
 
     proc, url = start(model_dir, env, tmp / "server.log", "jaxexp")
     try:
+        if not parts & {"latency", "mixed"}:
+            raise _Skip
         session = requests.Session()
         latency = {}
         for n in (1, 1024):
@@ -334,9 +350,11 @@ def main(argv: list[str] | None = None) -> int:
         results["latency"] = latency
         mixed(url, 50, seed=0)  # warm-up
         results["mixed_buckets"] = mixed(url, n_mixed, seed=1)
+    except _Skip:
+        pass
     finally:
         stop(proc)
-    if not args.quick:
+    if not args.quick and "mixed" in parts:
         proc, url = start(
             model_dir, {**env, "JAXEXP_BUCKETS": "off"}, tmp / "server-off.log", "jaxexp"
         )
@@ -346,22 +364,24 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop(proc)
 
-    pr = results["parse"]
-    print(
-        f"parse, batch 256 of mlp-784-512-512-10 ({pr['body_bytes']} bytes, {pr['rounds']} "
-        f"rounds): floor json.loads+np.asarray {pr['floor_ms']} ms; per-number hooks "
-        f"{pr['hooks_ms']} ms ({pr['hooks_ratio']}x); parse_request {pr['parse_ms']} ms "
-        f"({pr['parse_ratio']}x, goal <= 1.2); whole request {pr['request_ms']} ms "
-        f"({pr['request_ratio']}x)"
-    )
-    for n, r in results["peer"].items():
+    pr = results.get("parse")
+    print(f"loadavg at the end: {os.getloadavg()}")
+    if pr:
+        print(
+            f"parse, batch 256 of mlp-784-512-512-10 ({pr['body_bytes']} bytes, {pr['rounds']} "
+            f"rounds): floor json.loads+np.asarray {pr['floor_ms']} ms; per-number hooks "
+            f"{pr['hooks_ms']} ms ({pr['hooks_ratio']}x); parse_request {pr['parse_ms']} ms "
+            f"({pr['parse_ratio']}x, goal <= 1.2); whole request {pr['request_ms']} ms "
+            f"({pr['request_ratio']}x)"
+        )
+    for n, r in results.get("peer", {}).items():
         print(
             f"REST p50 batch {n:>3}: peer {r['peer_ms']} ms, mlflow models serve "
             f"{r['mlflow_serve_ms']} ms ({r['mlflow_serve_vs_peer']}x), jaxexp serve "
             f"{r['jaxexp_serve_ms']} ms ({r['jaxexp_serve_vs_peer']}x)"
         )
     print(f"model {results['model']}, jax {results['jax']}")
-    for n, r in results["latency"].items():
+    for n, r in results.get("latency", {}).items():
         print(
             f"batch {n:>5}: jit {r['jit_us']:>9.1f} us  REST {r['rest_us']:>9.1f} us  "
             f"ratio {r['ratio']:>6.1f}x"
@@ -379,25 +399,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class _Skip(Exception):
+    """A part of the benchmark left out by ``--only``."""
+
+
 def summary_rows(results: dict) -> list[dict]:
     """The figure/baseline/ratio/goal rows the suite runner (run_all.py) prints."""
-    pr = results["parse"]
-    rows = [
-        {
-            "figure": f"REST request parse, batch 256, {name} (ms)",
-            "value": pr[f"{key}_ms"],
-            "baseline_name": "json.loads + np.asarray of the same 4.1 MB body",
-            "baseline": pr["floor_ms"],
-            "ratio": pr[f"{key}_ratio"],
-            "goal": goal,
-        }
-        for key, name, goal in (
-            ("parse", "parse_request", "<= 1.2"),
-            ("request", "parse + predict + answer", "(reference)"),
-            ("hooks", "per-number hooks (before)", "(reference)"),
-        )
-    ]
-    for n, r in results["peer"].items():
+    pr = results.get("parse")
+    rows = (
+        []
+        if not pr
+        else [
+            {
+                "figure": f"REST request parse, batch 256, {name} (ms)",
+                "value": pr[f"{key}_ms"],
+                "baseline_name": "json.loads + np.asarray of the same 4.1 MB body",
+                "baseline": pr["floor_ms"],
+                "ratio": pr[f"{key}_ratio"],
+                "goal": goal,
+            }
+            for key, name, goal in (
+                ("parse", "parse_request", "<= 1.2"),
+                ("request", "parse + predict + answer", "(reference)"),
+                ("hooks", "per-number hooks (before)", "(reference)"),
+            )
+        ]
+    )
+    for n, r in results.get("peer", {}).items():
         for key, name in (
             ("jaxexp_serve", "jaxexp serve"),
             ("mlflow_serve", "mlflow models serve"),
@@ -421,7 +449,7 @@ def summary_rows(results: dict) -> list[dict]:
             "ratio": r["ratio"],
             "goal": "(JSON-bound; reference)",
         }
-        for n, r in results["latency"].items()
+        for n, r in results.get("latency", {}).items()
     ]
     for key, label in (("mixed_buckets", "buckets on"), ("mixed_no_buckets", "buckets off")):
         if key in results:

@@ -138,6 +138,8 @@ class JaxExpPyfunc:
 
             def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
                 return classifier_mod.apply(conf, run(convert_inputs(data))[0], params)
+        elif self._one_array_path():
+            predict = self._one_array_predict()
         else:
 
             def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
@@ -145,6 +147,44 @@ class JaxExpPyfunc:
 
         predict.__signature__ = inspect.signature(predict)  # type: ignore[attr-defined]
         predict.__doc__ = JaxExpPyfunc.predict.__doc__
+        return predict
+
+    def _one_array_path(self) -> bool:
+        """One input array, one output array, bucketed, called through our own jitted function:
+        the common case, which gets a predict without the generic steps (lists of leaves,
+        per-leaf output conversion)."""
+        return (
+            len(self.inputs) == 1
+            and len(self.outputs) == 1
+            and self._bucketed
+            and getattr(self, "_flat", None) is not None
+            and len(self.inputs[0].shape) >= 1
+        )
+
+    def _one_array_predict(self) -> Any:
+        """``predict`` for :meth:`_one_array_path`: a numpy array of the input's rank is
+        converted (the same ``convert`` and checks), padded to its bucket and run directly;
+        anything else takes the generic path."""
+        convert_inputs, run, format_outputs = self.convert_inputs, self.run, self.format_outputs
+        spec, rank, allow_nan = self.inputs[0], len(self.inputs[0].shape), self.allow_nan
+        flat, model, wire = self._flat, self.model, self._out_wire[0]
+        largest, bucket_for, pad_rows = self.policy.largest, self.policy.bucket_for, None
+        pad_rows = buckets_mod.pad_rows
+        ndarray, asarray = np.ndarray, np.asarray
+
+        def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
+            if type(data) is ndarray and data.ndim == rank:
+                x = convert(data, spec, allow_nan=allow_nan)
+                n = x.shape[0]
+                if n <= largest:
+                    size = bucket_for(n)
+                    if size == n:
+                        out = asarray(flat(model.params, x)[0])
+                    else:
+                        out = asarray(flat(model.params, pad_rows(x, size))[0])[:n]
+                    return out if wire is None else out.astype(wire)
+            return format_outputs(run(convert_inputs(data)))
+
         return predict
 
     # -- running ---------------------------------------------------------------------------------
@@ -243,6 +283,11 @@ def in_scoring_server() -> bool:
 
 def model_identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tuple:
     """What makes two loads the same model: real path, file digests, config, environment."""
+    return _identity(model_dir, config)[0]
+
+
+def _identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tuple[tuple, Any]:
+    """``model_identity`` and the MLmodel it parsed (reused by the load: one YAML parse)."""
     from jaxexp_mlflow import artifact
     from jaxexp_mlflow.codec import files
     from jaxexp_mlflow.codec.mlmodel import MLMODEL, load_yaml
@@ -261,7 +306,7 @@ def model_identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tupl
         data = files.read_file(ckpt / MANIFEST_FILE, what="params manifest", max_bytes=256 << 20)
         manifest = hashlib.sha256(data).hexdigest()
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("JAXEXP_")))
-    return (
+    key = (
         os.path.realpath(model_dir),
         hashlib.sha256(raw).hexdigest(),
         blob_digest,
@@ -270,6 +315,7 @@ def model_identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tupl
         env,
         in_scoring_server(),
     )
+    return key, meta
 
 
 def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = None) -> Any:
@@ -284,13 +330,13 @@ def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = N
         model_dir = model_dir.parent
     if os.environ.get(ENV_PYFUNC_CACHE, "1").lower() in ("0", "off", "false", "no"):
         return _load_uncached(model_dir, config)
-    key = model_identity(model_dir, config)
+    key, meta = _identity(model_dir, config)
     with _CACHE_LOCK:
         impl = _CACHE.get(key)
         if impl is not None:
             _CACHE.move_to_end(key)
             return impl
-    impl = _load_uncached(model_dir, config)
+    impl = _load_uncached(model_dir, config, meta if isinstance(meta, dict) else None)
     with _CACHE_LOCK:
         _CACHE[key] = impl
         while len(_CACHE) > _CACHE_SIZE:
@@ -298,14 +344,18 @@ def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = N
     return impl
 
 
-def _load_uncached(model_dir: Path, config: dict[str, Any]) -> JaxExpPyfunc:
-    """Read, judge and load the model at ``model_dir`` into a new ``JaxExpPyfunc``."""
+def _load_uncached(
+    model_dir: Path, config: dict[str, Any], meta: dict[str, Any] | None = None
+) -> JaxExpPyfunc:
+    """Read, judge and load the model at ``model_dir`` into a new ``JaxExpPyfunc``
+    (``meta``: its MLmodel, when the caller has just parsed it)."""
     from jaxexp_mlflow.codec.mlmodel import read_mlmodel
     from jaxexp_mlflow.flavors import signature as sig
     from jaxexp_mlflow.flavors.jaxexp import ENV_BACKEND, _check_backend
     from jaxexp_mlflow.flavors.section import flavor_section
 
-    meta = read_mlmodel(model_dir)
+    if meta is None:
+        meta = read_mlmodel(model_dir)
     flavor_conf = flavor_section(meta)
     saved = dict(flavor_conf.get("serving") or {})
     backend = _check_backend(
