@@ -2,14 +2,18 @@
 
 ``predict(df, model_uri)`` returns ``df`` with one column per model output. Built on Spark's
 public API only: the model directory is archived on the driver and shipped with
-``SparkContext.addFile`` (Spark copies it to every executor), each Python worker unpacks and
-loads it once (``flavors.pyfunc.load_pyfunc``: checksums, verdict, params), and every Arrow
+``SparkContext.addFile`` (Spark copies it to every executor; once per application and model
+content, however often ``predict`` is called), each executor unpacks it once
+into its own Spark files directory (removed with the application), each Python worker loads it
+once (``flavors.pyfunc.load_pyfunc``: checksums, verdict, params), and every Arrow
 record batch goes Arrow list column -> numpy (one reshape of the values buffer, no per-row
 Python) -> the input contract (names, shapes, dtypes, lossless casts: the same ``InputError``\\ s
 as every other door) -> the model -> Arrow list arrays built on the output buffers.
 
-``mlflow.pyfunc.spark_udf`` works too (docs/serving.md); this path skips the pandas cells and
-Python lists that MLflow's pandas UDF converts each result through.
+The outputs are what ``mlflow.pyfunc.load_model(uri).predict`` returns on the same rows (a
+classifier's labels included). ``mlflow.pyfunc.spark_udf`` works too (docs/serving.md); this path
+skips the pandas cells and Python lists that MLflow's pandas UDF converts each result through.
+Classic Spark only (``SparkContext.addFile``: not Spark Connect).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import os
 import shutil
 import tarfile
 import tempfile
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,19 +39,23 @@ from jaxexp_mlflow.errors import InputError, UnsupportedModelError
 DEFAULT_OUTPUT = "prediction"
 _ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
 
-# numpy dtype (after the output's wire cast) -> (Spark SQL type name, numpy dtype Spark reads)
+# The archive's suffix: not ``.tar``/``.tar.gz``/``.tgz``, which ``SparkContext.addFile`` untars
+# (deprecated Spark behaviour) straight into the executor's shared files directory.
+_ARCHIVE_SUFFIX = ".jaxexp-model"
+
+# numpy dtype (after the output's wire cast) -> (pyspark.sql.types class, numpy dtype Spark reads)
 _SPARK_TYPES = {
-    "bool": ("boolean", "bool"),
-    "int8": ("byte", "int8"),
-    "int16": ("short", "int16"),
-    "int32": ("int", "int32"),
-    "int64": ("long", "int64"),
-    "uint8": ("short", "int16"),
-    "uint16": ("int", "int32"),
-    "uint32": ("long", "int64"),
-    "float16": ("float", "float32"),
-    "float32": ("float", "float32"),
-    "float64": ("double", "float64"),
+    "bool": ("BooleanType", "bool"),
+    "int8": ("ByteType", "int8"),
+    "int16": ("ShortType", "int16"),
+    "int32": ("IntegerType", "int32"),
+    "int64": ("LongType", "int64"),
+    "uint8": ("ShortType", "int16"),
+    "uint16": ("IntegerType", "int32"),
+    "uint32": ("LongType", "int64"),
+    "float16": ("FloatType", "float32"),
+    "float32": ("FloatType", "float32"),
+    "float64": ("DoubleType", "float64"),
 }
 
 
@@ -57,6 +67,7 @@ class _Plan:
     names: tuple[str, ...]  # the model's input names, in order
     columns: tuple[str, ...]  # the DataFrame column of each input
     outputs: tuple[tuple[str, str], ...]  # (output column, numpy dtype Spark reads)
+    classifier: bool  # labels as pyfunc gives them (the single output's logits turned to labels)
     model_config: tuple[tuple[str, Any], ...]
     keep: tuple[str, ...]  # input DataFrame columns passed through
 
@@ -76,10 +87,16 @@ def predict(
     default: the column named like each input (a model with one input also takes a DataFrame
     of one column, whatever its name). Array inputs are Spark ``array`` columns (nested once per
     dimension after the batch one). ``output_cols``: the names of the new columns (default:
-    ``prediction`` for a single output, else the output names). ``model_config``: as for
-    ``mlflow.pyfunc.load_model`` (buckets: powers of two up to Spark's Arrow batch size by
-    default). ``keep_columns=False`` returns the output columns only.
+    ``prediction`` for a single output, else the output names; a classifier gives one column of
+    labels). ``model_config``: as for ``mlflow.pyfunc.load_model`` (buckets: powers of two up to
+    Spark's Arrow batch size by default). ``keep_columns=False`` returns the output columns only.
+
+    Lazy like any DataFrame transformation: a bad cell (a ragged row, a wrong width, a lossy
+    cast) fails the Spark job that reads it, with the contract's ``InputError`` text in the
+    ``PythonException`` Spark raises; column names and types are checked here, before any job.
     """
+    from pyspark.sql.types import StructField, StructType
+
     from jaxexp_mlflow import transfer
     from jaxexp_mlflow.flavors import signature as sig
     from jaxexp_mlflow.flavors.section import read_section
@@ -97,40 +114,50 @@ def predict(
                 "Run `jaxexp refresh` on it once, or use mlflow.pyfunc.spark_udf."
             )
         in_specs, out_specs = specs
+        if not in_specs:
+            raise UnsupportedModelError(
+                "This model takes no inputs (a function of its params only): there are no "
+                "rows to score. Call mlflow.pyfunc.load_model(uri).predict(None) once instead."
+            )
         cols = _input_columns(in_specs, list(df.columns), columns)
         _check_column_types(in_specs, cols, df.schema)
-        names = _output_names(out_specs, output_cols)
-        keep = [c for c in df.columns] if keep_columns else []
-        clash = sorted(set(keep) & set(names))
+        classifier = conf.get("classifier")
+        if classifier:
+            out_fields = [_classifier_field(classifier, output_cols)]
+            out_types = [(out_fields[0].name, "")]
+        else:
+            names = _output_names(out_specs, output_cols)
+            out_fields, out_types = [], []
+            for spec, name in zip(out_specs, names, strict=True):
+                spark_type, np_type = _spark_type(spec)
+                out_fields.append(StructField(name, spark_type))
+                out_types.append((name, np_type))
+        keep = list(df.columns) if keep_columns else []
+        clash = sorted(set(keep) & {f.name for f in out_fields})
         if clash:
             raise InputError(
                 f"The output columns {clash} already exist in the DataFrame: expected new "
                 "names. Pass output_cols=[...] or keep_columns=False."
             )
-        out_fields, out_types = [], []
-        for spec, name in zip(out_specs, names, strict=True):
-            spark_type, np_type = _spark_type(spec)
-            out_fields.append(f"`{name}` {spark_type}")
-            out_types.append((name, np_type))
         config = dict(model_config or {})
         batch_rows = int(spark.conf.get(_ARROW_BATCH_CONF, "10000") or 10000)
         if batch_rows > 0:
             config.setdefault("max_batch", batch_rows)
-        archive = _archive(local)
+        archive = _shipped(spark.sparkContext, local)
     finally:
         if download.ours and download.tmp:
             shutil.rmtree(download.tmp, ignore_errors=True)
-    spark.sparkContext.addFile(str(archive))
     plan = _Plan(
-        archive=archive.name,
+        archive=archive,
         names=tuple(s.name for s in in_specs),
         columns=tuple(cols),
         outputs=tuple(out_types),
+        classifier=bool(classifier),
         model_config=tuple(sorted(config.items())),
         keep=tuple(keep),
     )
-    kept = [f"`{f.name}` {f.dataType.simpleString()}" for f in df.schema.fields if f.name in keep]
-    return df.mapInArrow(functools.partial(_score_batches, plan), ", ".join([*kept, *out_fields]))
+    kept = [f for f in df.schema.fields if f.name in keep]
+    return df.mapInArrow(functools.partial(_score_batches, plan), StructType([*kept, *out_fields]))
 
 
 # -- the driver: columns, types, the archive -----------------------------------------------------
@@ -173,7 +200,7 @@ def _input_columns(specs: list[Any], found: list[str], columns: Any) -> list[str
 
 def _check_column_types(specs: list[Any], cols: list[str], schema: Any) -> None:
     """Refuse, before any job runs, columns whose nesting or element type cannot fit."""
-    from pyspark.sql.types import ArrayType, BooleanType, NumericType
+    from pyspark.sql.types import ArrayType, BooleanType, DecimalType, NumericType
 
     from jaxexp_mlflow.flavors.signature import input_error
 
@@ -189,9 +216,11 @@ def _check_column_types(specs: list[Any], cols: list[str], schema: Any) -> None:
                 f"column '{col}' of {schema[col].dataType.simpleString()} ({depth} array levels)",
                 f"Send a column with {want} array level(s) around the numbers.",
             )
-        if not isinstance(dtype, NumericType | BooleanType):
+        if not isinstance(dtype, NumericType | BooleanType) or isinstance(dtype, DecimalType):
             raise input_error(
-                spec, f"column '{col}' of {dtype.simpleString()} values", "Send numbers."
+                spec,
+                f"column '{col}' of {dtype.simpleString()} values",
+                "Send numbers (integer, float or boolean columns; cast decimals).",
             )
 
 
@@ -206,8 +235,33 @@ def _output_names(specs: list[Any], output_cols: list[str] | None) -> list[str]:
     return [DEFAULT_OUTPUT] if len(specs) == 1 else [s.name for s in specs]
 
 
-def _spark_type(spec: Any) -> tuple[str, str]:
+def _classifier_field(classifier: dict[str, Any], output_cols: list[str] | None) -> Any:
+    """The one column of a classifier's labels (``long`` indices or ``string`` labels)."""
+    from pyspark.sql.types import LongType, StringType, StructField
+
+    if output_cols is not None and len(output_cols) != 1:
+        raise InputError(
+            f"output_cols: expected 1 name (a classifier gives one column of labels), found "
+            f"{list(output_cols)[:8]}."
+        )
+    labels = classifier.get("labels") if isinstance(classifier, dict) else None
+    if labels and not all(isinstance(v, str) for v in labels):
+        if any(isinstance(v, str) for v in labels) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in labels
+        ):
+            raise UnsupportedModelError(
+                f"This classifier's labels {list(labels)[:6]} are neither all strings nor all "
+                "integers: Spark needs one column type. Use mlflow.pyfunc.spark_udf with a "
+                "result_type."
+            )
+    kind = StringType() if labels and isinstance(labels[0], str) else LongType()
+    return StructField(output_cols[0] if output_cols else DEFAULT_OUTPUT, kind)
+
+
+def _spark_type(spec: Any) -> tuple[Any, str]:
     """The Spark SQL type of an output column and the numpy dtype its values take."""
+    from pyspark.sql import types as T  # noqa: N812
+
     if not spec.shape or spec.shape[0] is not None:
         raise UnsupportedModelError(
             f"Output '{spec.name}' has shape {list(spec.shape)}: expected a leading batch "
@@ -220,45 +274,120 @@ def _spark_type(spec: Any) -> tuple[str, str]:
             f"Output '{spec.name}' is {spec.wire_dtype}: expected a type Spark has (bool, "
             "int8-64, uint8-32, float16-64). Use mlflow.pyfunc.spark_udf for this model."
         )
-    spark_type, np_type = found
+    type_name, np_type = found
+    spark_type = getattr(T, type_name)()
     for _ in spec.shape[1:]:
-        spark_type = f"array<{spark_type}>"
+        spark_type = T.ArrayType(spark_type)
     return spark_type, np_type
 
 
+# (Spark application id, model content) -> the archive name shipped with addFile: calling
+# predict again on the same model ships nothing new, and the Python workers keep the model they
+# loaded (and the buckets they compiled)
+_SHIPPED: dict[tuple, str] = {}
+_SHIPPED_LOCK = threading.Lock()
+
+
+def _shipped(sc: Any, model_dir: Path) -> str:
+    """The name of the archive of ``model_dir`` shipped to ``sc``'s executors (shipped now if
+    this application has not received the same model content before)."""
+    from jaxexp_mlflow.flavors.pyfunc import model_identity
+
+    # the sha256 of the MLmodel, of the blob and of the params manifest (which has the params'
+    # checksums): not the path, a new temporary directory on every download
+    key = (sc.applicationId, model_identity(model_dir, {})[1:4])
+    with _SHIPPED_LOCK:
+        name = _SHIPPED.get(key)
+        if name is None:
+            archive = _archive(model_dir)
+            sc.addFile(str(archive))
+            name = _SHIPPED[key] = archive.name
+        return name
+
+
 def _archive(model_dir: Path) -> Path:
-    """A tar of the model directory (no ``code/``: jaxexp never runs a model's code)."""
-    out = Path(tempfile.mkdtemp(prefix="jaxexp-spark-")) / f"jaxexp-model-{uuid.uuid4().hex}.tar"
+    """The model directory as one uncompressed tar (no ``code/``: jaxexp never runs a model's
+    code), under a name Spark ships as it is (see ``_ARCHIVE_SUFFIX``)."""
+    out = Path(tempfile.mkdtemp(prefix="jaxexp-spark-")) / f"model-{uuid.uuid4().hex}"
+    out = out.with_name(out.name + _ARCHIVE_SUFFIX)
     with tarfile.open(out, "w") as tar:
         for entry in sorted(model_dir.iterdir()):
             if entry.name != "code":
                 tar.add(entry, arcname=entry.name, recursive=True)
+    # the driver serves the file to executors for the application's life, which ends with
+    # this process at the latest
     atexit.register(shutil.rmtree, out.parent, True)
     return out
 
 
 # -- the Python workers ---------------------------------------------------------------------------
 
-_WORKER: dict[str, Any] = {}  # archive name -> the loaded JaxExpPyfunc, once per process
+# (archive name, model_config) -> the loaded JaxExpPyfunc, once per process; a long-lived Python
+# worker keeps the last few
+_WORKER: OrderedDict[tuple, Any] = OrderedDict()
+_WORKER_SIZE = 4
 _WORKER_LOCK = threading.Lock()
 
 
 def _worker_model(plan: _Plan) -> Any:
-    """The model of ``plan``, unpacked and loaded once in this Python worker."""
+    """The model of ``plan``, unpacked once per executor and loaded once per Python worker."""
+    key = (plan.archive, repr(plan.model_config))
     with _WORKER_LOCK:
-        impl = _WORKER.get(plan.archive)
+        impl = _WORKER.get(key)
         if impl is None:
-            from pyspark import SparkFiles
-
             from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
 
-            target = Path(tempfile.mkdtemp(prefix="jaxexp-spark-model-"))
-            atexit.register(shutil.rmtree, target, True)
-            with tarfile.open(SparkFiles.get(plan.archive)) as tar:
-                tar.extractall(target, filter="data")  # no links out, no devices, no absolute
-            impl = load_pyfunc(target, dict(plan.model_config))
-            _WORKER[plan.archive] = impl
+            impl = load_pyfunc(_unpacked(plan.archive), dict(plan.model_config))
+            _WORKER[key] = impl
+            while len(_WORKER) > _WORKER_SIZE:
+                _WORKER.popitem(last=False)
+        else:
+            _WORKER.move_to_end(key)
         return impl
+
+
+def _unpacked(archive: str) -> Path:
+    """The directory of the model shipped as ``archive``, unpacked next to it.
+
+    In the executor's Spark files directory (Spark removes it with the application; a Python
+    worker ends with ``os._exit``, so nothing registered with ``atexit`` would ever run there).
+    The Python workers of one executor share one copy: each unpacks into a private directory
+    and renames it into place; the first rename wins, the others remove theirs.
+    """
+    from pyspark import SparkFiles
+
+    source = Path(SparkFiles.get(archive))
+    target = source.with_name(source.name + ".d")
+    if (target / "MLmodel").is_file():
+        return target
+    staging = Path(tempfile.mkdtemp(prefix=f".{source.name}-", dir=source.parent))
+    try:
+        with tarfile.open(source) as tar:
+            _extract(tar, staging)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another worker of this executor was first
+            if not (target / "MLmodel").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _extract(tar: tarfile.TarFile, target: Path) -> None:
+    """Extract the regular files and directories of ``tar`` into ``target``, nothing else."""
+    members = tar.getmembers()
+    for m in members:
+        parts = Path(m.name).parts
+        if not (m.isfile() or m.isdir()) or Path(m.name).is_absolute() or ".." in parts:
+            raise UnsupportedModelError(
+                f"The shipped model archive holds {m.name!r} ({m.type!r}): expected the "
+                "regular files of a model directory. Was the file replaced after addFile?"
+            )
+    if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4: checked twice
+        tar.extractall(target, members=members, filter="data")
+    else:
+        tar.extractall(target, members=members)
 
 
 def _score_batches(plan: _Plan, batches: Iterator[Any]) -> Iterator[Any]:
@@ -267,6 +396,7 @@ def _score_batches(plan: _Plan, batches: Iterator[Any]) -> Iterator[Any]:
 
     impl = _worker_model(plan)
     specs = {s.name: s for s in impl.inputs}
+    names = [*plan.keep, *(name for name, _ in plan.outputs)]
     for batch in batches:
         if batch.num_rows == 0:
             continue
@@ -276,10 +406,14 @@ def _score_batches(plan: _Plan, batches: Iterator[Any]) -> Iterator[Any]:
         }
         outs = impl.run(impl.convert_inputs(data))
         arrays = [batch.column(c) for c in plan.keep]
-        for (_, np_type), spec, out in zip(plan.outputs, impl.outputs, outs, strict=True):
-            wire = out.astype(spec.wire_dtype, copy=False)
-            arrays.append(numpy_to_arrow(wire.astype(np_type, copy=False)))
-        names = [*plan.keep, *(name for name, _ in plan.outputs)]
+        if plan.classifier:
+            from jaxexp_mlflow.flavors import classifier as classifier_mod
+
+            arrays.append(pa.array(classifier_mod.apply(impl.classifier, outs[0], None)))
+        else:
+            for (_, np_type), spec, out in zip(plan.outputs, impl.outputs, outs, strict=True):
+                wire = out.astype(spec.wire_dtype, copy=False)
+                arrays.append(numpy_to_arrow(wire.astype(np_type, copy=False)))
         yield pa.RecordBatch.from_arrays(arrays, names=names)
 
 
