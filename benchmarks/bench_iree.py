@@ -10,8 +10,10 @@ One model (an MLP with params, saved by ``mlflow.jaxexp.save_model``), measured 
     IREE runtime only);
   - ``jax``: ``mlflow.jaxexp.load_model`` + ``model(x)`` (the baseline).
 * **steady-state call** at batch 1 and 1024 in this process: ``IreeModel(x)`` (both IREE CPU
-  drivers) vs ``JaxExpModel(x)``, numpy in and out for all, interleaved rounds, median of the
-  per-call times.
+  drivers) vs ``jax.jit(exported.call)`` on the same function and params (XLA, the baseline of
+  the ratios) and ``JaxExpModel(x)``, numpy in and out for all, interleaved rounds, median of
+  the per-call times. The load average (``os.getloadavg()``) before and after is printed beside
+  them: on a busy machine only the ratios of one run mean anything.
 
     python benchmarks/bench_iree.py             # 5 rounds
     python benchmarks/bench_iree.py --quick     # 1 round, seconds
@@ -115,17 +117,21 @@ def main(argv: list[str] | None = None) -> int:
         meta = yaml.safe_load((path / "MLmodel").read_text())["flavors"]["jaxexp"]
         iree_models = {d: load_directory(path, meta, iree_driver=d) for d in DRIVERS}
         jax_model = mlflow.jaxexp.load_model(str(path))
+        jit_model = plain_jit(work)
         x1 = np.load(work / "x.npy")[:1]
         rng = np.random.default_rng(0)
         steady: dict[str, list[float]] = {}
+        load = [os.getloadavg()]
         for _ in range(rounds):
             for batch, n in ((1, 300 if args.quick else 2000), (1024, 5 if args.quick else 50)):
                 x = x1 if batch == 1 else rng.standard_normal((batch, args.width), np.float32)
-                for name, model in (*iree_models.items(), ("jax", jax_model)):
+                models = (*iree_models.items(), ("jit", jit_model), ("jax", jax_model))
+                for name, model in models:
                     steady.setdefault(f"{name}/{batch}", []).append(per_call(model, x, n))
+        load.append(os.getloadavg())
         agree = max(
-            float(np.abs(np.asarray(m(x1)) - np.asarray(jax_model(x1))).max())
-            for m in iree_models.values()
+            float(np.abs(np.asarray(m(x1)) - np.asarray(jit_model(x1))).max())
+            for m in (*iree_models.values(), jax_model)
         )
 
     med = {k: statistics.median(v) for k, v in steady.items()}
@@ -144,30 +150,51 @@ def main(argv: list[str] | None = None) -> int:
         _row("then load + first call, IREE (s)", first["iree"],
              "JAX path (imports jax)", first["jax"], "< 1"),
     ]  # fmt: skip
-    for driver in DRIVERS:
-        rows += [
-            _row(f"steady-state call, batch 1, IREE {driver} (us)", med[f"{driver}/1"] * 1e6,
-                 "JAX path, same model", med["jax/1"] * 1e6, "(reported)"),
-            _row(f"steady-state call, batch 1024, IREE {driver} (ms)",
-                 med[f"{driver}/1024"] * 1e3, "JAX path, same model", med["jax/1024"] * 1e3,
-                 "(reported)"),
-        ]  # fmt: skip
+    for batch, unit, scale in ((1, "us", 1e6), (1024, "ms", 1e3)):
+        for driver in DRIVERS:
+            rows.append(
+                _row(f"steady-state call, batch {batch}, IREE {driver} ({unit})",
+                     med[f"{driver}/{batch}"] * scale, "jax.jit(exported.call), XLA",
+                     med[f"jit/{batch}"] * scale, "< 2")
+            )  # fmt: skip
+        rows.append(
+            _row(f"steady-state call, batch {batch}, JaxExpModel ({unit})",
+                 med[f"jax/{batch}"] * scale, "jax.jit(exported.call), XLA",
+                 med[f"jit/{batch}"] * scale, "(reported)")
+        )  # fmt: skip
     print(f"IREE vs JAX, MLP depth {depth} width {args.width}, {rounds} round(s), median")
+    print(f"{'figure':58s} {'value':>10s} {'baseline':>10s} {'ratio':>7s}")
     for r in rows:
         print(
             f"{r['figure']:58s} {r['value']:10.3f} {r['baseline']:10.3f} "
-            f"{r['ratio']:7.3f}  ({r['baseline_name']})"
+            f"{r['ratio']:7.3f}  ({r['baseline_name']}; goal {r['goal']})"
         )
+    print(
+        "load average (1, 5, 15 min) before / after the steady-state calls: "
+        + " / ".join(", ".join(f"{v:.2f}" for v in la) for la in load)
+        + f" on {os.cpu_count()} CPUs"
+    )
     print(f"IREE child imported neither jax nor the IREE compiler: {clean}")
-    print(f"max |IREE - JAX| on the batch-1 input: {agree:.3g}")
+    print(f"max |IREE or JaxExpModel - jax.jit| on the batch-1 input: {agree:.3g}")
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {"rows": rows, "fresh": fresh, "steady": steady, "clean": clean, "agree": agree},
-                indent=1,
-            )
-        )
+        result = {"rows": rows, "fresh": fresh, "steady": steady, "clean": clean}
+        result.update(agree=agree, loadavg=load, cpus=os.cpu_count())
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def plain_jit(work: Path):
+    """``jax.jit(exported.call)`` on the peer's export of the same function (params as device
+    arrays, bound once): XLA with nothing of the flavor around it."""
+    import jax
+    import numpy as np
+
+    exp = jax.export.deserialize(bytearray((work / "peer.bin").read_bytes()))
+    with np.load(work / "params.npz") as f:
+        flat = [f[f"p_{i}"] for i in range(len(f.files))]
+    params = jax.device_put(jax.tree.unflatten(exp.in_tree.children()[0].children()[0], flat))
+    call = jax.jit(exp.call)
+    return lambda x: call(params, x)
 
 
 def _row(figure: str, value: float, base_name: str, base: float, goal: str) -> dict:

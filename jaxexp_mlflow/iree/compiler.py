@@ -22,7 +22,9 @@ Settings, first match wins (as ``runtime.cache`` for JAX's cache):
 3. ``$XDG_CACHE_HOME/jaxexp-mlflow/iree`` (``~/.cache/jaxexp-mlflow/iree``).
 
 Flags: ``--iree-input-demote-f64-to-f32=false`` keeps float64 (IREE demotes it by default);
-``--iree-llvmcpu-target-cpu=host`` uses the CPU's vector units.
+``--iree-llvmcpu-target-cpu=host`` uses the CPU's vector units. ``SPEED_FLAGS``, opt-in through
+``JAXEXP_IREE_FLAGS`` (docs/longevity.md, "Speed"), make large batches ~2x faster. All flags are
+part of the cache key: entries compiled with other flags are not read.
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ from jaxexp_mlflow.runtime import cache as cache_settings
 _logger = logging.getLogger(__name__)
 
 ENV_VAR = "JAXEXP_IREE_CACHE"
-#: Extra compiler flags, space-separated (e.g. ``--iree-opt-data-tiling``: see docs/longevity.md).
+#: Extra compiler flags, space-separated (e.g. ``--iree-opt-level=O3``: see docs/longevity.md).
 ENV_FLAGS = "JAXEXP_IREE_FLAGS"
 TARGET = "llvm-cpu"
 FLAGS = ("--iree-input-demote-f64-to-f32=false", "--iree-llvmcpu-target-cpu=host")
+#: Opt-in (``JAXEXP_IREE_FLAGS``): a batch-1024 MLP call ~2x faster, but iree-compile 3.13
+#: crashes (SIGSEGV) on some models with them (eqx_attention of tests/models_real.py).
+SPEED_FLAGS = ("--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all")
 
 
 def active_flags() -> tuple[str, ...]:

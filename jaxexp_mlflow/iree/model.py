@@ -258,6 +258,17 @@ class IreeModel:
         # params go to the device once; kept ones only
         self._params = {i: self._upload(p, i) for i, p in enumerate(params) if i in self._kept}
         self.params = params
+        # the argument list of a call, prepared once: the VM refs of the platform index and the
+        # params (pushing a ref is cheaper than pushing its buffer view: no conversion), and the
+        # input leaves by their position among the inputs
+        n = self.n_param_leaves
+        fixed = [] if self._platform_arg is None else [self._platform_arg.ref]
+        self._arg_plan: list[tuple[Any, int]] = [(ref, -1) for ref in fixed]
+        self._arg_plan += [
+            (self._params[i].ref, -1) if i < n else (None, i - n) for i in self._kept
+        ]
+        self._n_args = len(self._arg_plan)
+        self._buffer_view = rt.HalBufferView
 
     # -- conversion ------------------------------------------------------------------------------
 
@@ -312,11 +323,9 @@ class IreeModel:
             if len(self._shapes_seen) < 1024:
                 self._shapes_seen[key] = expected
         rt = self._rt
-        args = rt.VmVariantList(len(self._kept) + 1)
-        if self._platform_arg is not None:
-            args.push_ref(self._platform_arg)
-        for i in self._kept:
-            args.push_ref(self._params[i] if i < n else self._upload(arrays[i - n], i))
+        args = rt.VmVariantList(self._n_args)
+        for ref, j in self._arg_plan:
+            args.push_ref(ref if j < 0 else self._upload(arrays[j], n + j))
         results = rt.VmVariantList(len(self._out_dtypes))
         self._vm_context.invoke(self._vm_function, args, results)
         if results.size != len(self._out_dtypes):
@@ -334,16 +343,21 @@ class IreeModel:
     def _checked_view(self, results: Any, i: int, shape: tuple, bits: np.dtype) -> Any:
         """Result ``i`` as a buffer view whose element type, shape and size are the out aval's
         (``shape``: None for a dimension that could not be solved); else ``ArtifactError``."""
-        rt, aval = self._rt, self.out_avals[i]
         try:
-            view = results.get_as_object(i, rt.HalBufferView)
-            element, found = int(view.element_type), tuple(int(d) for d in view.shape)
+            view = results.get_as_object(i, self._buffer_view)
+            element, found = int(view.element_type), tuple(view.shape)
             nbytes = int(view.byte_length)
         except (RuntimeError, ValueError, TypeError) as err:
+            aval = self.out_avals[i]
             raise ArtifactError(
                 f"output {i} of {self._source}: expected a buffer of {aval}, found "
                 f"{type(err).__name__}: {str(err)[:200]}. {MISMATCH_HINT}"
             ) from None
+        if element in self._out_element_types[i] and found == shape:  # the usual case
+            if nbytes < math.prod(found) * bits.itemsize:
+                self._short(i, found, bits, nbytes)
+            return view
+        aval = self.out_avals[i]
         want = ", ".join("?" if d is None else str(d) for d in shape)
         if element not in self._out_element_types[i]:
             expected_names = sorted(self._hal_names.get(e, "?") for e in self._out_element_types[i])
@@ -361,12 +375,16 @@ class IreeModel:
                 f"{aval.dtype}{list(found)}. {MISMATCH_HINT}"
             )
         if nbytes < math.prod(found) * bits.itemsize:
-            raise ArtifactError(
-                f"output {i} of {self._source}: expected {math.prod(found) * bits.itemsize} "
-                f"bytes for {aval.dtype}{list(found)}, found a buffer of {nbytes}. "
-                f"{MISMATCH_HINT}"
-            )
+            self._short(i, found, bits, nbytes)
         return view
+
+    def _short(self, i: int, found: tuple, bits: np.dtype, nbytes: int) -> None:
+        """Refuse result ``i``, whose buffer is shorter than its shape says."""
+        raise ArtifactError(
+            f"output {i} of {self._source}: expected {math.prod(found) * bits.itemsize} "
+            f"bytes for {self.out_avals[i].dtype}{list(found)}, found a buffer of {nbytes}. "
+            f"{MISMATCH_HINT}"
+        )
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the model on ``inputs`` with the bound params; returns the exported out pytree."""
