@@ -58,9 +58,10 @@ def get_default_pip_requirements(*, include_package: bool = False) -> list[str]:
     archived model. With ``include_package=True`` the model carries its own copy in ``code/``
     (for air-gapped archives, for ``mlflow.pyfunc``'s loader only) and the requirement is left out.
     """
+    # flatbuffers: jax.export's serialize/deserialize import it, and jax does not declare it
     reqs = [
         mlflow_private.pinned_requirement(name)
-        for name in ("jax", "jaxlib", "orbax-checkpoint", "numpy", "mlflow")
+        for name in ("jax", "jaxlib", "flatbuffers", "orbax-checkpoint", "numpy", "mlflow")
     ]
     if not include_package:
         reqs.append(f"{PACKAGE_REQUIREMENT}>={_package_version()}")
