@@ -12,6 +12,7 @@ chooses what runs.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -77,6 +78,16 @@ def ensure(jax_version: str, *, quiet: bool = True) -> Path:
         return found
     target = env_path(jax_version)
     target.parent.mkdir(parents=True, exist_ok=True)
+    # one builder per environment: a second process waits, then reuses what the first built
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = ready(jax_version)
+        if found is not None:
+            return found
+        return _build(jax_version, target, quiet=quiet)
+
+
+def _build(jax_version: str, target: Path, *, quiet: bool) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     start = time.perf_counter()
     try:

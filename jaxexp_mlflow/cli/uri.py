@@ -131,9 +131,7 @@ def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
                 local = Path(dst, "model")
                 with step(f"Downloading {MLMODEL} of {uri}"):
                     _fetch(base, MLMODEL, local)
-                target = _require_jaxexp(
-                    Target(uri, "model", local, mlmodel=read_mlmodel(local))
-                )
+                target = _require_jaxexp(Target(uri, "model", local, mlmodel=read_mlmodel(local)))
                 wanted = {target.flavor.get("exported_file", DEFAULT_BLOB), *parts} - {MLMODEL}
                 with step(f"Downloading {', '.join(sorted(wanted))}"):
                     for name in sorted(wanted & set(names)):

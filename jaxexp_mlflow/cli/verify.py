@@ -18,7 +18,13 @@ from jaxexp_mlflow.cli._common import (
     step,
     table,
 )
-from jaxexp_mlflow.cli.loading import environment, environment_line, load_judged
+from jaxexp_mlflow.cli.loading import (
+    environment,
+    environment_line,
+    load_judged,
+    route_line,
+    route_option,
+)
 from jaxexp_mlflow.cli.uri import resolve
 
 
@@ -40,6 +46,7 @@ Examples:
   jaxexp verify runs:/0f3c.../model
   jaxexp verify models:/classifier@best --rtol 1e-4 --atol 1e-6 --json
   jaxexp verify runs:/0f3c.../model --env-manager uv   # also in the logged environment
+  jaxexp verify runs:/0f3c.../model --route auto       # a model this JAX refuses
 """,
 )
 @click.argument("uri")
@@ -52,6 +59,7 @@ Examples:
     help="Also re-run the reference in the environment the model was logged with (restored "
     "from its recorded requirements by MLflow) and show the drift side by side.",
 )
+@route_option
 @run_options
 @common_options
 def verify(
@@ -59,6 +67,7 @@ def verify(
     rtol: float | None,
     atol: float | None,
     env_manager: str | None,
+    route: str | None,
     allow_incompatible: bool,
     allow_other_platform: bool,
     backend: str,
@@ -70,7 +79,9 @@ def verify(
     Loads the model on this machine, runs the input example stored at logging time and compares
     each output with the output recorded then (shape, dtype, max abs and rel error). Exits 1 on a
     mismatch or when the model cannot run here. Default tolerances depend on the dtype (16-bit
-    2e-2, 32-bit rtol 1e-5/atol 1e-6, 64-bit 1e-12/1e-14, integers and bools exact).
+    2e-2, 32-bit rtol 1e-5/atol 1e-6, 64-bit 1e-12/1e-14, integers and bools exact). For a
+    model this JAX refuses, the error names the routes that work; --route takes one (auto: the
+    first), and the output says which ran.
     """
     setup_logging(debug)
     target = resolve(uri)
@@ -78,6 +89,10 @@ def verify(
         raise InputProblem(
             f"{uri} is a bare blob: it carries no reference input/outputs to reproduce. Log it "
             "with an input example (`jaxexp log BLOB --input-example FILE`) and verify that"
+        )
+    if env_manager and route:
+        raise InputProblem(
+            "--env-manager and --route are two ways to pick the JAX that runs the model: pass one"
         )
     if env_manager:
         from jaxexp_mlflow.cli.verify_env import verify_in_recorded_env
@@ -92,19 +107,30 @@ def verify(
             allow_incompatible=allow_incompatible,
             allow_other_platform=allow_other_platform,
         )
+    from jaxexp_mlflow.cli.loading import pick_route
     from jaxexp_mlflow.reproduce import verify_directory
 
-    model = load_judged(
-        target,
-        allow_incompatible=allow_incompatible,
-        allow_other_platform=allow_other_platform,
-        isolate=True,  # a blob that crashes JAX's deserializer is refused, not fatal
-        backend=backend,
-    )
-    env = environment(backend)
+    chosen = pick_route(target, route, allow_other_platform=allow_other_platform)
+    name = chosen.name if chosen is not None else None
+    if name == "iree":
+        backend = "iree"
+    model = checks = None
+    if name == "recorded-env":
+        checks, env = _verify_recorded_env(target, chosen, rtol=rtol, atol=atol)
+    else:
+        model = load_judged(
+            target,
+            allow_incompatible=allow_incompatible,
+            allow_other_platform=allow_other_platform,
+            isolate=True,  # a blob that crashes JAX's deserializer is refused, not fatal
+            backend=backend,
+            route=name if name not in (None, "iree") else None,
+        )
+        env = environment(backend)
     try:
-        with step("Running the reference input (compile + run)"):
-            checks = verify_directory(model, target.path, rtol=rtol, atol=atol)
+        if model is not None:
+            with step("Running the reference input (compile + run)"):
+                checks = verify_directory(model, target.path, rtol=rtol, atol=atol)
     except Exception as err:
         if {c.__name__ for c in type(err).__mro__} & {"JaxExpError"}:
             raise
@@ -125,6 +151,7 @@ def verify(
             {
                 "ok": passed,
                 "uri": uri,
+                "route": chosen.to_dict() if chosen is not None else {"name": "direct"},
                 "reference": {"synthetic": bool(synthetic), **(synthetic or {})},
                 "saved_with": {
                     "jax_version": flavor.get("jax_version"),
@@ -142,6 +169,8 @@ def verify(
             f"Saved by  jax {saved}" if saved else "Saved by  (unknown jax: logged as bytes)"
         )
         click.echo(f"Running   {environment_line(env)}")
+        if chosen is not None:
+            click.echo(route_line(chosen))
         click.echo(f"Reference {reference}")
         click.echo("")
         rows = [
@@ -172,3 +201,30 @@ def verify(
     if not passed:
         ctx = click.get_current_context()
         ctx.exit(1)
+
+
+def _verify_recorded_env(
+    target: Any, chosen: Any, *, rtol: float | None, atol: float | None
+) -> tuple[list, dict[str, Any]]:
+    """(checks, environment) of the stored reference run by ``chosen.jax_version`` in a cached
+    venv (the recorded-env route; models without params, as ``jaxexp predict``'s)."""
+    from jaxexp_mlflow import artifact
+    from jaxexp_mlflow.cli.loading import run_recorded_env
+    from jaxexp_mlflow.reproduce import compare_outputs
+
+    ref = artifact.read_reference(target.path, target.flavor)
+    if ref is None:
+        raise Failure(
+            f"The model at {target.uri} carries no reference input/outputs, so there is nothing "
+            "to reproduce"
+        )
+    inputs, outputs = ref
+    outs = run_recorded_env(target, chosen, list(inputs))
+    env = {
+        "jax_version": chosen.jax_version,
+        "jaxlib_version": chosen.jax_version,
+        "backend": "cpu",
+        "device_kind": "cpu (cached venv)",
+        "device_count": int(target.flavor.get("nr_devices") or 1),
+    }
+    return compare_outputs(outs, outputs, rtol=rtol, atol=atol), env

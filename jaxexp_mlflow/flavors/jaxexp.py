@@ -538,8 +538,11 @@ def load_model(
     the device placement (see ``runtime.devices.plan``). ``backend="iree"`` compiles the
     StableHLO module with IREE and runs it without importing JAX (an ``IreeModel``: numpy in and
     out, not differentiable; ``options``: ``allow_other_platform``, ``iree_cache``).
-    ``route="expired-flag"`` reads a blob jax >= 0.11.1 refuses as expired with JAX's flag set
-    around the deserialization only (``runtime/routes.py``); a refusal names the working routes.
+    ``route`` is taken as asked, never chosen (``runtime/routes.py``): ``"direct"`` loads it as
+    it is; ``"expired-flag"`` reads a blob jax >= 0.11.1 refuses as expired (schema < 5) with
+    JAX's flag set around the deserialization only, and is refused where it does not apply; the
+    other routes run outside this call (the refusal says how). Every refusal names the routes
+    that work here; ``model.route`` says which one ran.
 
     Every file is read confined to the model directory, bounded, and checked (blob sha256,
     params CRC-32C; docs/security.md). Limit: JAX's own deserializer is native code that trusts
@@ -551,8 +554,14 @@ def load_model(
 
     backend = _check_backend(backend)
     if route is not None:  # taken as asked, never chosen: runtime/routes.py
+        from jaxexp_mlflow.errors import IncompatibleError
         from jaxexp_mlflow.runtime.routes import check_name
 
+        if backend == "iree":
+            raise IncompatibleError(
+                f"route={route!r} is a route of the JAX backend; backend='iree' is a route of "
+                "its own: pass one of them."
+            )
         options["route"] = check_name(route)
     # jaxexp is the loader: nothing in a model's code/ is ever imported here, so into a private
     # temp dir (dst_path=None) it is not even downloaded.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ ROUTES = (DIRECT, EXPIRED_FLAG, BRIDGE, RECORDED_ENV, IREE)
 #: The bridge: deserializes every blob of the shared corpus (jax 0.4.35 to 0.10.2, HLO shardings
 #: included) and has wheels for Python 3.11 to 3.13 (measured 2026-11-25).
 BRIDGE_JAX = "0.10.2"
+#: The first jax without wheels for Python 3.11 (jax 0.11 and later need Python >= 3.12).
+NEEDS_PYTHON_312 = (0, 11)
 #: jax 0.12's serialization.py: "remove 6 months after 4/4/26" (reading schema < 10's layout).
 OLD_LAYOUT_UNTIL = dt.date(2026, 10, 4)
 OLD_LAYOUT_SCHEMA = 10
@@ -55,6 +58,8 @@ MINIMUM_SCHEMA_CHECK = dt.date(2027, 1, 27)
 _BRIDGE_FIXES = {"expired", "hlo_sharding", "calling_convention", "window_backward"}
 #: Reasons no route changes (they concern this machine, not the blob's era).
 _MACHINE = {"platform", "devices"}
+#: How a route without a known closing date starts its ``closes`` text.
+NO_DATE = "no known date"
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,11 @@ class Route:
     closes: str
     closes_on: dt.date | None = None
     source: str = ""  # recorded-env: "recorded" or "inferred from the blob"
+
+    def __post_init__(self) -> None:
+        # every route states when it closes: a date, or that none is known
+        if self.closes_on is None and not self.closes.startswith(NO_DATE):
+            object.__setattr__(self, "closes", f"{NO_DATE}; {self.closes}")
 
     def __str__(self) -> str:
         who = f" (jax {self.jax_version})" if self.jax_version else ""
@@ -113,9 +123,9 @@ def era(meta: Mapping[str, Any], description: Any = None) -> tuple[str | None, s
     The recorded ``jax_version`` of a model saved from a function; the version the blob states
     (schema 12 writers); else, for a bare blob, the newest release built inside the date bracket
     the blob's own fields give (``compat.exporter_dates``: before the first release that writes
-    newer) that still runs every CPU kernel the module calls with the operand count it calls it
-    with (the newest: the most likely to install on a newer Python). ``(None, why)`` when none
-    is known.
+    newer) that reads the blob (not jax >= 0.11.1 for HLO shardings or a schema < 5) and still
+    runs every CPU kernel the module calls with the operand count it calls it with (the newest:
+    the most likely to install on a newer Python). ``(None, why)`` when none is known.
     """
     recorded = meta.get("jax_version")
     if recorded:
@@ -126,10 +136,20 @@ def era(meta: Mapping[str, Any], description: Any = None) -> tuple[str | None, s
     _, earliest, latest, evidence = compat.exporter_dates(meta, description)
     calls = _kernel_calls(meta, description)
     known = set(compat.kernel_abi_table()["releases"])
+    # a jax that refuses the blob is of no era of it: jax >= 0.11.1 reads neither HLO shardings
+    # nor, without its flag (which the child does not set), a schema < 5
+    schema = getattr(description, "schema_generation", None) or meta.get("schema_generation")
+    refused_by_new = bool(compat.hlo_shardings(description)) or bool(
+        schema and int(schema) < compat.OLDEST_SCHEMA_READ_BY_ENFORCING_JAX
+    )
     in_era = [
         (d, compat._vkey(v), v)
         for v, d in compat._releases()
-        if v in known and (earliest is None or d >= earliest) and (latest is None or d < latest)
+        if v in known
+        and (earliest is None or d >= earliest)
+        and (latest is None or d < latest)
+        and not (refused_by_new and compat._vkey(v) >= compat.ENFORCING_JAX)
+        and (sys.version_info >= (3, 12) or compat._vkey(v) < NEEDS_PYTHON_312)
     ]
     # the module's own kernel signatures first; then the kernels by name only (JAX's archive
     # dates a signature by when its tests were rewritten, which may be after a release wrote it)
@@ -156,8 +176,10 @@ def _vkey(v: str | None) -> tuple[int, ...]:
 
 def _direct_closes(verdict: compat.Verdict, schema: int | None) -> tuple[str, dt.date | None]:
     when, how = compat.window_closes(verdict.exporter)
+    past = when is not None and when < dt.date.today() and how != "after"
+    verb = "closed" if past else "closes"
     window = (
-        f"JAX's 6-month backward window {'closes' if how == 'exact' else 'closes ' + how} "
+        f"JAX's 6-month backward window {verb if how == 'exact' else verb + ' ' + how} "
         f"{when} (a promise; no release refuses a blob by its date)"
         if when
         else "JAX's backward window (exporter date unknown)"
@@ -191,18 +213,24 @@ def plan(
     schema = getattr(description, "schema_generation", None) or meta.get("schema_generation")
     schema = int(schema) if schema else None
     kernels = bool(blocking & {"custom_calls", "kernel_abi"})
+    machine = sorted(
+        r.code for r in verdict.reasons if r.severity == compat.INCOMPATIBLE and r.code in _MACHINE
+    )
+    # the routes that run in this process need this machine to fit the model first
+    first = f" First fix this machine ({', '.join(machine)}: see the reasons)." if machine else ""
     routes: list[Route] = []
     if not blocking:
         text, when = _direct_closes(verdict, schema)
-        routes.append(Route(DIRECT, here, "load it as it is.", text, when))
+        routes.append(Route(DIRECT, here, "load it as it is." + first, text, when))
     if blocking == {"expired"} and enforcing:
         routes.append(
             Route(
                 EXPIRED_FLAG,
                 here,
                 f"load_model(uri, route={EXPIRED_FLAG!r}) or --route {EXPIRED_FLAG} (JAX's "
-                f"{compat.EXPIRED_FLAG} set around the deserialization only); `jaxexp refresh` "
-                "makes a current copy of a logged model.",
+                f"{compat.EXPIRED_FLAG} set around the deserialization only); "
+                f"`{compat.EXPIRED_ENV}=1 jaxexp refresh` makes a current copy of a logged "
+                "model." + first,
                 f"at the jax release that drops the flag or schema {schema}: JAX calls the flag "
                 f"temporary and may drop the layout of schema < {OLD_LAYOUT_SCHEMA} in any "
                 f"release after {OLD_LAYOUT_UNTIL} (a minimum-schema check is planned after "
@@ -215,9 +243,8 @@ def plan(
             Route(
                 BRIDGE,
                 BRIDGE_JAX,
-                f"--route {BRIDGE} (jax {BRIDGE_JAX} in a cached venv re-exports the blob; it "
-                f"runs here); `jaxexp refresh` logs that re-export of a logged model as a new "
-                "version.",
+                f"--route {BRIDGE} (jax {BRIDGE_JAX} in a cached venv re-exports the blob, "
+                "which then runs here)." + first,
                 f"when jax {BRIDGE_JAX} no longer installs on this Python (its wheels: "
                 f"CPython 3.11-3.13); the re-exported blob is of jax {BRIDGE_JAX}'s schema, "
                 f"which JAX reads beyond {MINIMUM_SCHEMA_CHECK}.",
@@ -377,13 +404,18 @@ def judge(
         hint = describe(plan(verdict, meta, description, uri=uri))
     if route == EXPIRED_FLAG:
         available = plan(verdict, meta, description, uri=uri)
-        if find(available, EXPIRED_FLAG) is None and find(available, DIRECT) is None:
+        if find(available, EXPIRED_FLAG) is None:
+            blocking = [r for r in verdict.reasons if r.severity == compat.INCOMPATIBLE]
+            found = (
+                "\n- ".join(str(r) for r in blocking)
+                if blocking
+                else f"a model this jax ({(verdict.environment or {}).get('jax_version')}) "
+                "reads without the flag"
+            )
             raise IncompatibleError(
-                f"route={EXPIRED_FLAG!r} does not open this model: expected a blob of schema < "
-                f"{compat.OLDEST_SCHEMA_READ_BY_ENFORCING_JAX} refused for that alone by jax >= "
-                f"0.11.1, found:\n- "
-                + "\n- ".join(str(r) for r in verdict.reasons if r.severity == compat.INCOMPATIBLE)
-                + f"\n{describe(available)}"
+                f"route={EXPIRED_FLAG!r} does not apply to this model: expected a blob of schema "
+                f"< {compat.OLDEST_SCHEMA_READ_BY_ENFORCING_JAX} refused for that alone by jax >= "
+                f"0.11.1, found:\n- {found}\n{describe(available)}"
             )
         flagged = judged_with_flag(meta, description, allow_other_platform=allow_other_platform)
         enforce(flagged, allow_incompatible=allow_incompatible, hint=hint)
