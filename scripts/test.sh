@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up the test environments from scratch and run the tests (what CI runs via .ci/run):
 #  - main   (.venv):        Python 3.11, the frozen stack (jax/jaxlib 0.10.2, mlflow 3.17.2),
-#                           the whole default suite;
+#                           the whole default suite, then the Spark standalone-cluster test;
 #  - newest (.venv-newest): Python 3.13 (scripts/python313.sh finds or makes one) with the newest
 #                           jax, jaxlib, mlflow and orbax-checkpoint the registry serves, resolved
 #                           now: the canary, red the day a release breaks us; the whole default suite;
@@ -46,12 +46,18 @@ for s in $STAGES; do
   case $s in
     main)
       echo "== stage main: Python 3.11 + the frozen stack"
-      setup "$PY" .venv -e ".[test,iree]" "jax==0.10.2" "jaxlib==0.10.2" "mlflow==3.17.2"
+      setup "$PY" .venv -e ".[test,iree,spark]" "jax==0.10.2" "jaxlib==0.10.2" "mlflow==3.17.2"
       versions .venv
       rc=0
       .venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts || rc=$?
       # `mlflow models serve` and `jaxexp` come from the venv
       PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -q -p no:cacheprovider "$@" || rc=$?
+      # a real Spark standalone cluster (master + worker on 127.0.0.1; needs Java 17), unless
+      # pytest arguments picked other tests
+      if [ $# -eq 0 ] && command -v java >/dev/null; then
+        PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -q -p no:cacheprovider -m slow \
+          tests/test_spark_cluster.py || rc=$?
+      fi
       stage main "$t0" "$rc"
       ;;
     newest)
