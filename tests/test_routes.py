@@ -269,6 +269,26 @@ def test_load_model_takes_a_route_when_asked(expired_model):
         mlflow.jaxexp.load_model(str(expired_model), route="direct", backend="iree")
 
 
+def test_pyfunc_takes_a_route_from_model_config(expired_model):
+    """pyfunc (``mlflow.pyfunc.load_model``, ``mlflow models serve`` through
+    ``MLFLOW_PYFUNC_INFERENCE_CONFIG``) takes a route only when ``model_config`` names it."""
+    import mlflow
+
+    from jaxexp_mlflow.errors import IncompatibleError
+
+    config = {"route": "expired-flag", "compilation_cache": False}
+    if REFUSES:
+        with pytest.raises(IncompatibleError, match=r"1\. expired-flag"):
+            mlflow.pyfunc.load_model(str(expired_model), model_config={"route": None})
+        model = mlflow.pyfunc.load_model(str(expired_model), model_config=config)
+        assert model.get_raw_model().route == "expired-flag"
+    else:
+        with pytest.raises(IncompatibleError, match="does not apply"):
+            mlflow.pyfunc.load_model(str(expired_model), model_config=config)
+    with pytest.raises(IncompatibleError, match="--route bridge"):
+        mlflow.pyfunc.load_model(str(expired_model), model_config={"route": "bridge"})
+
+
 def test_verify_by_route(expired_model):
     result = _cli("verify", str(expired_model), "--route", "auto", "--json")
     assert result.exit_code == 0, result.output

@@ -39,6 +39,7 @@ PYFUNC_CONFIG_KEYS = (
     "backend",
     "iree_cache",
     "iree_driver",
+    "route",
 )
 
 #: Backends ``load_model``/pyfunc can run a model on: JAX, or IREE without importing JAX

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxexp_mlflow.errors import ArtifactError, InputError
+from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
 from jaxexp_mlflow.flavors import serving_guard
 from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public name it had here
     ENV_ALLOW_NAN,
@@ -362,6 +362,15 @@ def _load_uncached(
         config.get("backend", os.environ.get(ENV_BACKEND, saved.get("backend")))
     )
     load_options = {k: config[k] for k in ("allow_other_platform", "data_parallel") if k in config}
+    if config.get("route") is not None:  # taken as asked, never chosen (runtime/routes.py)
+        from jaxexp_mlflow.runtime.routes import check_name
+
+        if backend == "iree":
+            raise IncompatibleError(
+                f"model_config route={config['route']!r} is a route of the JAX backend; "
+                "backend 'iree' is a route of its own: pass one of them."
+            )
+        load_options["route"] = check_name(str(config["route"]))
     if backend == "iree":
         from jaxexp_mlflow.iree.loader import load_directory
 

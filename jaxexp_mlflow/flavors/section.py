@@ -244,6 +244,7 @@ PYFUNC_LOAD_TIME_ONLY = {
     "backend": "JAXEXP_BACKEND",
     "allow_incompatible": None,
     "allow_other_platform": None,
+    "route": None,
 }
 _FLAGS = (True, False, 0, 1, "0", "1", "true", "false", "on", "off", "yes", "no")
 
