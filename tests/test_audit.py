@@ -118,6 +118,15 @@ def test_audit_registry_ranks_what_to_refresh_first(archive, expired_flag, witho
         "refresh now" if soon <= 31 else "refresh soon" if soon <= 92 else "ok"
     )
     assert doc["summary"]["refresh now"] >= 2
+    # every model names the routes that run it here, each with when it closes
+    for row in rows.values():
+        for route in row["routes"]:
+            assert route["closes_on"] or route["closes"].startswith("no known date"), route
+    assert rows["live"]["routes"][0]["name"] == "direct"
+    assert [r["name"] for r in old["routes"]][:1] == (
+        ["expired-flag"] if REFUSES_MLP else ["direct"]
+    )
+    assert "direct" not in [r["name"] for r in rows["linalg"]["routes"]]  # its kernels are gone
     # with the flag set, the 0.6.2 blob is read here: a warning, refresh it now
     if expired_flag:
         flagged = CliRunner().invoke(
@@ -146,6 +155,7 @@ def test_audit_table_experiment_scope_and_later_date(archive):
         "window",
         "closes",
         "months",
+        "route",
         "action",
     ]
     body = "\n".join(lines)

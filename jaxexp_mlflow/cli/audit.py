@@ -69,6 +69,8 @@ class Row:
     priority: int = 9
     rank: int | None = None
     reasons: list[str] = field(default_factory=list)
+    #: the routes that run the model here (``runtime.routes.plan``), each with when it closes
+    routes: list[dict] = field(default_factory=list)
 
 
 def plan(
@@ -194,7 +196,31 @@ def audit_one(uri: str, info: dict, as_of: dt.date) -> Row | None:
         row.window_closes, row.window = closes.isoformat(), how
         row.months_left = round((closes - as_of).days / 30.44, 1)
     row.priority, row.action = plan(row.status, row.codes, closes, as_of, how)
+    try:
+        row.routes = _routes(target, verdict, uri)
+    except Exception as err:  # noqa: BLE001 - the verdict stands without its routes
+        row.reasons.append(f"routes not planned: {one_line(err)}")
     return row
+
+
+def _routes(target: Any, verdict: Any, uri: str) -> list[dict]:
+    """The working routes of the target (``runtime.routes.plan``), JSON-able, in order."""
+    from jaxexp_mlflow.cli.check import blob_meta
+    from jaxexp_mlflow.codec.reader import read_blob_file
+    from jaxexp_mlflow.runtime import routes
+
+    desc = read_blob_file(target.blob_path)
+    meta = target.flavor or blob_meta(desc)
+    return [r.to_dict() for r in routes.plan(verdict, meta, desc, uri=uri)]
+
+
+def _route_text(r: Row) -> str:
+    """``expired-flag (closes 2027-05-20)``: the first working route and when it closes."""
+    if not r.routes:
+        return "none here"
+    first = r.routes[0]
+    who = f" jax {first['jax_version']}" if first.get("jax_version") else ""
+    return f"{first['name']}{who} (closes {first.get('closes_on') or 'no known date'})"
 
 
 def _closes_text(r: Row) -> str:
@@ -281,15 +307,13 @@ def audit(
             r.status,
             _closes_text(r),
             "" if r.months_left is None else f"{r.months_left:+.1f}",
+            _route_text(r),
             r.action,
         ]
         for r in rows
     ]
-    click.echo(
-        table(
-            ["#", "model", "logged by jax", "verdict", "window closes", "months", "action"], cells
-        )
-    )
+    heads = ["#", "model", "logged by jax", "verdict", "window closes", "months", "route"]
+    click.echo(table([*heads, "action"], cells))
     if counts:
         click.echo("")
         click.echo("Summary: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
