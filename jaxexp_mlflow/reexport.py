@@ -100,9 +100,10 @@ def _judge(meta: dict, description: Any, model_uri: str, options: dict) -> compa
         if "hlo_sharding" in codes:
             extra += (
                 "\nA refresh must read the blob, and this jax cannot read its old-style "
-                "shardings: run `jaxexp refresh` with an older jax/jaxlib that still does (e.g. "
-                "in the model's recorded environment, the one `jaxexp verify --env-manager uv` "
-                "builds), then use the refreshed model here."
+                "shardings: run `jaxexp refresh --route bridge` (jax 0.10.2 in a cached venv "
+                "reads and re-exports it first), or `jaxexp refresh` with an older jax/jaxlib "
+                "that still reads it (e.g. in the model's recorded environment, the one "
+                "`jaxexp verify --env-manager uv` builds)."
             )
         if codes & {"custom_calls", "kernel_abi"}:
             extra += (
@@ -176,6 +177,33 @@ def _proof(meta: dict, probes_used: list[Any]) -> str:
     return "stored reference input/outputs"
 
 
+def _bridge(
+    data: bytes, description: Any, model_uri: str, synthetic: bool
+) -> tuple[bytes, str, Any, str]:
+    """(the blob re-exported by jax ``routes.BRIDGE_JAX`` in a cached venv, its source label,
+    its description, that jax version), for ``refresh(bridge=True)``."""
+    from jaxexp_mlflow import env_routes
+    from jaxexp_mlflow.codec import blob
+    from jaxexp_mlflow.runtime import routes
+
+    if synthetic:
+        raise RefreshError(
+            f"{model_uri} has no stored reference, which a bridged refresh checks against (the "
+            "old blob cannot run here to make probe outputs). Refresh it with a jax that reads "
+            f"it (e.g. jax {routes.BRIDGE_JAX}), or log it with an input example first."
+        )
+    try:
+        new, _ = env_routes.reexport_in(
+            routes.BRIDGE_JAX, data, nr_devices=int(description.nr_devices)
+        )
+    except Exception as err:
+        raise RefreshError(
+            f"jax {routes.BRIDGE_JAX} (the bridge) could not re-export {model_uri}: {err}"
+        ) from err
+    source = f"{model_uri} (re-exported by jax {routes.BRIDGE_JAX})"
+    return new, source, blob.describe(new, source=source), routes.BRIDGE_JAX
+
+
 def refresh(
     model_uri: str,
     *,
@@ -184,9 +212,16 @@ def refresh(
     run_id: str | None = None,
     rtol: float | None = None,
     atol: float | None = None,
+    bridge: bool = False,
     **options: Any,
 ) -> Any:
     """Re-export the jaxexp model at ``model_uri`` with the running JAX; log it as a new model.
+
+    ``bridge=True`` (the ``bridge`` route, ``runtime/routes.py``) has jax ``routes.BRIDGE_JAX``
+    read the blob in a cached venv and re-export it first: for a blob this jax cannot read at all
+    (old-style HLO shardings under jax >= 0.11.1). The bridged blob is checked like any blob, then
+    refreshed here; it needs the model's stored reference (the old blob cannot run here to make
+    probes).
 
     The refreshed model must reproduce the source's stored reference outputs (or, without a
     reference, the old blob's outputs on synthetic probes) (per-dtype
@@ -214,8 +249,11 @@ def refresh(
     data = artifact.read_blob(local, meta)
     source = str(Path(local, meta.get("exported_file", artifact.EXPORTED_FILE)))
     description = blob.describe(data, source=source)
-    verdict = _judge(meta, description, model_uri, options)
     synthetic = bool(meta.get("reference_synthetic")) or not meta.get("reference")
+    bridged_from = None
+    if bridge:
+        data, source, description, bridged_from = _bridge(data, description, model_uri, synthetic)
+    verdict = _judge(meta, description, model_uri, options)
 
     exported = blob.deserialize_checked(
         data, source=source, node_types=meta.get("pytree_node_types"), description=description
@@ -282,6 +320,8 @@ def refresh(
         TAG_PREFIX + "proof": _proof(meta, probes_used),
         TAG_PREFIX + "synthetic_probes": str(synthetic).lower(),
     }
+    if bridged_from:
+        tags[TAG_PREFIX + "route"] = f"bridge (jax {bridged_from})"
     if getattr(source_model, "model_id", None):
         tags[TAG_PREFIX + "source_model_id"] = source_model.model_id
     metadata = dict(source_model.metadata or {})

@@ -359,3 +359,64 @@ def test_bridge_route_end_to_end(tmp_path):
         assert cli.returncode == 1
         assert "--route bridge: that route does not work here" in cli.stderr
         assert "1. direct" in cli.stderr
+
+
+_REFRESH_CHILD = r"""
+import json, sys
+import jax, mlflow, numpy as np
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import jaxexp_mlflow
+from jaxexp_mlflow.errors import JaxExpError
+from jaxexp_mlflow.reproduce import compare_outputs
+from tests.conftest import load_case
+
+model_dir, case, store = sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+mlflow.set_tracking_uri(f"sqlite:///{store}/mlflow.db")
+_, inputs, want = load_case(case)
+try:
+    jaxexp_mlflow.refresh(model_dir, name="plain")
+    plain = "refreshed"
+except JaxExpError as err:
+    plain = str(err)
+info = jaxexp_mlflow.refresh(model_dir, name="bridged", bridge=True)
+model = mlflow.jaxexp.load_model(info.model_uri)  # current: loads as it is
+got = [np.asarray(x) for x in jax.tree.leaves(model(*inputs))]
+tags = mlflow.get_logged_model(info.model_id).tags
+print("RESULT " + json.dumps({
+    "plain": plain, "route": tags.get("jaxexp.refresh.route"),
+    "jax": model.metadata["jax_version"] == jax.__version__, "status": model.verdict.status,
+    "match": len(got) == len(want) and all(c.passed for c in compare_outputs(got, want)),
+}))
+"""
+
+#: jax 0.8.3's HLO-sharded blob as a model directory (saved by jax 0.10.2 with its reference)
+SHARDED_MODEL = REPO / "tests" / "data" / "models" / "jax-0.8.3-sharded4"
+
+
+@pytest.mark.slow
+def test_refresh_by_bridge(tmp_path):
+    """``jaxexp refresh --route bridge``: a model this jax may not read at all (old-style HLO
+    shardings) is re-exported by jax 0.10.2 in a cached venv, checked against its stored
+    reference and logged as a current model; under jax >= 0.11.1 the plain refresh is refused
+    naming the bridge."""
+    from tests.conftest import result_of
+
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
+    env.pop(compat.EXPIRED_ENV, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _REFRESH_CHILD, str(REPO), str(SHARDED_MODEL), str(SHARDED),
+         str(tmp_path)],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=1800,
+    )  # fmt: skip
+    res = result_of(proc)
+    assert res["route"] == f"bridge (jax {routes.BRIDGE_JAX})"
+    assert res["jax"] and res["status"] == "ok" and res["match"], res
+    if REFUSES:
+        assert "hlo_sharding" in res["plain"] and "--route bridge" in res["plain"], res["plain"]
+    else:
+        assert res["plain"] == "refreshed"
