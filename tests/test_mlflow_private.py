@@ -152,10 +152,6 @@ EXERCISE = {
     ),
     META: lambda t: mp.add_registered_model_meta(_models_repo(), t),
     f"{mp._HTTP_REPO}._host_creds": lambda t: mp.host_creds(_http_repo()),
-    f"{mp._HTTP_REPO}._is_multipart_upload_enabled": lambda t: mp.multipart_upload_enabled(
-        _http_repo()
-    ),
-    "mlflow.utils.mime_type_utils:_guess_mime_type": lambda t: mp.guess_mime_type("a.json"),
     "mlflow.tracking.artifact_utils:_get_root_uri_and_artifact_path": lambda t: (
         mp.root_uri_and_artifact_path("models:/m/1")
     ),
@@ -236,27 +232,6 @@ def _both(monkeypatch, names, fn):
 # (b) each fallback gives what the private path gives
 
 
-def test_guess_mime_type_fallback(monkeypatch):
-    files = [
-        "MLmodel",
-        "MLproject",
-        "conda.yaml",
-        "python_env.yaml",
-        "requirements.txt",
-        "jaxexp_manifest.json",
-        "exported.bin",
-        "c.0.0",
-        "params/w/c.0.0",
-        "reference.npz",
-        "code/jaxexp_mlflow/__init__.py",
-        "logo.png",
-        "noext",
-    ]
-    name = "mlflow.utils.mime_type_utils:_guess_mime_type"
-    a, b = _both(monkeypatch, [name], lambda: [mp.guess_mime_type(f) for f in files])
-    assert a == b
-
-
 def test_root_uri_and_artifact_path_fallback(monkeypatch):
     uris = [
         "models:/m/1",
@@ -291,20 +266,6 @@ def test_host_creds_fallback(monkeypatch):
     name = f"{mp._HTTP_REPO}._host_creds"
     a, b = _both(monkeypatch, [name], lambda: vars(mp.host_creds(_http_repo())))
     assert a == b
-
-
-@pytest.mark.parametrize("value", ["true", "false"])
-def test_multipart_upload_enabled_fallback(monkeypatch, value):
-    monkeypatch.setenv("MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD", value)
-    name = f"{mp._HTTP_REPO}._is_multipart_upload_enabled"
-    a, b = _both(monkeypatch, [name], lambda: mp.multipart_upload_enabled(_http_repo()))
-    assert a == b == (value == "true")
-
-
-def test_multipart_unknown_means_no_upload_from_memory(monkeypatch):
-    monkeypatch.delenv("MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD", raising=False)
-    remove(monkeypatch, f"{mp._HTTP_REPO}._is_multipart_upload_enabled")
-    assert mp.multipart_upload_enabled(_http_repo()) is True
 
 
 def test_flavor_helpers_fallback(monkeypatch):
@@ -430,7 +391,7 @@ def server(tmp_path_factory):
 def test_remote_models_uri_without_private_names(server, tmp_path, monkeypatch):
     """Log and load ``models:/`` through a real server with
     ``_add_registered_model_meta_file`` removed (as in MLflow 3.18) and ``_host_creds``,
-    ``_guess_mime_type``, ``_is_multipart_upload_enabled``, ``_download_file`` hidden from
+    ``_download_file`` hidden from
     jaxexp (MLflow's own code still calls them): the same files as with them (less MLflow
     3.17's ``registered_model_meta``), the same outputs."""
     from mlflow.store.artifact.models_artifact_repo import ModelsArtifactRepository
@@ -443,11 +404,7 @@ def test_remote_models_uri_without_private_names(server, tmp_path, monkeypatch):
     x = np.ones((2, 4), np.float32)
     fn = jax.jit(_apply)
     meta = META
-    upload_names = [
-        f"{mp._HTTP_REPO}._host_creds",
-        "mlflow.utils.mime_type_utils:_guess_mime_type",
-        f"{mp._HTTP_REPO}._is_multipart_upload_enabled",
-    ]
+    upload_names = [f"{mp._HTTP_REPO}._host_creds"]
     mlflow.set_tracking_uri(server)
     try:
         mlflow.set_experiment("private-names")

@@ -80,18 +80,6 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
         "public mlflow.utils.credentials.get_default_host_creds(repo.artifact_uri) (what the "
         "property returns); if that is gone too, no upload from memory (files from disk)",
     ),
-    f"{_HTTP_REPO}._is_multipart_upload_enabled": PrivateName(
-        "transfer.py (EarlyUpload.__init__)",
-        "upload from memory only where MLflow would not upload big files multipart itself",
-        "the public env var MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD when set; unset: assume "
-        "multipart (no upload from memory: files from disk)",
-    ),
-    "mlflow.utils.mime_type_utils:_guess_mime_type": PrivateName(
-        "transfer.py (EarlyUpload._put)",
-        "the Content-Type log_artifact sends for a file",
-        "reimplemented: MLflow's text extensions -> text/plain, else mimetypes, else "
-        "application/octet-stream",
-    ),
     "mlflow.tracking.artifact_utils:_get_root_uri_and_artifact_path": PrivateName(
         "transfer.py (resolve_repository)",
         "split a model URI into the repository root and the path in it, as MLflow's download",
@@ -176,6 +164,12 @@ REPLACED_BY_PUBLIC: dict[str, str] = {
     ),
     f"{_MODEL_UTILS}:_add_code_from_conf_to_system_path": (
         "nothing: no jaxexp path puts a model's code/ on sys.path (docs/security.md)"
+    ),
+    f"{_HTTP_REPO}._is_multipart_upload_enabled": (
+        "nothing: it served the upload of params chunk files from memory, removed by issue 26"
+    ),
+    "mlflow.utils.mime_type_utils:_guess_mime_type": (
+        "nothing: it served the upload of params chunk files from memory, removed by issue 26"
     ),
 }
 
@@ -337,41 +331,6 @@ def host_creds(repo: Any) -> Any | None:
     except ImportError:
         return None
     return get_default_host_creds(repo.artifact_uri)
-
-
-def multipart_upload_enabled(repo: Any) -> bool:
-    """Whether ``log_artifact`` of this ``HttpArtifactRepository`` may upload big files
-    multipart itself. Unknown (method gone, env var unset): True."""
-    fn = _member(repo, f"{_HTTP_REPO}._is_multipart_upload_enabled")
-    if fn is not None:
-        return bool(fn())
-    from mlflow import environment_variables as ev
-
-    var = getattr(ev, "MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD", None)
-    if var is not None and var.is_set():
-        return bool(var.get())
-    return True
-
-
-#: MLflow's list of text extensions (``mime_type_utils.get_text_extensions``), for the fallback.
-_TEXT_EXTENSIONS = frozenset(
-    "txt log err cfg conf cnf cf ini properties prop hocon toml yaml yml xml json js py py3 csv "
-    "tsv md rst ipynb MLmodel mlproject".split()
-)
-
-
-def guess_mime_type(file_name: str) -> str:
-    """The Content-Type MLflow's ``log_artifact`` sends for ``file_name``."""
-    fn = _private("mlflow.utils.mime_type_utils:_guess_mime_type")
-    if fn is not None:
-        return fn(file_name)
-    import mimetypes
-
-    base = posixpath.basename(str(file_name).replace(os.sep, "/"))
-    extension = os.path.splitext(base)[-1].replace(".", "") or base
-    if extension in _TEXT_EXTENSIONS:
-        return "text/plain"
-    return mimetypes.guess_type(base)[0] or "application/octet-stream"
 
 
 def root_uri_and_artifact_path(artifact_uri: str) -> tuple[str, str]:
