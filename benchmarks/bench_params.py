@@ -318,6 +318,9 @@ def bench_model(size_gib: float, rounds: int, workdir: str) -> list[dict]:
                 exp, path, params=params, input_example=x, include_package=False
             )
             save = time.perf_counter() - t
+            from jaxexp_mlflow.codec import mlmodel
+
+            mlmodel._PARSED.clear()  # as a fresh process: the save's parses do not help the load
             t = time.perf_counter()
             model = mlflow.jaxexp.load_model(path)
             jax.block_until_ready(model.params)

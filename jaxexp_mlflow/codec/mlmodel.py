@@ -5,12 +5,19 @@ MLmodel is YAML written by MLflow. From an untrusted directory it is read with b
 ``MAX_DEPTH`` deep and at most ``MAX_NODES`` values once aliases are expanded (an "alias bomb"
 of a few kB otherwise expands to gigabytes in whoever walks the result: ``json.dumps``,
 ``copy.deepcopy``). This is the package's only MLmodel reader; its ``jaxexp`` section is then
-checked by ``flavors.section``.
+checked by ``flavors.section``. A save reads its MLmodel back four times and a load twice; the
+YAML parser is pure Python (~30 ms for a model of 20 params), so :func:`read_mlmodel` keeps the
+last few parses by the file's exact bytes and hands out deep copies (a changed byte parses
+again; nothing is cached by path).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import os
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from jaxexp_mlflow.codec import files
@@ -85,10 +92,27 @@ def read_mlmodel(model_dir: str | os.PathLike) -> dict[str, Any]:
     raw = files.read_bytes(
         model_dir, MLMODEL, what=f"{MLMODEL} file", max_bytes=files.MAX_MLMODEL_BYTES
     )
+    key = hashlib.sha256(raw).digest()
+    with _PARSED_LOCK:
+        data = _PARSED.get(key)
+        if data is not None:
+            _PARSED.move_to_end(key)
+            return copy.deepcopy(data)
     data = load_yaml(raw)
     if not isinstance(data, dict):
         raise fail(
             f"The model's {MLMODEL} file: expected a YAML mapping, found "
             f"{type(data).__name__}. Download the model again."
         )
+    with _PARSED_LOCK:
+        _PARSED[key] = copy.deepcopy(data)
+        while len(_PARSED) > _PARSED_SIZE:
+            _PARSED.popitem(last=False)
     return data
+
+
+#: the last parses of read_mlmodel, by the sha256 of the file's bytes (bounded: each is a
+#: checked parse of at most MAX_NODES values)
+_PARSED: OrderedDict[bytes, dict[str, Any]] = OrderedDict()
+_PARSED_SIZE = 4
+_PARSED_LOCK = threading.Lock()
