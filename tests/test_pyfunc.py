@@ -219,6 +219,32 @@ def test_casting_rules(two_dir):
     assert np.isnan(out["logits"]).all()
 
 
+def test_one_array_fast_path_refuses_what_convert_refuses(mlp_dir):
+    """The single-array predict accepts only what ``convert`` passes unchanged and hands every
+    other array to it: the same refusals, the same casts, the same outputs."""
+    impl = _load_pyfunc(str(mlp_dir[0]), FAST)
+    assert impl._one_array_path()
+    x = batch(3)
+    want = impl.run(impl.convert_inputs(x))[0]
+    np.testing.assert_array_equal(impl.predict(x), want)
+    np.testing.assert_array_equal(impl.predict(x.astype(np.float64)), want)  # lossless cast
+    for bad, pattern in [
+        (np.where(np.arange(24).reshape(3, 8) == 5, np.nan, x), r"NaN or infinite"),
+        (np.full((2, 8), np.inf, np.float32), r"NaN or infinite"),
+        (x[:, :7], r"expected x: float32\[-1,8\]"),
+        (x[:0], r"a batch of 0 rows"),
+        (x.astype(np.int64) + 2**40, r"out of the range|lose|exactly"),
+    ]:
+        with pytest.raises(InputError, match=pattern):
+            impl.predict(bad)
+    big = np.ones((9000, 8), np.float32)  # above the direct finiteness pass: the sum path
+    big[-1, -1] = np.nan
+    with pytest.raises(InputError, match=r"NaN or infinite"):
+        impl.predict(big)
+    ok = _load_pyfunc(str(mlp_dir[0]), {**FAST, "allow_nan": True})
+    assert np.isnan(ok.predict(np.full((1, 8), np.nan, np.float32))).all()
+
+
 # -- buckets ---------------------------------------------------------------------------------------
 
 
