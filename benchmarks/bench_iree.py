@@ -10,9 +10,11 @@ One model (an MLP with params, saved by ``mlflow.jaxexp.save_model``), measured 
     IREE runtime only);
   - ``jax``: ``mlflow.jaxexp.load_model`` + ``model(x)`` (the baseline).
 * **steady-state call** at batch 1 and 1024 in this process: ``IreeModel(x)`` (both IREE CPU
-  drivers) vs ``jax.jit(exported.call)`` on the same function and params (XLA, the baseline of
-  the ratios) and ``JaxExpModel(x)``, numpy in and out for all, interleaved rounds, median of
-  the per-call times. The load average (``os.getloadavg()``) before and after is printed beside
+  drivers; each as compiled by default, speed flags and the batch-1 function, and as before
+  them, ``JAXEXP_IREE_SPEED=0``: base flags, ``main`` only) vs ``jax.jit(exported.call)`` on the
+  same function and params (XLA, the baseline of the ratios) and ``JaxExpModel(x)``, numpy in
+  and out for all, interleaved rounds, median of the per-call times. The load average
+  (``os.getloadavg()``) before and after is printed beside
   them: on a busy machine only the ratios of one run mean anything.
 
     python benchmarks/bench_iree.py             # 5 rounds
@@ -34,6 +36,10 @@ from pathlib import Path
 from bench_cold_start import build_model, spawn  # the same MLP, the same child runner
 
 DRIVERS = ("local-task", "local-sync")  # IREE's thread-pool and calling-thread CPU drivers
+SETTINGS = {
+    "default": "1",
+    "base": "0",
+}  # JAXEXP_IREE_SPEED: speed flags + batch-1 function, or not
 
 CHILD = r"""
 import json, os, sys, time
@@ -115,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
 
         path = work / "model"
         meta = yaml.safe_load((path / "MLmodel").read_text())["flavors"]["jaxexp"]
-        iree_models = {d: load_directory(path, meta, iree_driver=d) for d in DRIVERS}
+        iree_models = {}
+        for setting, speed in SETTINGS.items():
+            os.environ["JAXEXP_IREE_SPEED"] = speed
+            for d in DRIVERS:
+                iree_models[f"{d} {setting}"] = load_directory(path, meta, iree_driver=d)
+        os.environ.pop("JAXEXP_IREE_SPEED")
         jax_model = mlflow.jaxexp.load_model(str(path))
         jit_model = plain_jit(work)
         x1 = np.load(work / "x.npy")[:1]
@@ -151,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
              "JAX path (imports jax)", first["jax"], "< 1"),
     ]  # fmt: skip
     for batch, unit, scale in ((1, "us", 1e6), (1024, "ms", 1e3)):
-        for driver in DRIVERS:
+        for name in iree_models:
             rows.append(
-                _row(f"steady-state call, batch {batch}, IREE {driver} ({unit})",
-                     med[f"{driver}/{batch}"] * scale, "jax.jit(exported.call), XLA",
-                     med[f"jit/{batch}"] * scale, "< 2")
+                _row(f"steady-state call, batch {batch}, IREE {name} ({unit})",
+                     med[f"{name}/{batch}"] * scale, "jax.jit(exported.call), XLA",
+                     med[f"jit/{batch}"] * scale, "< 2" if "default" in name else "(before)")
             )  # fmt: skip
         rows.append(
             _row(f"steady-state call, batch {batch}, JaxExpModel ({unit})",

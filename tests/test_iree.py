@@ -25,9 +25,10 @@ from click.testing import CliRunner  # noqa: E402
 
 import jaxexp_mlflow.flavors.jaxexp as flavor  # noqa: E402
 from jaxexp_mlflow.cli import main as cli_main  # noqa: E402
-from jaxexp_mlflow.codec import reader  # noqa: E402
+from jaxexp_mlflow.codec import blob, reader  # noqa: E402
 from jaxexp_mlflow.errors import IncompatibleError, InputError  # noqa: E402
 from jaxexp_mlflow.iree import compiler, loader, shapes  # noqa: E402
+from jaxexp_mlflow.iree import model as iree_model  # noqa: E402
 from jaxexp_mlflow.reproduce import compare_outputs  # noqa: E402
 from tests import models  # noqa: E402
 from tests.conftest import REPO, case_id, corpus_cases, load_case  # noqa: E402
@@ -44,10 +45,18 @@ REFUSED = [c for c in corpus_cases() if c not in RUNNABLE]
 
 @pytest.fixture(scope="module")
 def corpus_compiled():
-    """Compile the runnable corpus modules into the session cache, two at a time."""
-    modules = [reader.read_module((c / "exported.bin").read_bytes()) for c in RUNNABLE]
+    """Compile the runnable corpus modules into the session cache, two at a time, as the CLI's
+    bare-blob load does (with the batch-1 function where the blob has one)."""
+
+    def compile_blob(case):
+        data = (case / "exported.bin").read_bytes()
+        description = blob.describe(data, source=str(case))
+        platform = loader.platform_index(description.platforms)
+        entry = iree_model.batch1_entry(description, 0, platform)
+        return compiler.compiled(reader.read_module(data), entry=entry)
+
     with ThreadPoolExecutor(2) as pool:  # iree-compile runs as a subprocess
-        list(pool.map(compiler.compiled, modules))
+        list(pool.map(compile_blob, RUNNABLE))
     return True
 
 
@@ -273,3 +282,19 @@ def test_mlflow_models_serve_with_backend_iree_maps_no_jaxlib(mlp_dir, tmp_path)
         assert not any("jaxlib" in m for m in mapped), sorted(m for m in mapped if "jaxlib" in m)
     finally:
         stop_server(proc)
+
+
+def test_batch1_function_is_compiled_in_and_agrees(mlp_dir):
+    """A model with one dimension variable gets a static batch-1 function beside ``main``
+    (``model.batch1_entry``): batch-1 calls go to it, others to ``main``; both agree with JAX."""
+    import yaml
+
+    meta = yaml.safe_load((mlp_dir / "MLmodel").read_text())["flavors"]["jaxexp"]
+    model = loader.load_directory(mlp_dir, meta)
+    assert model._batch1 is not None
+    x = np.asarray(models.batch(), np.float32)
+    expected = np.asarray(flavor.load_model(str(mlp_dir))(x))
+    np.testing.assert_allclose(model(x[:1]), expected[:1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(model(x), expected, rtol=1e-5, atol=1e-5)
+    (seen_1,) = [f for k, (_, f) in model._shapes_seen.items() if k[0][0] == 1]
+    assert seen_1 is model._batch1[1]

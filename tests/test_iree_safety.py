@@ -261,3 +261,67 @@ def test_cache_entry_of_another_key_is_not_run(doubling, tmp_path, caplog):
         y = loader.build(data, {}, source="doubling", iree_cache=str(cache))(x)
     np.testing.assert_array_equal(y, x * 2)
     assert any("recompil" in r.getMessage() for r in caplog.records)
+
+
+# -- compile fallback (issue 24, point 4): speed flags by default, base flags if they fail ------
+
+
+def test_failing_speed_flags_fall_back_reproduce_and_the_failure_is_cached(
+    doubling, tmp_path, monkeypatch, caplog
+):
+    """A speed flag set iree-compile refuses (as a crash on eqx_attention would fail it): the
+    model compiles with the base flags and reproduces; the failure is recorded under its key,
+    so the next load neither compiles with it again nor compiles at all."""
+    data, _ = doubling
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(compiler, "SPEED_FLAGS", ("--jaxexp-no-such-iree-flag",))
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    with caplog.at_level("WARNING", logger="jaxexp_mlflow"):
+        model = loader.build(data, {}, source="doubling", iree_cache=str(cache))
+    np.testing.assert_array_equal(model(x), x * 2)
+    np.testing.assert_array_equal(model(x[:1]), x[:1] * 2)  # the batch-1 function
+    assert model._batch1 is not None
+    assert any("--jaxexp-no-such-iree-flag" in r.getMessage() for r in caplog.records)
+    failed = sorted(p.name for p in cache.glob(f"*{compiler.FAILED_SUFFIX}"))
+    assert len(failed) == 1 and len(list(cache.glob(f"*{compiler.ENTRY_SUFFIX}"))) == 1
+    calls = []
+    monkeypatch.setattr(compiler, "compile_module", lambda *a, **k: calls.append(a))
+    again = loader.build(data, {}, source="doubling", iree_cache=str(cache))
+    np.testing.assert_array_equal(again(x), x * 2)
+    assert calls == []  # the failed setting was skipped, the fallback read from the cache
+
+
+def test_failing_batch1_function_falls_back_to_main_alone(doubling, tmp_path, monkeypatch):
+    """When the batch-1 function cannot be added, the module compiles as before: main alone,
+    called at every batch size, and still reproduces."""
+    data, _ = doubling
+
+    def refuse(text, entry):
+        raise compiler.EntryError("refused by the test")
+
+    monkeypatch.setattr(compiler, "add_entry", refuse)
+    model = loader.build(data, {}, source="doubling", iree_cache=str(tmp_path / "cache"))
+    assert model._batch1 is None
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    np.testing.assert_array_equal(model(x[:1]), x[:1] * 2)
+    np.testing.assert_array_equal(model(x), x * 2)
+    assert len(list((tmp_path / "cache").glob(f"*{compiler.FAILED_SUFFIX}"))) == 2
+
+
+def test_attempts_and_opt_out(monkeypatch):
+    """Speed flags with the entry, then base flags with it, then base flags alone;
+    ``JAXEXP_IREE_SPEED=0`` leaves the base flags alone."""
+    entry = compiler.Entry("f", ((1, 3),), ((1, 3),))
+    monkeypatch.delenv(compiler.ENV_FLAGS, raising=False)
+    monkeypatch.delenv(compiler.ENV_SPEED, raising=False)
+    base = compiler.FLAGS
+    assert compiler.attempts(None, entry) == [
+        (base + compiler.SPEED_FLAGS, entry),
+        (base, entry),
+        (base, None),
+    ]
+    assert compiler.attempts(None, None) == [(base + compiler.SPEED_FLAGS, None), (base, None)]
+    monkeypatch.setenv(compiler.ENV_SPEED, "0")
+    assert compiler.attempts(None, entry) == [(base, None)]
+    keys = {compiler.cache_key(b"m", base, e) for e in (None, entry)}
+    assert len(keys) == 2  # the entry is part of the key

@@ -22,9 +22,18 @@ Settings, first match wins (as ``runtime.cache`` for JAX's cache):
 3. ``$XDG_CACHE_HOME/jaxexp-mlflow/iree`` (``~/.cache/jaxexp-mlflow/iree``).
 
 Flags: ``--iree-input-demote-f64-to-f32=false`` keeps float64 (IREE demotes it by default);
-``--iree-llvmcpu-target-cpu=host`` uses the CPU's vector units. ``SPEED_FLAGS``, opt-in through
-``JAXEXP_IREE_FLAGS`` (docs/longevity.md, "Speed"), make large batches ~2x faster. All flags are
-part of the cache key: entries compiled with other flags are not read.
+``--iree-llvmcpu-target-cpu=host`` uses the CPU's vector units; by default also ``SPEED_FLAGS``
+(matmul operands packed to the CPU's tile layout, IREE's mmt4d kernels: large batches ~2x
+faster), plus those of ``JAXEXP_IREE_FLAGS``. A module with one symbolic dimension (the batch)
+also gets an :class:`Entry`: a second exported function, ``main`` with that dimension set to 1,
+which IREE compiles with static shapes (a batch-1 call ~2x faster; ``model.batch1_entry``).
+
+Fallback: iree-compile runs as a subprocess (``iree.compiler.compile_str``), so a crash of it is
+an error here. The attempts, in order: speed flags with the entry; base flags with the entry;
+base flags alone (the module as it was always compiled). A failed attempt other than the last is
+logged and recorded in the cache (``<key>.failed``, keyed like an entry), so it is not retried at
+every load; clearing the cache retries it. ``JAXEXP_IREE_SPEED=0`` compiles with the base flags
+alone. All flags and the entry are part of the cache key: entries compiled otherwise are not read.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import logging
 import os
 import platform
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +57,65 @@ _logger = logging.getLogger(__name__)
 ENV_VAR = "JAXEXP_IREE_CACHE"
 #: Extra compiler flags, space-separated (e.g. ``--iree-opt-level=O3``: see docs/longevity.md).
 ENV_FLAGS = "JAXEXP_IREE_FLAGS"
+#: ``0``/``off``: no speed flags and no batch-1 entry (the base flags alone).
+ENV_SPEED = "JAXEXP_IREE_SPEED"
 TARGET = "llvm-cpu"
 FLAGS = ("--iree-input-demote-f64-to-f32=false", "--iree-llvmcpu-target-cpu=host")
-#: Opt-in (``JAXEXP_IREE_FLAGS``): a batch-1024 MLP call ~2x faster, but iree-compile 3.13
+#: On by default, with a fallback: a batch-1024 MLP call ~2x faster, but iree-compile 3.13
 #: crashes (SIGSEGV) on some models with them (eqx_attention of tests/models_real.py).
 SPEED_FLAGS = ("--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all")
 
 
+@dataclass(frozen=True)
+class Entry:
+    """An extra exported function ``name``: ``main`` called with the static argument shapes
+    ``inputs`` (one per argument of ``main``), returning ``outputs``."""
+
+    name: str
+    inputs: tuple[tuple[int, ...], ...]
+    outputs: tuple[tuple[int, ...], ...]
+
+
+class EntryError(Exception):
+    """The module's ``main`` does not take the arguments an :class:`Entry` describes."""
+
+
+def _extra_flags() -> tuple[str, ...]:
+    return tuple(os.environ.get(ENV_FLAGS, "").split())
+
+
+def speed_on() -> bool:
+    """Whether the speed flags and the batch-1 entry are tried (``JAXEXP_IREE_SPEED``)."""
+    return os.environ.get(ENV_SPEED, "").strip().lower() not in ("0", "off", "false", "no")
+
+
 def active_flags() -> tuple[str, ...]:
-    """The compiler flags in force: :data:`FLAGS` plus those of ``JAXEXP_IREE_FLAGS``."""
-    return FLAGS + tuple(os.environ.get(ENV_FLAGS, "").split())
+    """The compiler flags tried first: :data:`FLAGS`, :data:`SPEED_FLAGS` (unless
+    ``JAXEXP_IREE_SPEED=0``), those of ``JAXEXP_IREE_FLAGS``."""
+    return FLAGS + (SPEED_FLAGS if speed_on() else ()) + _extra_flags()
+
+
+def base_flags() -> tuple[str, ...]:
+    """The fallback flags: :data:`FLAGS` plus those of ``JAXEXP_IREE_FLAGS``."""
+    return FLAGS + _extra_flags()
+
+
+def attempts(
+    flags: tuple[str, ...] | None, entry: Entry | None
+) -> list[tuple[tuple[str, ...], Entry | None]]:
+    """The compiles to try in order, as ``(flags, entry)``: with explicit ``flags`` those (with,
+    then without the entry); else speed flags, then base flags, with, then without the entry."""
+    if flags is not None:
+        plans = [(flags, entry), (flags, None)]
+    elif not speed_on():
+        plans = [(base_flags(), None)]
+    else:
+        plans = [(active_flags(), entry), (base_flags(), entry), (base_flags(), None)]
+    out: list[tuple[tuple[str, ...], Entry | None]] = []
+    for plan in plans:
+        if plan not in out:
+            out.append(plan)
+    return out
 
 
 def versions() -> dict[str, str | None]:
@@ -84,38 +143,143 @@ def host_cpu() -> str:
     return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:16]}"
 
 
-def cache_key(module: bytes, flags: tuple[str, ...] = FLAGS) -> str:
-    """The cache key of ``module`` compiled with ``flags`` by the IREE installed here."""
-    facts = {
+def cache_key(module: bytes, flags: tuple[str, ...] = FLAGS, entry: Entry | None = None) -> str:
+    """The cache key of ``module`` compiled with ``flags`` (and ``entry``) by the IREE here."""
+    facts: dict[str, Any] = {
         "module_sha256": hashlib.sha256(module).hexdigest(),
         "iree": versions(),
         "target": TARGET,
         "flags": list(flags),
         "host": host_cpu(),
     }
+    if entry is not None:
+        facts["entry"] = [
+            entry.name,
+            [list(s) for s in entry.inputs],
+            [list(s) for s in entry.outputs],
+        ]
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
-def compile_module(module: bytes, flags: tuple[str, ...] = FLAGS) -> bytes:
-    """Compile StableHLO (portable artifact or MLIR bytecode/text) to an IREE ``.vmfb``."""
+def compile_module(
+    module: bytes, flags: tuple[str, ...] = FLAGS, entry: Entry | None = None
+) -> bytes:
+    """Compile StableHLO (portable artifact or MLIR bytecode/text) to an IREE ``.vmfb``; with
+    ``entry``, one that also exports it. A failure of the compiler is an ``IncompatibleError``."""
     import iree.compiler as ic
 
     try:
-        return bytes(
-            ic.compile_str(
-                module,
-                target_backends=[TARGET],
-                input_type="stablehlo",
-                extra_args=list(flags),
-            )
-        )
-    except ic.CompilerToolError as err:
-        text = str(err)
+        return _compile(module, flags, entry)
+    except (ic.CompilerToolError, EntryError) as err:
         raise IncompatibleError(
             "The IREE compiler could not compile this model's StableHLO module: expected a "
             f"module IREE {versions()['iree-base-compiler']} supports, it said:\n"
-            f"{text[:2000]}\nLoad it with the JAX backend (backend='jax')."
+            f"{str(err)[:2000]}\nLoad it with the JAX backend (backend='jax')."
         ) from None
+
+
+def _compile(module: bytes, flags: tuple[str, ...], entry: Entry | None) -> bytes:
+    """iree-compile (a subprocess) on ``module``; with ``entry``, in two runs: to IREE's input
+    dialects, then, with the entry added, from there to the ``.vmfb``."""
+    import iree.compiler as ic
+
+    options = {"target_backends": [TARGET], "input_type": "stablehlo"}
+    if entry is None:
+        return bytes(ic.compile_str(module, **options, extra_args=list(flags)))
+    text = ic.compile_str(module, **options, extra_args=[*flags, "--compile-to=input"])
+    try:
+        text = add_entry(bytes(text).decode(), entry)
+    except EntryError:
+        raise
+    except Exception as err:  # the MLIR bindings' errors: the entry is dropped, not the model
+        raise EntryError(f"adding the entry {entry.name}: {type(err).__name__}: {err}") from None
+    return bytes(ic.compile_str(text, **options, extra_args=[*flags, "--compile-from=input"]))
+
+
+def add_entry(text: str, entry: Entry) -> str:
+    """The module ``text`` (IREE's input dialects, as ``--compile-to=input`` prints it) with
+    ``entry`` added: a public function casting its static arguments to ``main``'s types, calling
+    ``main`` and casting the results back; IREE inlines the call and specializes the shapes."""
+    from iree.compiler import ir
+
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.parse(text)
+        main = _function(module, "main")
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        ins = _static_types(list(ftype.inputs), entry.inputs, "argument")
+        outs = _static_types(list(ftype.results), entry.outputs, "result")
+        arg_attrs = _attr_list(main, "arg_attrs", len(ins))
+        res_attrs = _attr_list(main, "res_attrs", len(outs))
+    params = ", ".join(
+        f"%a{i}: {s}{a}" for i, ((_, s), a) in enumerate(zip(ins, arg_attrs, strict=True))
+    )
+    results = ", ".join(f"{s}{a}" for (_, s), a in zip(outs, res_attrs, strict=True))
+    lines = [f"util.func public @{entry.name}({params}) -> ({results}) {{"]
+    args = []
+    for i, (t, s) in enumerate(ins):
+        args.append(f"%c{i}")
+        lines.append(f"  %c{i} = tensor.cast %a{i} : {s} to {t}")
+    n = len(outs)
+    call = f"util.call @main({', '.join(args)}) : ({', '.join(t for t, _ in ins)}) -> "
+    lines.append(f"  %r{f':{n}' if n > 1 else ''} = {call}({', '.join(t for t, _ in outs)})")
+    for i, (t, s) in enumerate(outs):
+        lines.append(f"  %s{i} = tensor.cast %r{f'#{i}' if n > 1 else ''} : {t} to {s}")
+    lines.append(
+        f"  util.return {', '.join(f'%s{i}' for i in range(n))} : {', '.join(s for _, s in outs)}"
+    )
+    lines.append("}")
+    end = text.rstrip().rfind("}")
+    out = text[:end] + "\n".join(lines) + "\n}\n"
+    with ir.Context():
+        try:
+            ir.Module.parse(out)  # verified here: an error names the entry, not iree-compile
+        except Exception as err:  # MLIRError
+            raise EntryError(f"the entry {entry.name} does not verify: {str(err)[:500]}") from None
+    return out
+
+
+def _function(module: Any, name: str) -> Any:
+    """The ``util.func`` op ``name`` of ``module``; else ``EntryError``."""
+    from iree.compiler import ir
+
+    for op in module.body.operations:
+        op = op.operation
+        if op.name == "util.func" and ir.StringAttr(op.attributes["sym_name"]).value == name:
+            return op
+    raise EntryError(f"no function {name} in the module")
+
+
+def _static_types(types: list[Any], shapes: tuple[tuple[int, ...], ...], side: str) -> list:
+    """``(type, static type)`` strings of each tensor type with the shape of ``shapes``."""
+    from iree.compiler import ir
+
+    if len(types) != len(shapes):
+        raise EntryError(f"main has {len(types)} {side}s, the entry {len(shapes)}")
+    out = []
+    dynamic = ir.ShapedType.get_dynamic_size()
+    for t, shape in zip(types, shapes, strict=True):
+        try:
+            ranked = ir.RankedTensorType(t)
+        except ValueError:
+            raise EntryError(f"main's {side} type {t} is not a ranked tensor") from None
+        dims = list(ranked.shape)
+        if len(dims) != len(shape) or any(
+            d not in (dynamic, s) for d, s in zip(dims, shape, strict=True)
+        ):
+            raise EntryError(f"main's {side} type {t} does not fit the shape {list(shape)}")
+        static = ir.RankedTensorType.get(list(shape), ranked.element_type, ranked.encoding)
+        out.append((str(t), str(static)))
+    return out
+
+
+def _attr_list(op: Any, name: str, n: int) -> list[str]:
+    """The argument (or result) attribute dictionaries of ``op`` as `` {...}`` suffixes."""
+    if name not in op.attributes:
+        return [""] * n
+    attrs = [str(a) for a in op.attributes[name]]
+    if len(attrs) != n:
+        raise EntryError(f"main's {name} has {len(attrs)} items, expected {n}")
+    return ["" if a == "{}" else f" {a}" for a in attrs]
 
 
 #: First line of every cache entry; a new format gets a new line (old entries are not read).
@@ -183,12 +347,17 @@ def _read_entry(path: Path, key: str) -> memoryview | None:
 
 
 def _write_entry(directory: Path, path: Path, key: str, vmfb: bytes) -> None:
-    """Store ``vmfb`` at ``path`` atomically: temporary file, fsync, rename."""
+    """Store ``vmfb`` at ``path`` atomically (:func:`_write_atomic`)."""
+    _write_atomic(directory, path, pack_entry(key, vmfb))
+
+
+def _write_atomic(directory: Path, path: Path, data: bytes) -> None:
+    """Store ``data`` at ``path`` atomically: temporary file, fsync, rename."""
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(pack_entry(key, vmfb))
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: a concurrent reader sees the whole entry or none
@@ -200,26 +369,79 @@ def _write_entry(directory: Path, path: Path, key: str, vmfb: bytes) -> None:
         raise
 
 
+#: First line of a failure marker: the compile under its key failed (not retried).
+FAILED_MAGIC = b"jaxexp-mlflow iree compile failure 1\n"
+FAILED_SUFFIX = ".failed"
+
+
+def _failed_before(path: Path | None, key: str) -> bool:
+    """Whether ``path`` is a failure marker recording ``key``."""
+    if path is None:
+        return False
+    try:
+        raw = path.read_bytes()[:_MAX_HEADER]
+    except OSError:
+        return False
+    return raw.startswith(FAILED_MAGIC) and raw[len(FAILED_MAGIC) :].startswith(
+        json.dumps({"key": key})[:-1].encode()
+    )
+
+
+def _record_failure(directory: Path | None, path: Path | None, key: str, why: str) -> None:
+    """Record that the compile under ``key`` failed (a marker at ``path``), if there is a cache."""
+    if directory is None or path is None:
+        return
+    body = json.dumps({"key": key, "error": why[:1000]}).encode()
+    try:
+        _write_atomic(directory, path, FAILED_MAGIC + body + b"\n")
+    except OSError as err:
+        _logger.warning("jaxexp: IREE cache disabled, cannot write %s: %s", directory, err)
+
+
 def compiled(
-    module: bytes, *, cache: Any = None, flags: tuple[str, ...] | None = None
+    module: bytes,
+    *,
+    cache: Any = None,
+    flags: tuple[str, ...] | None = None,
+    entry: Entry | None = None,
 ) -> bytes | memoryview:
     """The ``.vmfb`` for ``module``: from a verified cache entry, else compiled (and stored).
 
     ``cache`` is the setting described in the module docstring (None: env var, then default);
-    ``flags`` default to :func:`active_flags`.
+    ``flags`` default to :func:`active_flags` with the fallback to :func:`base_flags`;
+    ``entry`` an extra function to export (dropped if its compile fails). The first of
+    :func:`attempts` found in the cache or compiled is returned; failures are recorded, the
+    last one raised (``IncompatibleError``).
     """
-    flags = active_flags() if flags is None else flags
     directory = cache_settings.resolve(cache, env_var=ENV_VAR, kind="iree")
-    key = cache_key(module, flags)
-    path = None if directory is None else directory / f"{key}{ENTRY_SUFFIX}"
-    if path is not None:
-        hit = _read_entry(path, key)
-        if hit is not None:
-            return hit
-    vmfb = compile_module(module, flags)
-    if path is not None:
+    plans = attempts(flags, entry)
+    for n, (plan_flags, plan_entry) in enumerate(plans, 1):
+        key = cache_key(module, plan_flags, plan_entry)
+        path = None if directory is None else directory / f"{key}{ENTRY_SUFFIX}"
+        failed = None if directory is None else directory / f"{key}{FAILED_SUFFIX}"
+        if path is not None:
+            hit = _read_entry(path, key)
+            if hit is not None:
+                return hit
+        if n < len(plans) and _failed_before(failed, key):
+            continue
         try:
-            _write_entry(directory, path, key, vmfb)
-        except OSError as err:
-            _logger.warning("jaxexp: IREE cache disabled, cannot write %s: %s", directory, err)
-    return vmfb
+            vmfb = compile_module(module, plan_flags, plan_entry)
+        except IncompatibleError as err:
+            if n == len(plans):
+                raise
+            _logger.warning(
+                "jaxexp: iree-compile failed with %s%s (%s); recorded, trying the next setting",
+                " ".join(plan_flags),
+                f" and the entry {plan_entry.name}" if plan_entry else "",
+                str(err).splitlines()[1:2],
+            )
+            _record_failure(directory, failed, key, str(err))
+            continue
+        if path is not None:
+            try:
+                _write_entry(directory, path, key, vmfb)
+            except OSError as err:
+                _logger.warning("jaxexp: IREE cache disabled, cannot write %s: %s", directory, err)
+        return vmfb
+    raise AssertionError("unreachable: the last attempt returns or raises")

@@ -2,7 +2,7 @@
 
 Order, as in ``runtime.loader``: read and verify the blob, describe it with the jax-free reader,
 reach the IREE verdict (refuse what cannot run, with the reason), then read the params, compile
-(or find in the cache) and bind.
+(or find in the cache; with the batch-1 function of ``model.batch1_entry``) and bind.
 
 The save-time ``iree`` section and its prepared module are tied to the blob: the section records
 the sha256 of the blob it was prepared from (``blob_sha256``), checked before the prepared module
@@ -22,7 +22,7 @@ from jaxexp_mlflow.codec import blob, mlir_bytecode, reader
 from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.iree import compiler, files, trees
 from jaxexp_mlflow.iree import verdict as iree_verdict
-from jaxexp_mlflow.iree.model import IreeModel
+from jaxexp_mlflow.iree.model import IreeModel, batch1_entry
 
 
 def platform_index(platforms: tuple[str, ...] | list[str]) -> int | None:
@@ -155,14 +155,18 @@ def build(
 
         parsed = [Aval.parse(a) for a in avals]
         params = read_params([(n, a.dims, a.dtype) for n, a in zip(names, parsed, strict=True)])
-    vmfb = compiler.compiled(module, cache=iree_cache)
+    constraints = tuple((prepared or {}).get("shape_constraints") or ())
+    entry = batch1_entry(
+        description, len(params), platform_index(description.platforms), constraints
+    )
+    vmfb = compiler.compiled(module, cache=iree_cache, entry=entry)
     model = IreeModel(
         vmfb,
         description,
         meta,
         params,
         platform_index=platform_index(description.platforms),
-        constraints=tuple((prepared or {}).get("shape_constraints") or ()),
+        constraints=constraints,
         driver=iree_driver,
         source=(
             f"the prepared module {prepared['module']}"

@@ -5,15 +5,17 @@ returns the exported output pytree with numpy leaves. The calling convention is 
 the flat leaves in ``in_tree`` order, only those at ``module_kept_var_idx`` passed, the platform
 index first for multi-platform exports, bfloat16 and the other ml_dtypes types passed by their
 bits with the HAL element type set. Shapes are checked first (``shapes.bind_dims``): IREE drops
-JAX's shape assertions. Nothing here imports JAX.
+JAX's shape assertions. Nothing here imports JAX. Where the compiled module has the batch-1
+function (:func:`batch1_entry`: ``main`` with the one dimension variable set to 1, static shapes,
+much faster code), calls whose inputs have those shapes go to it.
 
 What runs is checked against what the blob declares, since the module compiled (a prepared
 module from the model directory, an entry of the compile cache) is not the blob itself: at load,
-the compiled function's interface (its ``iree.abi.declaration``: element types, ranks, static
-sizes) must be the blob's avals; at each call, every result buffer's element type and shape (the
-runtime's buffer view, symbolic dims solved from the inputs) must be the out aval's, and its
-bytes must cover them, before it is read. A mismatch is an ``ArtifactError``; no buffer is ever
-read past its end.
+the compiled functions' interfaces (their ``iree.abi.declaration``: element types, ranks,
+static sizes) must be the blob's avals (at batch 1 for the batch-1 function); at each call,
+every result buffer's element type and shape (the runtime's buffer view, symbolic dims solved
+from the inputs) must be the out aval's, and its bytes must cover them, before it is read. A
+mismatch is an ``ArtifactError``; no buffer is ever read past its end.
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ from typing import Any
 import numpy as np
 
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
-from jaxexp_mlflow.iree import shapes, trees
+from jaxexp_mlflow.iree import compiler, shapes, trees
 
-#: IREE's CPU drivers: ``local-task`` runs dispatches on a thread pool (IREE's default),
-#: ``local-sync`` on the calling thread (no thread hand-off: steadier small-batch latency on a
-#: busy machine). ``iree_driver=`` / the pyfunc key / ``JAXEXP_IREE_DRIVER`` choose.
-DEFAULT_DRIVER = "local-task"
+#: IREE's CPU drivers: ``local-sync`` runs dispatches on the calling thread (our default: no
+#: thread hand-off per dispatch; measured faster at batch 1 and 1024 on 2 cores, docs/longevity.md),
+#: ``local-task`` on a thread pool (IREE's default: more cores for large batches on an idle
+#: many-core machine). ``iree_driver=`` / the pyfunc key / ``JAXEXP_IREE_DRIVER`` choose.
+DEFAULT_DRIVER = "local-sync"
 ENV_DRIVER = "JAXEXP_IREE_DRIVER"
+#: The name of the batch-1 function the compiler adds beside ``main`` (:func:`batch1_entry`).
+BATCH1 = "jaxexp_main_batch1"
 
 #: numpy dtype name -> IREE HAL element type name (the runtime's own map lacks the ml_dtypes).
 _ELEMENT_TYPES = {
@@ -184,6 +189,56 @@ def unsupported_dtypes(description: Any) -> list[str]:
     return sorted({a.split("[", 1)[0] for a in avals} - set(_ELEMENT_TYPES))
 
 
+def batch1_entry(
+    description: Any,
+    n_params: int,
+    platform_index: int | None = None,
+    constraints: tuple[str, ...] = (),
+) -> compiler.Entry | None:
+    """The batch-1 function to compile beside ``main``: for a module whose inputs (after the
+    ``n_params`` fixed-size param leaves) have one dimension variable, the batch, ``main`` with
+    it set to 1 (if the constraints allow); else None. IREE's code for static shapes is several
+    times faster at batch 1 than its code for a dynamic dimension that happens to be 1."""
+    avals = [shapes.Aval.parse(a) for a in description.in_avals]
+    outs = [shapes.Aval.parse(a) for a in description.out_avals]
+    found = batch1_shapes(avals[n_params:], outs, constraints)
+    if found is None:
+        return None
+    inputs, outputs = found
+    static = [_static(a) for a in avals[:n_params]] + list(inputs)
+    passed = [static[i] for i in description.module_kept_var_idx]
+    if any(p is None for p in passed):
+        return None
+    if platform_index is not None:
+        passed.insert(0, ())
+    return compiler.Entry(BATCH1, tuple(passed), outputs)  # type: ignore[arg-type]
+
+
+def batch1_shapes(
+    inputs: list[shapes.Aval], outputs: list[shapes.Aval], constraints: tuple[str, ...] = ()
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None:
+    """The input and output shapes at batch 1 when ``inputs`` have exactly one dimension
+    variable (a plain name) and the constraints allow it to be 1; else None."""
+    names = {d for a in inputs for d in a.dims if isinstance(d, str)}
+    if len(names) != 1 or not next(iter(names)).isidentifier():
+        return None
+    env = {next(iter(names)): 1}
+    try:
+        found = tuple(tuple(shapes.evaluate(str(d), env) for d in a.dims) for a in inputs)
+        shapes.bind_dims(inputs, found, [str(a) for a in inputs], constraints)
+    except (InputError, ValueError, KeyError, SyntaxError, ZeroDivisionError):
+        return None
+    resolved = tuple(_resolve(a, env) for a in outputs)
+    if any(d is None for shape in resolved for d in shape):
+        return None
+    return found, resolved  # type: ignore[return-value]
+
+
+def _static(aval: shapes.Aval) -> tuple[int, ...] | None:
+    """The shape of a fixed-size aval; None if some dimension is symbolic."""
+    return None if aval.symbolic else tuple(int(d) for d in aval.dims)
+
+
 class IreeModel:
     """An archived ``jax.export`` function compiled by IREE, with its params bound.
 
@@ -232,8 +287,8 @@ class IreeModel:
         out_dtypes = [np.dtype(resolve_dtype(a.dtype)) for a in self.out_avals]
         # outputs are read by their bits where numpy's own dtype is not the stored one
         self._out_dtypes = [(_bits(d), d) for d in out_dtypes]
-        # input shapes already checked -> the result shapes they imply (bounded)
-        self._shapes_seen: dict[tuple, list[tuple[int | None, ...]]] = {}
+        # input shapes already checked -> the result shapes they imply, the function (bounded)
+        self._shapes_seen: dict[tuple, tuple[list[tuple[int | None, ...]], Any]] = {}
         if unknown := unsupported_dtypes(description):
             raise IncompatibleError(f"The model uses dtypes {unknown}, {DTYPES_HINT}")
         passed = [self.in_avals[i] for i in description.module_kept_var_idx]
@@ -269,6 +324,25 @@ class IreeModel:
         ]
         self._n_args = len(self._arg_plan)
         self._buffer_view = rt.HalBufferView
+        # the batch-1 function, where compiled in: the input shapes it takes, and it
+        self._batch1 = self._batch1_function(module, passed)
+
+    def _batch1_function(self, module: Any, passed: list[shapes.Aval]) -> tuple[tuple, Any] | None:
+        """The module's batch-1 function (``batch1_entry``; its interface checked like
+        ``main``'s) with the input shapes it is called for; None where not compiled in."""
+        function = module.lookup_function(BATCH1)
+        found = batch1_shapes(self._input_avals, self.out_avals, self._constraints)
+        if function is None or found is None:
+            return None
+        inputs, outputs = found
+        static = [_static(a) for a in self.in_avals[: self.n_param_leaves]] + list(inputs)
+        shaped = [shapes.Aval(a.dtype, s) for a, s in zip(self.in_avals, static, strict=True)]
+        want = [shaped[i] for i in self._kept]
+        if len(passed) > len(want):  # the platform index
+            want.insert(0, passed[0])
+        outs = [shapes.Aval(a.dtype, s) for a, s in zip(self.out_avals, outputs, strict=True)]
+        check_interface(function, want, outs, self._source)
+        return inputs, function
 
     # -- conversion ------------------------------------------------------------------------------
 
@@ -316,18 +390,22 @@ class IreeModel:
             )
         arrays = [self._as_input(x, n + i) for i, x in enumerate(leaves)]
         key = tuple(a.shape for a in arrays)
-        expected = self._shapes_seen.get(key)
-        if expected is None:  # the checks depend on the shapes only
+        seen = self._shapes_seen.get(key)
+        if seen is None:  # the checks (and the function) depend on the shapes only
             env = shapes.bind_dims(self._input_avals, key, self._input_names, self._constraints)
-            expected = [_resolve(a, env) for a in self.out_avals]
+            function = self._vm_function
+            if self._batch1 is not None and key == self._batch1[0]:
+                function = self._batch1[1]
+            seen = ([_resolve(a, env) for a in self.out_avals], function)
             if len(self._shapes_seen) < 1024:
-                self._shapes_seen[key] = expected
+                self._shapes_seen[key] = seen
+        expected, function = seen
         rt = self._rt
         args = rt.VmVariantList(self._n_args)
         for ref, j in self._arg_plan:
             args.push_ref(ref if j < 0 else self._upload(arrays[j], n + j))
         results = rt.VmVariantList(len(self._out_dtypes))
-        self._vm_context.invoke(self._vm_function, args, results)
+        self._vm_context.invoke(function, args, results)
         if results.size != len(self._out_dtypes):
             raise ArtifactError(
                 f"{self._source} returned {results.size} results, expected "
