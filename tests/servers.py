@@ -128,7 +128,11 @@ def mlflow_server(
     port: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """A real ``mlflow server`` proxying artifacts (sqlite backend unless ``backend``); yields
-    its URL and process. ``env`` adds variables (e.g. ``MLFLOW_S3_ENDPOINT_URL``)."""
+    its URL and process. ``env`` adds variables (e.g. ``MLFLOW_S3_ENDPOINT_URL``).
+
+    The server starts without MLflow's job execution (``MLFLOW_SERVER_ENABLE_JOB_EXECUTION``:
+    GenAI jobs, nothing a model's runs or artifacts use), which would otherwise start about ten
+    huey consumer processes, each importing MLflow: ~20 s of CPU per server on two cores."""
     root.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log = root / "server.log"
@@ -150,7 +154,7 @@ def mlflow_server(
     ]
     proc = subprocess.Popen(
         cmd,
-        env=_env(env),
+        env=_env({"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}),
         stdout=subprocess.DEVNULL,
         stderr=open(log, "a"),  # noqa: SIM115 - the child owns it
         start_new_session=True,  # killed with its workers as a group
