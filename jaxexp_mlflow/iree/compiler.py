@@ -398,6 +398,15 @@ def _record_failure(directory: Path | None, path: Path | None, key: str, why: st
         _logger.warning("jaxexp: IREE cache disabled, cannot write %s: %s", directory, err)
 
 
+def _cause(text: str) -> str:
+    """The compiler's first diagnostic (``error:`` line, or a crash's signal) in ``text``."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in lines:
+        if "error:" in line or "Segmentation fault" in line or "signal" in line.lower():
+            return line[:300]
+    return " / ".join(lines[1:3])[:300]
+
+
 def compiled(
     module: bytes,
     *,
@@ -431,10 +440,12 @@ def compiled(
             if n == len(plans):
                 raise
             _logger.warning(
-                "jaxexp: iree-compile failed with %s%s (%s); recorded, trying the next setting",
+                "jaxexp: iree-compile failed on module sha256 %s with %s%s (%s); recorded, "
+                "trying the next setting",
+                hashlib.sha256(module).hexdigest()[:12],
                 " ".join(plan_flags),
                 f" and the entry {plan_entry.name}" if plan_entry else "",
-                str(err).splitlines()[1:2],
+                _cause(str(err)),
             )
             _record_failure(directory, failed, key, str(err))
             continue
