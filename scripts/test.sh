@@ -7,6 +7,10 @@
 #                           now: the canary, red the day a release breaks us; the whole default suite;
 #  - oldest (.venv-oldest): the oldest supported jax (0.6.2), the flavor and params tests.
 # Every stage runs even if an earlier one failed; the script fails if any did.
+# The newest stage runs beside main then oldest (two jobs on two cores: most of a test's time is
+# a fresh interpreter, a server start-up or a compile of one thread; measured: 2026-11-26, the
+# README's table); each stage's output goes to .ci-logs/<stage>.log and is printed whole when
+# the stage ends. JAXEXP_PARALLEL=0 runs the stages one after the other, printing as they go.
 # Usage: bash scripts/test.sh [pytest args...]
 #   JAXEXP_STAGES="main newest oldest" picks stages; JAXEXP_SKIP_OLDEST=1 drops the last one.
 set -euo pipefail
@@ -34,20 +38,15 @@ print(f"  python {sys.version.split()[0]}: " + ", ".join(f"{p} {version(p)}" for
 EOF
 }
 
-failed=()
-stage() {  # stage <name> <seconds-start> <status>
-  local name=$1 t0=$2 rc=$3
-  echo "== stage $name: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - t0 )) s"
-  [ "$rc" = 0 ] || failed+=("$name")
-}
-
-for s in $STAGES; do
-  t0=$(date +%s)
+run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; its status
+  local s=$1 rc
+  shift
   case $s in
     main)
       echo "== stage main: Python 3.11 + the frozen stack"
-      setup "$PY" .venv -e ".[test,iree,spark]" "jax==0.10.2" "jaxlib==0.10.2" "mlflow==3.17.2"
-      versions .venv
+      setup "$PY" .venv -e ".[test,iree,spark]" "jax==0.10.2" "jaxlib==0.10.2" "mlflow==3.17.2" \
+        || return $?
+      versions .venv || return $?
       rc=0
       .venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts || rc=$?
       # `mlflow models serve` and `jaxexp` come from the venv
@@ -58,28 +57,31 @@ for s in $STAGES; do
         PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -q -p no:cacheprovider -m slow \
           tests/test_spark_cluster.py || rc=$?
       fi
-      stage main "$t0" "$rc"
+      return "$rc"
       ;;
     newest)
       echo "== stage newest: Python 3.13 + the newest releases, resolved now"
-      PY313=$(bash scripts/python313.sh)
+      PY313=$(bash scripts/python313.sh) || return $?
       rc=0
       if [ "$PY313" = "$PWD/scripts/in_trixie.sh" ]; then
         # no host CPython 3.13: run this stage inside the Debian 13 root
-        IN_TRIXIE_CMD=/bin/bash JAXEXP_STAGES=newest-here PYTHON=/usr/bin/python3.13 \
-          JAXEXP_NEWEST_VENV=.venv-trixie bash scripts/in_trixie.sh scripts/test.sh "$@" || rc=$?
+        IN_TRIXIE_CMD=/bin/bash JAXEXP_STAGES=newest-here JAXEXP_CI_LOGS=.ci-logs/inner \
+          PYTHON=/usr/bin/python3.13 JAXEXP_NEWEST_VENV=.venv-trixie bash scripts/in_trixie.sh scripts/test.sh "$@" || rc=$?
       else
-        PYTHON=$PY313 JAXEXP_STAGES=newest-here bash scripts/test.sh "$@" || rc=$?
+        PYTHON=$PY313 JAXEXP_STAGES=newest-here JAXEXP_CI_LOGS=.ci-logs/inner \
+          bash scripts/test.sh "$@" || rc=$?
       fi
-      stage newest "$t0" "$rc"
+      return "$rc"
       ;;
     newest-here)  # the newest stage, with $PYTHON a CPython 3.13
       venv=${JAXEXP_NEWEST_VENV:-.venv-newest}
-      setup "$PY" "$venv" --upgrade -e ".[test,iree]" jax jaxlib mlflow orbax-checkpoint
-      versions "$venv"
+      setup "$PY" "$venv" --upgrade -e ".[test,iree]" jax jaxlib mlflow orbax-checkpoint \
+        || return $?
+      versions "$venv" || return $?
       # installing the package into this environment (newest jax) changes no JAX version
-      "$venv/bin/python" -m pip install -q --dry-run --report "$venv/install-report.json" -e .
-      "$venv/bin/python" - "$venv/install-report.json" <<'EOF'
+      "$venv/bin/python" -m pip install -q --dry-run --report "$venv/install-report.json" -e . \
+        || return $?
+      "$venv/bin/python" - "$venv/install-report.json" <<'EOF' || return $?
 import json, sys
 names = {i["metadata"]["name"].lower() for i in json.load(open(sys.argv[1]))["install"]}
 assert not names & {"jax", "jaxlib"}, f"installing jaxexp-mlflow would change {names}"
@@ -90,17 +92,57 @@ EOF
       ;;
     oldest)
       echo "== stage oldest: jax 0.6.2"
-      setup "$PY" .venv-oldest -e . "jax==0.6.2" "jaxlib==0.6.2" "mlflow==3.17.2" pytest hypothesis
-      versions .venv-oldest
+      setup "$PY" .venv-oldest -e . "jax==0.6.2" "jaxlib==0.6.2" "mlflow==3.17.2" pytest hypothesis \
+        || return $?
+      versions .venv-oldest || return $?
       rc=0
       PATH="$PWD/.venv-oldest/bin:$PATH" .venv-oldest/bin/pytest -q -p no:cacheprovider \
         tests/test_flavor.py tests/test_params.py tests/test_jax_private.py || rc=$?
-      stage oldest "$t0" "$rc"
+      return "$rc"
       ;;
-    *) echo "unknown stage $s" >&2; exit 2 ;;
+    *) echo "unknown stage $s" >&2; return 2 ;;
   esac
-done
+}
 
+LOGS=${JAXEXP_CI_LOGS:-.ci-logs}
+mkdir -p "$LOGS"
+run_logged() {  # run_logged <stage> [pytest args...]: one stage in a subshell; prints its verdict
+  local s=$1 t0 rc=0
+  t0=$(date +%s)
+  if [ "${PARALLEL:-0}" = 1 ]; then
+    ( run_stage "$@" ) >"$LOGS/$s.log" 2>&1 || rc=$?
+    { flock 9; cat "$LOGS/$s.log"; } 9>"$LOGS/.print"
+  else
+    ( run_stage "$@" ) || rc=$?
+  fi
+  echo "== stage $s: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - t0 )) s"
+  echo "$rc" >"$LOGS/$s.rc"
+}
+run_all() {  # run_all <stages> [pytest args...]: stages one after the other
+  local stages=$1 s
+  shift
+  for s in $stages; do run_logged "$s" "$@"; done
+}
+
+rm -f "$LOGS"/*.rc
+case " $STAGES " in
+  *" newest "*)
+    if [ "${JAXEXP_PARALLEL:-1}" = 1 ] && [ "$(echo $STAGES | wc -w)" -gt 1 ]; then
+      echo "== stages ${STAGES//newest/}and newest side by side (logs: $LOGS/)"
+      PARALLEL=1 run_all "newest" "$@" &
+      PARALLEL=1 run_all "${STAGES//newest/}" "$@"
+      wait
+    else
+      run_all "$STAGES" "$@"
+    fi
+    ;;
+  *) run_all "$STAGES" "$@" ;;
+esac
+
+failed=()
+for s in $STAGES; do
+  [ "$(cat "$LOGS/$s.rc" 2>/dev/null || echo 1)" = 0 ] || failed+=("$s")
+done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED stages: ${failed[*]}"
   exit 1
