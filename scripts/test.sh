@@ -65,10 +65,10 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
       rc=0
       if [ "$PY313" = "$PWD/scripts/in_trixie.sh" ]; then
         # no host CPython 3.13: run this stage inside the Debian 13 root
-        IN_TRIXIE_CMD=/bin/bash JAXEXP_STAGES=newest-here JAXEXP_CI_LOGS=.ci-logs/inner \
+        IN_TRIXIE_CMD=/bin/bash JAXEXP_STAGES=newest-here JAXEXP_CI_LOGS=.ci-logs/inner PARALLEL=0 \
           PYTHON=/usr/bin/python3.13 JAXEXP_NEWEST_VENV=.venv-trixie bash scripts/in_trixie.sh scripts/test.sh "$@" || rc=$?
       else
-        PYTHON=$PY313 JAXEXP_STAGES=newest-here JAXEXP_CI_LOGS=.ci-logs/inner \
+        PYTHON=$PY313 JAXEXP_STAGES=newest-here JAXEXP_CI_LOGS=.ci-logs/inner PARALLEL=0 \
           bash scripts/test.sh "$@" || rc=$?
       fi
       return "$rc"
@@ -128,7 +128,7 @@ rm -f "$LOGS"/*.rc
 case " $STAGES " in
   *" newest "*)
     if [ "${JAXEXP_PARALLEL:-1}" = 1 ] && [ "$(echo $STAGES | wc -w)" -gt 1 ]; then
-      echo "== stages ${STAGES//newest/}and newest side by side (logs: $LOGS/)"
+      echo "== stage newest beside stages" ${STAGES//newest/} "(logs: $LOGS/)"
       PARALLEL=1 run_all "newest" "$@" &
       PARALLEL=1 run_all "${STAGES//newest/}" "$@"
       wait
