@@ -3,12 +3,20 @@
 Each measurement is a new Python process (so every import, the backend start-up and the
 compilation are paid again), timed by the parent from spawn to the child's report, and split by
 the child into phases: imports, load (model files to a callable), first call (compile + run) and
-a second call (run only). Two ways to get a first prediction from the same exported MLP:
+a second call (run only). Four ways to get a first prediction from the same exported MLP, two
+direct:
 
 * ``raw``: the baseline, plain JAX: ``jax.export.deserialize`` the blob, read params from npz,
   ``jax.jit(exported.call)``;
 * ``flavor``: ``mlflow.jaxexp.load_model(path)`` then ``model(x)`` (checksum, verdict, Orbax
   params, placement included).
+
+and, through MLflow, ``mlflow.pyfunc.load_model(path).predict(x)``:
+
+* ``pyfunc``: the flavor's pyfunc (its first predict of a bucket found in the executable store
+  of ``runtime/cache.py`` runs without lowering);
+* ``peer``: a hand-written ``PythonModel`` (models from code) around ``jax.jit(exp.call)`` and
+  ``ocp.StandardCheckpointer().restore`` (``PEER_SOURCE``);
 
 each with a *cold* persistent compilation cache (a new empty ``JAX_COMPILATION_CACHE_DIR``) and a
 *warm* one (the same directory filled by an untimed run before). Ratios printed: warm/cold of the

@@ -31,6 +31,7 @@ from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public n
 from jaxexp_mlflow.flavors.inputs import _is_ml_float as is_ml_float
 from jaxexp_mlflow.flavors.signature import LeafSpec
 from jaxexp_mlflow.runtime import buckets as buckets_mod
+from jaxexp_mlflow.runtime import cache as cache_mod
 
 _logger = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ class JaxExpPyfunc:
                 return jax.tree.leaves(exported.call(*args, **kwargs))
 
             self._flat = jax.jit(flat_call)
+            # a bucket compiled by an earlier process loads without lowering (runtime/cache.py)
+            self._flat = cache_mod.executables(self._flat, model, len(exported.out_avals))
         if self._bucketed and self.policy.precompile and self._only_batch_symbolic():
             self.precompile(self.policy.precompile)
         self.predict = self._fast_predict()
@@ -311,14 +314,17 @@ def _identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tuple[tup
     """``model_identity`` and the MLmodel it parsed (reused by the load: one YAML parse)."""
     from jaxexp_mlflow import artifact
     from jaxexp_mlflow.codec import files
-    from jaxexp_mlflow.codec.mlmodel import MLMODEL, load_yaml
+    from jaxexp_mlflow.codec.mlmodel import MLMODEL, load_yaml, read_mlmodel
     from jaxexp_mlflow.flavors.section import flavor_section
     from jaxexp_mlflow.params.manifest import MANIFEST_FILE
 
     raw = files.read_bytes(
         model_dir, MLMODEL, what=f"{MLMODEL} file", max_bytes=files.MAX_MLMODEL_BYTES
     )
-    meta = load_yaml(raw)
+    try:  # through read_mlmodel's per-process cache: the params binding check reads it again
+        meta = read_mlmodel(model_dir)
+    except ArtifactError:  # not a mapping: parsed as it is, the load reports what is missing
+        meta = load_yaml(raw)
     conf = flavor_section(meta if isinstance(meta, dict) else {})
     blob_digest = hashlib.sha256(artifact.read_blob(model_dir, conf)).hexdigest()
     manifest = ""

@@ -115,4 +115,5 @@ def load_directory(
     model = JaxExpModel(placement.exported, params, meta, placement=placement)
     model.verdict = verdict
     model.route = route or routes.DIRECT
+    model.custom_call_targets = description.custom_call_targets  # read from the blob itself
     return model

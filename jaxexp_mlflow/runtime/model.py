@@ -127,6 +127,8 @@ class JaxExpModel:
         self.params = params
         self.placement = placement
         self.verdict: Any = None  # the compat.Verdict the loader reached, if loaded from disk
+        # the blob's custom-call targets as its own bytes say (set by the loader; None: unknown)
+        self.custom_call_targets: tuple[str, ...] | None = None
         self.has_params = params is not None
         self._in_shardings = tuple(placement.in_shardings) if placement is not None else ()
         self._n_param_leaves = len(jax.tree.leaves(params)) if self.has_params else 0

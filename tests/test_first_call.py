@@ -1,0 +1,136 @@
+"""The first predict of a fresh load (issue 27, point 2): compiled executables are stored by what
+determines them, so a warm first call loads its executable without lowering or compiling."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import mlflow
+import numpy as np
+import pytest
+
+import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
+from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
+from jaxexp_mlflow.runtime import cache
+from tests.models import batch, export_mlp, mlp_params
+
+BUCKETS = [1, 2, 4, 8]
+_LOWERINGS: list[float] = []
+
+
+def _count_lowerings(event: str, duration: float, **_: object) -> None:
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        _LOWERINGS.append(duration)
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_lowerings)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "mlp"
+    params = mlp_params()
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
+    return path
+
+
+def _load(path, cache_dir, monkeypatch) -> object:
+    """A new implementation each time (as a fresh process would build it)."""
+    monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
+    return load_pyfunc(path, {"compilation_cache": str(cache_dir), "buckets": BUCKETS})
+
+
+def _entries(cache_dir) -> list:
+    return sorted((cache_dir / cache.EXEC_SUBDIR).glob("*.bin"))
+
+
+def test_warm_first_call_loads_without_lowering(model_dir, tmp_path, monkeypatch):
+    x = batch(3)  # bucket 4
+    first = _load(model_dir, tmp_path / "xla", monkeypatch)
+    assert isinstance(first._flat, cache.Executables)
+    y1 = first.predict(x)
+    assert (first._flat.compiles, first._flat.loaded) == (1, 0)
+    assert len(_entries(tmp_path / "xla")) == 1
+
+    second = _load(model_dir, tmp_path / "xla", monkeypatch)
+    before = len(_LOWERINGS)
+    y2 = second.predict(x)
+    assert len(_LOWERINGS) == before, "the first predict lowered a function"
+    assert (second._flat.compiles, second._flat.loaded) == (0, 1)
+    np.testing.assert_array_equal(y1, y2)
+    padded = np.concatenate([x, x[-1:]])  # what the bucket runs, through the plain jit
+    direct = np.asarray(second._flat._jit(second.model.params, padded)[0])[:3]
+    np.testing.assert_array_equal(y2, direct)
+    assert second.predict(x) is not None and second._flat.compiles == 0
+
+
+def test_each_bucket_has_its_own_entry(model_dir, tmp_path, monkeypatch):
+    impl = _load(model_dir, tmp_path / "xla", monkeypatch)
+    for n in (1, 3, 8):
+        impl.predict(batch(n))
+    assert impl._flat.compiles == 3
+    assert len(_entries(tmp_path / "xla")) == 3
+    again = _load(model_dir, tmp_path / "xla", monkeypatch)
+    again.predict(batch(2))  # a bucket nobody compiled yet
+    assert (again._flat.compiles, again._flat.loaded) == (1, 0)
+
+
+def test_damaged_entry_is_compiled_again(model_dir, tmp_path, monkeypatch):
+    x = batch(4)
+    expected = _load(model_dir, tmp_path / "xla", monkeypatch).predict(x)
+    (entry,) = _entries(tmp_path / "xla")
+    data = bytearray(entry.read_bytes())
+    data[-1] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    impl = _load(model_dir, tmp_path / "xla", monkeypatch)
+    np.testing.assert_array_equal(impl.predict(x), expected)
+    assert (impl._flat.compiles, impl._flat.loaded) == (1, 0)
+
+
+def test_symlinked_entry_is_not_read(model_dir, tmp_path, monkeypatch):
+    x = batch(4)
+    _load(model_dir, tmp_path / "xla", monkeypatch).predict(x)
+    (entry,) = _entries(tmp_path / "xla")
+    target = tmp_path / "elsewhere.bin"
+    os.replace(entry, target)
+    entry.symlink_to(target)
+    impl = _load(model_dir, tmp_path / "xla", monkeypatch)
+    impl.predict(x)
+    assert (impl._flat.compiles, impl._flat.loaded) == (1, 0)
+
+
+def test_other_calls_go_to_the_jitted_function(model_dir, tmp_path, monkeypatch):
+    impl = _load(model_dir, tmp_path / "xla", monkeypatch)
+    x = jax.numpy.asarray(batch(2))  # not numpy: the plain jit path
+    out = impl._flat(impl.model.params, x)
+    np.testing.assert_allclose(np.asarray(out[0]), impl.predict(batch(2)), rtol=1e-6)
+    assert impl._flat.compiles == 1  # the numpy predict only
+
+
+def test_no_local_cache_directory_keeps_the_plain_jit(model_dir, monkeypatch):
+    monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
+    impl = load_pyfunc(model_dir, {"compilation_cache": False, "buckets": BUCKETS})
+    assert not isinstance(impl._flat, cache.Executables)
+    assert impl.predict(batch(2)).shape == (2, 4)
+
+
+def test_a_load_parses_the_mlmodel_once(model_dir, monkeypatch):
+    from jaxexp_mlflow.codec import mlmodel
+
+    parses = []
+    real = mlmodel.load_yaml
+    monkeypatch.setattr(mlmodel, "load_yaml", lambda raw: parses.append(1) or real(raw))
+    monkeypatch.setattr(mlmodel, "_PARSED", type(mlmodel._PARSED)())  # as in a fresh process
+    monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
+    load_pyfunc(model_dir, {"compilation_cache": False})
+    assert len(parses) == 1  # identity, flavor section and the params binding check share it
+
+
+def test_store_reads_only_intact_regular_files(tmp_path):
+    cache._write_entry(tmp_path, tmp_path / "good.bin", b"payload")
+    assert cache._read_entry(tmp_path / "good.bin") == b"payload"
+    os.mkfifo(tmp_path / "fifo.bin")  # refused without blocking
+    assert cache._read_entry(tmp_path / "fifo.bin") is None
+    (tmp_path / "short.bin").write_bytes(cache._EXEC_MAGIC + b"0" * 10)
+    assert cache._read_entry(tmp_path / "short.bin") is None
