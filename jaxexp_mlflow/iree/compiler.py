@@ -43,7 +43,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import platform
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,20 +128,6 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def host_cpu() -> str:
-    """The machine and a digest of its CPU feature flags (what ``target-cpu=host`` compiles for)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:16]}"
-
-
 def cache_key(module: bytes, flags: tuple[str, ...] = FLAGS, entry: Entry | None = None) -> str:
     """The cache key of ``module`` compiled with ``flags`` (and ``entry``) by the IREE here."""
     facts: dict[str, Any] = {
@@ -150,7 +135,7 @@ def cache_key(module: bytes, flags: tuple[str, ...] = FLAGS, entry: Entry | None
         "iree": versions(),
         "target": TARGET,
         "flags": list(flags),
-        "host": host_cpu(),
+        "host": cache_settings.host_cpu(),
     }
     if entry is not None:
         facts["entry"] = [

@@ -148,18 +148,22 @@ def executable_dir() -> Path | None:
     return Path(os.path.expanduser(str(current)), EXEC_SUBDIR)
 
 
-def _cpu_flags() -> str:
-    """The host CPU's feature flags (an executable compiled for AVX-512 must not run elsewhere)."""
+def host_cpu() -> str:
+    """The machine and a digest of its CPU feature flags: part of every key of compiled code
+    (an executable compiled for AVX-512 must not run elsewhere; IREE's ``target-cpu=host``)."""
     import hashlib
     import platform
 
+    flags = ""
     try:
-        with open("/proc/cpuinfo", "rb") as fh:
-            text = fh.read(1 << 20)
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = line
+                    break
     except OSError:
-        return platform.processor() or platform.machine()
-    flags = next((ln for ln in text.splitlines() if ln.startswith((b"flags", b"Features"))), b"")
-    return platform.machine() + ":" + hashlib.sha256(flags).hexdigest()[:16]
+        pass
+    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:16]}"
 
 
 def environment_key() -> dict[str, Any]:
@@ -176,7 +180,7 @@ def environment_key() -> dict[str, Any]:
         "devices": [[d.id, d.device_kind, d.process_index] for d in devices],
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
         "config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
-        "cpu": _cpu_flags(),
+        "cpu": host_cpu(),
     }
 
 
