@@ -19,12 +19,26 @@ bind() {  # bind <host path>: mount it at the same path inside the root
   if [ -d "$p" ]; then mkdir -p "$ROOT$p"; else mkdir -p "$(dirname "$ROOT$p")"; touch "$ROOT$p"; fi
   mount --bind "$p" "$ROOT$p"
 }
+bind_shared() {  # ../shared at its path, and, when it is a symlink, its target at the target's
+  local link real
+  link="$(dirname "$HERE")/shared"
+  [ -e "$link" ] || return 0
+  real=$(realpath "$link")
+  [ "$real" = "$link" ] && { bind "$link"; return 0; }
+  bind "$real"  # an absolute symlink resolves inside the root too
+  # seen through a bound directory (/tmp) the symlink is there already; else mount the target
+  if [ ! -L "$ROOT$link" ] && [ ! -e "$ROOT$link" ]; then
+    mkdir -p "$ROOT$link"
+    mount --bind "$real" "$ROOT$link"
+  fi
+}
 unbind_all
 trap unbind_all EXIT
-for p in /proc /sys /dev /dev/pts /dev/shm /tmp "$HERE" "$(dirname "$HERE")/shared" /etc/pip.conf \
+for p in /proc /sys /dev /dev/pts /dev/shm /tmp "$HERE" /etc/pip.conf \
   /etc/xdg/pip /opt/wheels /opt/pypi /opt/pypi-more /etc/resolv.conf /etc/hosts /etc/ssl/certs; do
   bind "$p"
 done
+bind_shared
 cmd=${IN_TRIXIE_CMD:-/usr/bin/python3.13}
 rc=0
 chroot "$ROOT" /usr/bin/env -C "$PWD" PATH="/usr/local/bin:/usr/bin:/bin" HOME=/root \
