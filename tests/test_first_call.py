@@ -12,7 +12,7 @@ import pytest
 
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
-from jaxexp_mlflow.runtime import cache
+from jaxexp_mlflow.runtime import executables
 from tests.models import batch, export_mlp, mlp_params
 
 BUCKETS = [1, 2, 4, 8]
@@ -42,13 +42,13 @@ def _load(path, cache_dir, monkeypatch) -> object:
 
 
 def _entries(cache_dir) -> list:
-    return sorted((cache_dir / cache.EXEC_SUBDIR).glob("*.bin"))
+    return sorted((cache_dir / executables.EXEC_SUBDIR).glob("*.bin"))
 
 
 def test_warm_first_call_loads_without_lowering(model_dir, tmp_path, monkeypatch):
     x = batch(3)  # bucket 4
     first = _load(model_dir, tmp_path / "xla", monkeypatch)
-    assert isinstance(first._flat, cache.Executables)
+    assert isinstance(first._flat, executables.Executables)
     y1 = first.predict(x)
     assert (first._flat.compiles, first._flat.loaded) == (1, 0)
     assert len(_entries(tmp_path / "xla")) == 1
@@ -111,7 +111,7 @@ def test_other_calls_go_to_the_jitted_function(model_dir, tmp_path, monkeypatch)
 def test_no_local_cache_directory_keeps_the_plain_jit(model_dir, monkeypatch):
     monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
     impl = load_pyfunc(model_dir, {"compilation_cache": False, "buckets": BUCKETS})
-    assert not isinstance(impl._flat, cache.Executables)
+    assert not isinstance(impl._flat, executables.Executables)
     assert impl.predict(batch(2)).shape == (2, 4)
 
 
@@ -128,9 +128,9 @@ def test_a_load_parses_the_mlmodel_once(model_dir, monkeypatch):
 
 
 def test_store_reads_only_intact_regular_files(tmp_path):
-    cache._write_entry(tmp_path, tmp_path / "good.bin", b"payload")
-    assert cache._read_entry(tmp_path / "good.bin") == b"payload"
+    executables._write_entry(tmp_path, tmp_path / "good.bin", b"payload")
+    assert executables._read_entry(tmp_path / "good.bin") == b"payload"
     os.mkfifo(tmp_path / "fifo.bin")  # refused without blocking
-    assert cache._read_entry(tmp_path / "fifo.bin") is None
-    (tmp_path / "short.bin").write_bytes(cache._EXEC_MAGIC + b"0" * 10)
-    assert cache._read_entry(tmp_path / "short.bin") is None
+    assert executables._read_entry(tmp_path / "fifo.bin") is None
+    (tmp_path / "short.bin").write_bytes(executables._EXEC_MAGIC + b"0" * 10)
+    assert executables._read_entry(tmp_path / "short.bin") is None

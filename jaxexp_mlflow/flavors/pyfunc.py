@@ -27,11 +27,11 @@ from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public n
     convert,
     from_records,
     from_split,
+    is_ml_float,
 )
-from jaxexp_mlflow.flavors.inputs import _is_ml_float as is_ml_float
 from jaxexp_mlflow.flavors.signature import LeafSpec
 from jaxexp_mlflow.runtime import buckets as buckets_mod
-from jaxexp_mlflow.runtime import cache as cache_mod
+from jaxexp_mlflow.runtime import executables as executables_mod
 
 _logger = logging.getLogger(__name__)
 
@@ -120,8 +120,8 @@ class JaxExpPyfunc:
                 return jax.tree.leaves(exported.call(*args, **kwargs))
 
             self._flat = jax.jit(flat_call)
-            # a bucket compiled by an earlier process loads without lowering (runtime/cache.py)
-            self._flat = cache_mod.executables(self._flat, model, len(exported.out_avals))
+            # a bucket compiled by an earlier process loads without lowering
+            self._flat = executables_mod.executables(self._flat, model, len(exported.out_avals))
         if self._bucketed and self.policy.precompile and self._only_batch_symbolic():
             self.precompile(self.policy.precompile)
         self.predict = self._fast_predict()

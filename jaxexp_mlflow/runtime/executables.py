@@ -1,0 +1,287 @@
+"""Compiled executables of pyfunc buckets, stored so that a warm first call skips lowering.
+
+JAX's persistent cache is keyed by the lowered module: a hit still traces and lowers the
+function (~0.35 s for the first function of a process, most of it one-time imports of MLIR
+dialects), then reads the executable. ``Executables`` keys each compiled bucket by what
+determines the lowering instead (the verified blob digest, the MLmodel section, the wrapper's
+code, argument avals, JAX/XLA versions, flags and config, the host CPU), so a process that
+finds its entry loads the executable without lowering. Entries live in the subdirectory
+``jaxexp-executables`` of the compilation cache directory in use (local directories only), are
+written atomically with a sha256 of their payload and are read only when owned by this user:
+the directory is trusted like JAX's own cache (an executable is machine code), the model
+directory never is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxexp_mlflow.runtime.cache import host_cpu
+
+_logger = logging.getLogger(__name__)
+
+#: Custom calls an executable may hold and still skip lowering: compile-time annotations and
+#: shape checks. Others (LAPACK on CPU: its FFI handlers are initialised while lowering) make the
+#: model take the plain ``jax.jit`` path.
+STORABLE_CUSTOM_CALLS = frozenset(
+    {
+        "shape_assertion",
+        "Sharding",
+        "SPMDFullToShardShape",
+        "SPMDShardToFullShape",
+        "annotate_device_placement",
+    }
+)
+EXEC_SUBDIR = "jaxexp-executables"
+EXEC_MAX_ENTRIES = 256
+EXEC_MAX_BYTES = 1 << 30
+_EXEC_MAGIC = b"jaxexp-executable-1\n"
+
+
+def executable_dir() -> Path | None:
+    """Where compiled executables are kept: a subdirectory of the local compilation cache
+    directory in use, or None (cache off, or a remote cache such as ``gs://``)."""
+    import jax
+
+    current = jax.config.values.get("jax_compilation_cache_dir")
+    if not current or "://" in str(current):
+        return None
+    return Path(os.path.expanduser(str(current)), EXEC_SUBDIR)
+
+
+def environment_key() -> dict[str, Any]:
+    """What of this process determines a compiled executable besides the function itself."""
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    client = devices[0].client
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": [client.platform, client.platform_version],
+        "devices": [[d.id, d.device_kind, d.process_index] for d in devices],
+        "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
+        "config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
+        "cpu": host_cpu(),
+    }
+
+
+def _entry_path(directory: Path, digest: str) -> Path:
+    return directory / f"{digest}.bin"
+
+
+def read_executable(digest: str, in_tree: Any, out_tree: Any) -> Any:
+    """The ``jax.stages.Compiled`` stored under ``digest``, or None (absent, not ours, damaged)."""
+    directory = executable_dir()
+    if directory is None:
+        return None
+    try:
+        data = _read_entry(_entry_path(directory, digest))
+    except OSError:
+        return None
+    if data is None:
+        return None
+    from jax.experimental import serialize_executable
+
+    try:
+        return serialize_executable.deserialize_and_load(data, in_tree, out_tree)
+    except Exception as err:  # a stale or damaged entry: compile instead
+        _logger.debug("jaxexp: cached executable %s unusable: %s", digest[:16], err)
+        return None
+
+
+def _read_entry(path: Path) -> bytes | None:
+    """The payload of one entry: a regular file of this user, its sha256 verified."""
+    import hashlib
+    import stat
+
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # no link, no FIFO wait
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        mine = not hasattr(os, "getuid") or st.st_uid == os.getuid()
+        if not stat.S_ISREG(st.st_mode) or not mine or st.st_size > EXEC_MAX_BYTES:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read()
+    finally:
+        os.close(fd)
+    head = len(_EXEC_MAGIC) + 64
+    if not data.startswith(_EXEC_MAGIC) or len(data) < head:
+        return None
+    payload = data[head:]
+    if hashlib.sha256(payload).hexdigest().encode() != data[len(_EXEC_MAGIC) : head]:
+        return None
+    return payload
+
+
+def write_executable(digest: str, compiled: Any) -> None:
+    """Store ``compiled`` under ``digest`` (atomically); never fails the caller."""
+    directory = executable_dir()
+    if directory is None:
+        return
+    try:
+        from jax.experimental import serialize_executable
+
+        payload, _, _ = serialize_executable.serialize(compiled)
+        _write_entry(directory, _entry_path(directory, digest), payload)
+    except Exception as err:  # e.g. an executable that cannot be serialized, a full disk
+        _logger.debug("jaxexp: executable %s not stored: %s", digest[:16], err)
+
+
+def _write_entry(directory: Path, path: Path, payload: bytes) -> None:
+    import hashlib
+    import tempfile
+
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(_EXEC_MAGIC + hashlib.sha256(payload).hexdigest().encode() + payload)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _prune(directory)
+
+
+def _prune(directory: Path) -> None:
+    """Keep the newest ``EXEC_MAX_ENTRIES`` entries."""
+    entries = [p for p in directory.glob("*.bin") if p.is_file()]
+    if len(entries) <= EXEC_MAX_ENTRIES:
+        return
+    entries.sort(key=lambda p: p.stat().st_mtime)
+    for old in entries[: len(entries) - EXEC_MAX_ENTRIES]:
+        old.unlink(missing_ok=True)
+
+
+class Executables:
+    """``jitted(params, *leaves)`` through one compiled executable per input shape.
+
+    ``jitted`` is a ``jax.jit`` function of ``(params, *leaves)`` returning a list of arrays.
+    Calls with the bound ``params`` and numpy leaves run the executable compiled for their
+    shapes and dtypes: found in memory, else in the executable store (no lowering), else
+    lowered and compiled now (through JAX's persistent cache) and stored. Any other call goes
+    to ``jitted`` itself. ``compiles`` counts the executables lowered here, ``loaded`` those
+    read from the store (for tests). Like a ``jax.stages.Compiled``, a bucket keeps the JAX
+    configuration of its first call: a later ``jax.config`` change does not recompile it.
+    """
+
+    def __init__(self, jitted: Any, params: Any, identity: dict[str, Any], n_out: int) -> None:
+        import threading
+
+        self._jit = jitted
+        self._params = params
+        self._identity = identity
+        self._n_out = n_out
+        self._by_shape: dict[tuple, Any] = {}
+        self._get = self._by_shape.get
+        self._lock = threading.Lock()
+        self._base: str | None = None
+        self.compiles = 0
+        self.loaded = 0
+
+    def __call__(self, params: Any, *leaves: Any) -> Any:
+        # the one-array case first and short: it runs on every request
+        if params is self._params and len(leaves) == 1 and type(leaves[0]) is np.ndarray:
+            x = leaves[0]
+            exe = self._get((x.shape, x.dtype))
+            if exe is not None:
+                return exe(params, x)
+        return self._call(params, leaves)
+
+    def _call(self, params: Any, leaves: tuple) -> Any:
+        if params is not self._params or any(type(x) is not np.ndarray for x in leaves):
+            return self._jit(params, *leaves)
+        key = (leaves[0].shape, leaves[0].dtype) if len(leaves) == 1 else _shapes(leaves)
+        exe = self._get(key)
+        if exe is not None:
+            return exe(params, *leaves)
+        with self._lock:
+            exe = self._get(key)
+            if exe is None:
+                exe = self._by_shape[key] = self._load_or_compile(leaves)
+        try:
+            return exe(params, *leaves)
+        except TypeError:  # arguments the executable does not take as given: the jit decides
+            if exe is self._jit:
+                raise
+            self._by_shape[key] = self._jit
+            return self._jit(params, *leaves)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """``jitted.lower``."""
+        return self._jit.lower(*args, **kwargs)
+
+    def _load_or_compile(self, leaves: tuple) -> Any:
+        import jax
+
+        digest = self._digest(_shapes(leaves))
+        args = (self._params, *leaves)
+        in_tree = jax.tree.structure((args, {}))
+        out_tree = jax.tree.structure([0] * self._n_out)
+        exe = read_executable(digest, in_tree, out_tree)
+        if exe is not None:
+            self.loaded += 1
+            return exe
+        exe = self._jit.lower(*args).compile()
+        self.compiles += 1
+        write_executable(digest, exe)
+        return exe
+
+    def _digest(self, shapes: tuple) -> str:
+        import hashlib
+        import json
+
+        if self._base is None:
+            base = {**self._identity, "environment": environment_key()}
+            self._base = json.dumps(base, sort_keys=True, default=str)
+        args = [[list(shape), str(dtype)] for shape, dtype in shapes]
+        return hashlib.sha256((self._base + json.dumps(args)).encode()).hexdigest()
+
+
+def _shapes(leaves: tuple) -> tuple:
+    return tuple([(x.shape, x.dtype) for x in leaves])
+
+
+def _code_key(fn: Any) -> str:
+    """A digest of the Python code ``fn`` (a ``jax.jit`` function) traces."""
+    import hashlib
+    import types
+
+    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+    if code is None:
+        return repr(fn)
+    consts = [c for c in code.co_consts if not isinstance(c, types.CodeType)]  # no addresses
+    text = repr((consts, code.co_names, code.co_freevars)).encode()
+    return hashlib.sha256(code.co_code + text).hexdigest()
+
+
+def executables(jitted: Any, model: Any, n_out: int) -> Any:
+    """``jitted`` (a ``jax.jit`` function of ``(model.params, *leaves)``) behind an
+    :class:`Executables` keyed by ``model``; unchanged without a local cache directory, or
+    when the blob's custom calls are unknown or not all in ``STORABLE_CUSTOM_CALLS``."""
+    import jax
+
+    from jaxexp_mlflow import __version__
+
+    targets = getattr(model, "custom_call_targets", None)
+    if executable_dir() is None or targets is None or not STORABLE_CUSTOM_CALLS.issuperset(targets):
+        return jitted
+    params = jax.tree.leaves(model.params) if model.has_params else []
+    identity = {
+        "jaxexp": __version__,
+        "code": _code_key(jitted),
+        "section": model.metadata,
+        "route": getattr(model, "route", None),
+        "params_tree": str(jax.tree.structure(model.params)),
+        "params": [[list(p.shape), str(p.dtype), str(p.sharding)] for p in params],
+    }
+    return Executables(jitted, model.params, identity, n_out)
