@@ -93,7 +93,7 @@ def convert(value: Any, spec: LeafSpec, *, dtype: np.dtype | None = None, allow_
         raise input_error(spec, _describe_found(arr), _shape_hint(spec, arr))
     if spec.shape and spec.shape[0] is None and arr.shape[0] == 0:
         raise input_error(spec, "a batch of 0 rows", "Send at least one row.")
-    if not allow_nan and arr.size and (arr.dtype.kind in "fc" or _is_ml_float(arr.dtype)):
+    if not allow_nan and arr.size and (arr.dtype.kind in "fc" or is_ml_float(arr.dtype)):
         if not _all_finite(arr):
             raise input_error(
                 spec,
@@ -121,7 +121,7 @@ def _all_finite(arr: np.ndarray) -> bool:
         return bool(np.isfinite(arr).all())
 
 
-def _is_ml_float(dt: np.dtype) -> bool:
+def is_ml_float(dt: np.dtype) -> bool:
     return dt.type.__module__ != "numpy" and not dt.name.startswith(("int", "uint"))
 
 
@@ -136,9 +136,9 @@ def _cast(arr: np.ndarray, spec: LeafSpec, target: np.dtype) -> np.ndarray:
     if src == target:
         return arr
     found = _describe_found(arr)
-    if src.kind in "OUSV" and not _is_ml_float(src) or src.kind == "O":
+    if src.kind in "OUSV" and not is_ml_float(src) or src.kind == "O":
         raise input_error(spec, found, "Send numbers.")
-    t_float = target.kind in "f" or _is_ml_float(target)
+    t_float = target.kind in "f" or is_ml_float(target)
     t_int = target.kind in "iu" or (target.type.__module__ != "numpy" and not t_float)
     if target.kind == "b":
         if src.kind in "iu" and arr.size and ((arr == 0) | (arr == 1)).all():
