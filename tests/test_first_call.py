@@ -134,3 +134,51 @@ def test_store_reads_only_intact_regular_files(tmp_path):
     assert executables._read_entry(tmp_path / "fifo.bin") is None
     (tmp_path / "short.bin").write_bytes(executables._EXEC_MAGIC + b"0" * 10)
     assert executables._read_entry(tmp_path / "short.bin") is None
+
+
+def test_an_executable_from_jaxs_cache_is_stored_only_if_it_runs_reloaded(
+    model_dir, tmp_path, monkeypatch
+):
+    """XLA:CPU serializes an executable that JAX's persistent cache handed back without its
+    kernels (jax 0.10.2: "Function bitcast_bitcast_fusion not found" once reloaded); the store
+    keeps only entries that run reloaded, so every later process still predicts."""
+    cache = tmp_path / "xla"
+    x = batch(4)
+    expected = _load(model_dir, cache, monkeypatch).predict(x)  # compiled, both caches filled
+    for entry in _entries(cache):
+        entry.unlink()  # JAX's cache keeps its entry: the next compile is a hit there
+    second = _load(model_dir, cache, monkeypatch)
+    np.testing.assert_array_equal(second.predict(x), expected)
+    assert second._flat.compiles == 1
+    for _ in range(2):  # whatever was stored, a later process predicts the same
+        later = _load(model_dir, cache, monkeypatch)
+        np.testing.assert_array_equal(later.predict(x), expected)
+        np.testing.assert_array_equal(later.predict(x), expected)
+
+
+def test_a_stored_executable_that_fails_when_called_is_compiled_again(
+    model_dir, tmp_path, monkeypatch
+):
+    """An entry that loads but fails when called (one written by 0.1's store, which did not
+    prove its entries) is removed and the bucket compiled again."""
+    from jax.experimental import serialize_executable
+
+    cache = tmp_path / "xla"
+    x = batch(4)
+    expected = _load(model_dir, cache, monkeypatch).predict(x)
+    (entry,) = _entries(cache)
+    for e in _entries(cache):
+        e.unlink()
+    hit = _load(model_dir, cache, monkeypatch)
+    hit.predict(x)  # a compile that JAX's persistent cache answered
+    exe = hit._flat.executable(x)
+    payload, _, _ = serialize_executable.serialize(exe)
+    executables._write_entry(entry.parent, entry, payload)  # as the unproved store wrote it
+    impl = _load(model_dir, cache, monkeypatch)
+    np.testing.assert_array_equal(impl.predict(x), expected)
+    if impl._flat.compiles == 1:  # the planted entry failed when called: dropped, compiled
+        assert impl._flat.loaded == 0
+        again = _load(model_dir, cache, monkeypatch)
+        np.testing.assert_array_equal(again.predict(x), expected)
+    else:  # this JAX serializes a cache hit whole: the entry ran
+        assert impl._flat.loaded == 1

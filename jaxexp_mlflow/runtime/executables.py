@@ -122,18 +122,48 @@ def _read_entry(path: Path) -> bytes | None:
     return payload
 
 
-def write_executable(digest: str, compiled: Any) -> None:
-    """Store ``compiled`` under ``digest`` (atomically); never fails the caller."""
+def write_executable(digest: str, compiled: Any, args: tuple, outs: Any) -> bool:
+    """Store ``compiled`` under ``digest`` (atomically) if it survives the trip: serialized,
+    loaded back in this process and called on ``args``, it must give ``outs`` (its own outputs
+    on them) bit for bit. An executable that JAX's persistent cache handed back serializes
+    without its kernels on XLA:CPU (jax 0.10: "Function ... not found" when called), so a
+    stored entry is proved, never assumed. Whether it was stored; never fails the caller."""
     directory = executable_dir()
     if directory is None:
-        return
+        return False
     try:
         from jax.experimental import serialize_executable
 
-        payload, _, _ = serialize_executable.serialize(compiled)
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        again = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        if not _same_outputs(again(*args), outs):
+            _logger.debug("jaxexp: executable %s not stored: it differs once reloaded", digest[:16])
+            return False
         _write_entry(directory, _entry_path(directory, digest), payload)
+        return True
     except Exception as err:  # e.g. an executable that cannot be serialized, a full disk
         _logger.debug("jaxexp: executable %s not stored: %s", digest[:16], err)
+        return False
+
+
+def remove_executable(digest: str) -> None:
+    """Drop the entry stored under ``digest`` (one that failed when called)."""
+    directory = executable_dir()
+    if directory is not None:
+        _entry_path(directory, digest).unlink(missing_ok=True)
+
+
+def _same_outputs(a: Any, b: Any) -> bool:
+    import jax
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+            return False
+    return True
 
 
 def _write_entry(directory: Path, path: Path, payload: bytes) -> None:
@@ -202,25 +232,30 @@ class Executables:
             return self._jit(params, *leaves)
         key = (leaves[0].shape, leaves[0].dtype) if len(leaves) == 1 else _shapes(leaves)
         exe = self._get(key)
-        if exe is not None:
-            return exe(params, *leaves)
-        with self._lock:
-            exe = self._get(key)
-            if exe is None:
-                exe = self._by_shape[key] = self._load_or_compile(leaves)
-        try:
-            return exe(params, *leaves)
-        except TypeError:  # arguments the executable does not take as given: the jit decides
-            if exe is self._jit:
-                raise
-            self._by_shape[key] = self._jit
-            return self._jit(params, *leaves)
+        if exe is None:
+            with self._lock:
+                exe = self._get(key)
+                if exe is None:
+                    return self._first_call(key, leaves)
+        return exe(params, *leaves)
+
+    def executable(self, x: np.ndarray) -> Any:
+        """The executable a call with the bound params and the one array ``x`` runs, once
+        compiled or loaded (``None`` before, or when such calls go to ``jitted``)."""
+        exe = self._get((x.shape, x.dtype))
+        return None if exe is None or exe is self._jit else exe
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """``jitted.lower``."""
         return self._jit.lower(*args, **kwargs)
 
-    def _load_or_compile(self, leaves: tuple) -> Any:
+    def _first_call(self, key: tuple, leaves: tuple) -> Any:
+        """Load (else compile, then store) the executable for ``key`` and make its first call.
+
+        A stored executable that fails when called (an entry written by an earlier release, a
+        JAX that cannot run it) is removed and compiled again; arguments an executable does not
+        take as given go to ``jitted``, which decides.
+        """
         import jax
 
         digest = self._digest(_shapes(leaves))
@@ -229,12 +264,34 @@ class Executables:
         out_tree = jax.tree.structure([0] * self._n_out)
         exe = read_executable(digest, in_tree, out_tree)
         if exe is not None:
-            self.loaded += 1
-            return exe
+            try:
+                outs = jax.block_until_ready(exe(*args))
+            except TypeError:
+                return self._to_jit(key, args)
+            except Exception as err:  # noqa: BLE001 - jax.errors.JaxRuntimeError and kin
+                _logger.warning(
+                    "jaxexp: a stored executable failed when called (%s); compiling the "
+                    "bucket again",
+                    str(err).splitlines()[0][:200],
+                )
+                remove_executable(digest)
+            else:
+                self.loaded += 1
+                self._by_shape[key] = exe
+                return outs
         exe = self._jit.lower(*args).compile()
         self.compiles += 1
-        write_executable(digest, exe)
-        return exe
+        try:
+            outs = exe(*args)
+        except TypeError:
+            return self._to_jit(key, args)
+        self._by_shape[key] = exe
+        write_executable(digest, exe, args, outs)
+        return outs
+
+    def _to_jit(self, key: tuple, args: tuple) -> Any:
+        self._by_shape[key] = self._jit
+        return self._jit(*args)
 
     def _digest(self, shapes: tuple) -> str:
         import hashlib
