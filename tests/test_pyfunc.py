@@ -231,12 +231,18 @@ def test_one_array_fast_path_refuses_what_convert_refuses(mlp_dir):
     for bad, pattern in [
         (np.where(np.arange(24).reshape(3, 8) == 5, np.nan, x), r"NaN or infinite"),
         (np.full((2, 8), np.inf, np.float32), r"NaN or infinite"),
+        # up to 32 values are checked by their sum: +inf and -inf sum to NaN, one NaN anywhere
+        (np.array([[np.inf, -np.inf, 0, 0, 0, 0, 0, 0]], np.float32), r"NaN or infinite"),
+        (np.array([[0, 0, 0, 0, 0, 0, 0, np.nan]], np.float32), r"NaN or infinite"),
+        (np.where(np.arange(40).reshape(5, 8) == 39, np.nan, 0).astype(np.float32), r"NaN"),
         (x[:, :7], r"expected x: float32\[-1,8\]"),
         (x[:0], r"a batch of 0 rows"),
         (x.astype(np.int64) + 2**40, r"out of the range|lose|exactly"),
     ]:
         with pytest.raises(InputError, match=pattern):
             impl.predict(bad)
+    huge = np.full((4, 8), np.finfo(np.float32).max, np.float32)  # finite; no float overflow
+    np.testing.assert_array_equal(impl.predict(huge), impl.run(impl.convert_inputs(huge))[0])
     big = np.ones((9000, 8), np.float32)  # above the direct finiteness pass: the sum path
     big[-1, -1] = np.nan
     with pytest.raises(InputError, match=r"NaN or infinite"):
