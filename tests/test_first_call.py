@@ -159,8 +159,8 @@ def test_an_executable_from_jaxs_cache_is_stored_only_if_it_runs_reloaded(
 def test_a_stored_executable_that_fails_when_called_is_compiled_again(
     model_dir, tmp_path, monkeypatch
 ):
-    """An entry that loads but fails when called (one written by 0.1's store, which did not
-    prove its entries) is removed and the bucket compiled again."""
+    """An entry that loads but fails when called (one written by the store before it proved
+    its entries) is removed and the bucket compiled again."""
     from jax.experimental import serialize_executable
 
     cache = tmp_path / "xla"
