@@ -36,12 +36,15 @@ def model_dir(tmp_path_factory):
 
 
 def _load(path, cache_dir, monkeypatch) -> object:
-    """A new implementation each time (as a fresh process would build it)."""
+    """A new implementation each time (as a fresh process would build it, once the earlier
+    ones have stored what they compiled)."""
+    executables.flush()
     monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
     return load_pyfunc(path, {"compilation_cache": str(cache_dir), "buckets": BUCKETS})
 
 
 def _entries(cache_dir) -> list:
+    executables.flush()  # the store writes on its own thread
     return sorted((cache_dir / executables.EXEC_SUBDIR).glob("*.bin"))
 
 
@@ -182,3 +185,28 @@ def test_a_stored_executable_that_fails_when_called_is_compiled_again(
         np.testing.assert_array_equal(again.predict(x), expected)
     else:  # this JAX serializes a cache hit whole: the entry ran
         assert impl._flat.loaded == 1
+
+
+def test_the_store_writes_off_the_first_call(model_dir, tmp_path, monkeypatch):
+    """Serializing, proving and writing run on the store's thread; the caller's inputs are
+    copied, so a buffer reused after predict cannot reach the proof."""
+    import threading
+
+    gate = threading.Event()
+    real = executables.write_executable
+
+    def held(*args):
+        gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(executables, "write_executable", held)
+    x = np.array(batch(4))  # a writable buffer of the caller's
+    impl = _load(model_dir, tmp_path / "xla", monkeypatch)
+    y = impl.predict(x)  # returns while the store's thread waits
+    assert not list((tmp_path / "xla" / executables.EXEC_SUBDIR).glob("*.bin"))
+    x[:] = np.nan  # the caller reuses its buffer
+    gate.set()
+    (entry,) = _entries(tmp_path / "xla")
+    again = _load(model_dir, tmp_path / "xla", monkeypatch)
+    np.testing.assert_array_equal(again.predict(batch(4)), y)
+    assert (again._flat.compiles, again._flat.loaded) == (0, 1)
