@@ -323,7 +323,7 @@ class Executables:
                 _logger.warning(
                     "jaxexp: a stored executable failed when called (%s); compiling the "
                     "bucket again",
-                    str(err).splitlines()[0][:200],
+                    (str(err).splitlines() or [type(err).__name__])[0][:200],
                 )
                 remove_executable(digest)
             else:
