@@ -127,8 +127,9 @@ def write_executable(digest: str, compiled: Any, args: tuple, outs: Any) -> bool
     """Store ``compiled`` under ``digest`` (atomically) if it survives the trip: serialized,
     loaded back in this process and called on ``args``, it must give ``outs`` (its own outputs
     on them) bit for bit. An executable that JAX's persistent cache handed back serializes
-    without its kernels on XLA:CPU (jax 0.10: "Function ... not found" when called), so a
-    stored entry is proved, never assumed. Whether it was stored; never fails the caller."""
+    without its kernels on XLA:CPU (jax 0.10.2 and 0.12.0.1: "Function ... not found" when
+    called), so a stored entry is proved, never assumed. Whether it was stored; never fails
+    the caller."""
     directory = executable_dir()
     if directory is None:
         return False
