@@ -251,6 +251,28 @@ def test_one_array_fast_path_refuses_what_convert_refuses(mlp_dir):
     assert np.isnan(ok.predict(np.full((1, 8), np.nan, np.float32))).all()
 
 
+def test_one_array_path_keys_executables_by_shape_not_bucket(tmp_path):
+    """With a symbolic feature dimension, two inputs of one bucket have different shapes: each
+    runs its own executable (the direct-call cache once held one per bucket and raised)."""
+
+    def f(p, x):
+        return jnp.tanh(x * p["s"]).sum(axis=1)
+
+    b, n = jax.export.symbolic_shape("b, n")
+    exp = jax.export.export(jax.jit(f))(
+        {"s": jax.ShapeDtypeStruct((), jnp.float32)}, jax.ShapeDtypeStruct((b, n), jnp.float32)
+    )
+    path = tmp_path / "m"
+    mlflow.jaxexp.save_model(
+        exp, path, params={"s": np.float32(0.5)}, input_example=np.ones((2, 3), np.float32)
+    )
+    impl = _load_pyfunc(str(path), {"buckets": [1, 2, 4], "compilation_cache": str(tmp_path / "c")})
+    assert impl._one_array_path()
+    for cols in (3, 5, 3, 5):
+        x = np.ones((2, cols), np.float32)
+        np.testing.assert_allclose(impl.predict(x), np.tanh(0.5) * cols * np.ones(2), rtol=1e-6)
+
+
 # -- buckets ---------------------------------------------------------------------------------------
 
 

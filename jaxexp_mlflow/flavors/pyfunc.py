@@ -203,22 +203,23 @@ class JaxExpPyfunc:
                     return data
             return convert(data, spec, allow_nan=allow_nan)
 
-        # each bucket's executable once its first call has compiled or loaded it (through
-        # `flat`): later calls of that bucket skip `Executables`' dispatch
-        ready: dict[int, Any] = {}
+        # each padded shape's executable once its first call has compiled or loaded it (through
+        # `flat`): later calls of that shape skip `Executables`' dispatch (keyed by the shape,
+        # not the bucket: dimensions other than the batch may be symbolic too)
+        ready: dict[tuple, Any] = {}
         direct = getattr(flat, "executable", None)
         params_ = model.params
 
-        def call(x: ndarray, size: int) -> Any:
+        def call(x: ndarray) -> Any:
             bound = model.params  # other params set on the model: the generic call decides
-            exe = ready.get(size)
+            exe = ready.get(x.shape)
             if exe is not None and bound is params_:
                 return exe(bound, x)[0]
             out = flat(bound, x)[0]
             if direct is not None and bound is params_:
                 exe = direct(x)
                 if exe is not None:
-                    ready[size] = exe
+                    ready[x.shape] = exe
             return out
 
         def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
@@ -228,9 +229,9 @@ class JaxExpPyfunc:
                 if n <= largest:
                     size = bucket_for(n)
                     if size == n:
-                        out = asarray(call(x, size))
+                        out = asarray(call(x))
                     else:
-                        out = asarray(call(pad_rows(x, size), size))[:n]
+                        out = asarray(call(pad_rows(x, size)))[:n]
                     return out if wire is None else out.astype(wire)
             return format_outputs(run(convert_inputs(data)))
 
