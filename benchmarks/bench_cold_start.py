@@ -23,9 +23,10 @@ Before timing, the jaxexp_mlflow package is byte-compiled in place (``compileall
 under that variable, as in this repository's venvs, otherwise compiles ~50 modules from source in
 every child (~60 ms), a cost no installed package pays; jax, MLflow and Orbax came with bytecode.
 
-Each variant runs with a *cold* persistent compilation cache (a new empty ``JAX_COMPILATION_CACHE_DIR``) and a
-*warm* one (the same directory filled by an untimed run before). Ratios printed: warm/cold of the
-load-to-first-call time and of the whole process, and flavor/raw for each. The child also checks
+Each variant runs with a *cold* persistent compilation cache (a new empty
+``JAX_COMPILATION_CACHE_DIR``) and a *warm* one (the same directory filled by an untimed run
+before). Ratios printed: warm/cold of the load-to-first-call time and of the whole process, and
+flavor/raw for each. The child also checks
 that ``import jaxexp_mlflow`` loads neither jax nor mlflow (nothing heavy at import time).
 
     python benchmarks/bench_cold_start.py                # 5 rounds
