@@ -26,8 +26,8 @@ every child (~60 ms), a cost no installed package pays; jax, MLflow and Orbax ca
 Each variant runs with a *cold* persistent compilation cache (a new empty
 ``JAX_COMPILATION_CACHE_DIR``) and a *warm* one (the same directory filled by an untimed run
 before). Ratios printed: warm/cold of the load-to-first-call time and of the whole process, and
-flavor/raw for each. The child also checks
-that ``import jaxexp_mlflow`` loads neither jax nor mlflow (nothing heavy at import time).
+flavor/raw for each. The child also checks that ``import jaxexp_mlflow`` loads neither jax nor
+mlflow (nothing heavy at import time).
 
     python benchmarks/bench_cold_start.py                # 5 rounds
     python benchmarks/bench_cold_start.py --quick        # 1 round, seconds
