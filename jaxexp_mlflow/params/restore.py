@@ -22,6 +22,7 @@ from jaxexp_mlflow.params.tree import compare, flat, raise_mismatch
 #: A leaf the fast path leaves to Orbax's restore (Orbax itself, ~0.3 s to import, is imported
 #: only when there is one).
 _ORBAX = object()
+_HOST = object()  # a leaf read by the fast path, placed with the others in one transfer
 
 #: How the last restore_params call read its leaves ({"fast": n, "orbax": m}); for benchmarks
 #: and tests.
@@ -128,9 +129,15 @@ def restore_params(
                 f"array file, found {type(e).__name__}: {e}. Re-log the model with its params."
             ) from e
         stats["fast"] += 1
-        return jax.device_put(host, sharding)
+        hosts.append(host)
+        shardings.append(sharding)
+        return _HOST
 
+    hosts: list[Any] = []
+    shardings: list[Any] = []
     restored = jax.tree_util.tree_map_with_path(fast, target)
+    placed = iter(jax.device_put(hosts, shardings))  # one batched transfer, not one per leaf
+    restored = jax.tree.map(lambda r: next(placed) if r is _HOST else r, restored)
     manifest.verify_files()  # what the fast path did not read, before Orbax reads it
     stats["orbax"] = sum(x is _ORBAX for x in jax.tree.leaves(restored))
     LAST_RESTORE_STATS.clear()
