@@ -306,11 +306,21 @@ def main(argv: list[str] | None = None) -> int:
             return summary[a][field] / summary[b][field]
         return None
 
+    def paired(a: str, b: str, field: str) -> float | None:
+        """The median of each round's ratio (a/b)."""
+        if a not in results or b not in results:
+            return None
+        pairs = zip(results[a], results[b], strict=True)
+        return statistics.median(x[field] / y[field] for x, y in pairs)
+
     ratios = {
         "pyfunc/peer to_first cold": ratio("pyfunc/cold", "peer/cold", "to_first_s"),
         "pyfunc/peer to_first warm": ratio("pyfunc/warm", "peer/warm", "to_first_s"),
         "pyfunc/peer load_to_first cold": ratio("pyfunc/cold", "peer/cold", "load_to_first_s"),
         "pyfunc/peer load_to_first warm": ratio("pyfunc/warm", "peer/warm", "load_to_first_s"),
+        # paired: each round's two processes ran back to back, so drift cancels within a round
+        "pyfunc/peer to_first cold, rounds": paired("pyfunc/cold", "peer/cold", "to_first_s"),
+        "pyfunc/peer to_first warm, rounds": paired("pyfunc/warm", "peer/warm", "to_first_s"),
     }
     if "flavor" not in modes or "raw" not in modes:
         ratios = {k: v for k, v in ratios.items() if v is not None}
