@@ -104,6 +104,8 @@ def restore_params(
     default_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     ocdbt = layout.uses_ocdbt(path, meta)
     stats = {"fast": 0, "orbax": 0}
+    hosts: list[Any] = []  # what the fast path read, placed together after it
+    shardings: list[Any] = []
 
     def fast(kp: Any, sds: Any) -> Any:
         sharding = getattr(sds, "sharding", None) or default_sharding
@@ -133,8 +135,6 @@ def restore_params(
         shardings.append(sharding)
         return _HOST
 
-    hosts: list[Any] = []
-    shardings: list[Any] = []
     restored = jax.tree_util.tree_map_with_path(fast, target)
     placed = iter(jax.device_put(hosts, shardings))  # one batched transfer, not one per leaf
     restored = jax.tree.map(lambda r: next(placed) if r is _HOST else r, restored)
