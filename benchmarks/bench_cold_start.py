@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "pyfunc/peer to_first warm": ratio("pyfunc/warm", "peer/warm", "to_first_s"),
         "pyfunc/peer load_to_first cold": ratio("pyfunc/cold", "peer/cold", "load_to_first_s"),
         "pyfunc/peer load_to_first warm": ratio("pyfunc/warm", "peer/warm", "load_to_first_s"),
-        # paired: each round's two processes ran back to back, so drift cancels within a round
+        # paired: both ran in the same round, a few seconds apart, so slow drift cancels
         "pyfunc/peer to_first cold, rounds": paired("pyfunc/cold", "peer/cold", "to_first_s"),
         "pyfunc/peer to_first warm, rounds": paired("pyfunc/warm", "peer/warm", "to_first_s"),
     }
