@@ -203,24 +203,18 @@ class JaxExpPyfunc:
                     return data
             return convert(data, spec, allow_nan=allow_nan)
 
-        # each padded shape's executable once its first call has compiled or loaded it (through
-        # `flat`): later calls of that shape skip `Executables`' dispatch (keyed by the shape,
-        # not the bucket: dimensions other than the batch may be symbolic too)
-        ready: dict[tuple, Any] = {}
+        # a padded shape's executable, once its first call (through `flat`) has compiled or
+        # loaded it, is called directly: later calls skip `Executables`' dispatch
         direct = getattr(flat, "executable", None)
         params_ = model.params
 
         def call(x: ndarray) -> Any:
             bound = model.params  # other params set on the model: the generic call decides
-            exe = ready.get(x.shape)
-            if exe is not None and bound is params_:
-                return exe(bound, x)[0]
-            out = flat(bound, x)[0]
             if direct is not None and bound is params_:
                 exe = direct(x)
                 if exe is not None:
-                    ready[x.shape] = exe
-            return out
+                    return exe(bound, x)[0]
+            return flat(bound, x)[0]
 
         def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
             if type(data) is ndarray and data.ndim == rank:
