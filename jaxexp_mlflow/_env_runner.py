@@ -47,7 +47,9 @@ def main(model_dir: str, out_dir: str, loader_dir: str | None = None) -> int:
             result["jaxlib_version"] = jaxlib.__version__
         except Exception:  # noqa: BLE001 - informative only
             result["jaxlib_version"] = None
-        result["backend"] = jax.default_backend()
+        from jaxexp_mlflow.runtime.platforms import running_platform
+
+        result["backend"] = running_platform()
         import jaxexp_mlflow
         from jaxexp_mlflow import artifact
         from jaxexp_mlflow.flavors import jaxexp as flavor

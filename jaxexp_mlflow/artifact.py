@@ -178,15 +178,21 @@ def write_blob(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
-def write_reference(path: str | os.PathLike, inputs: tuple, outputs: Any) -> dict[str, list[str]]:
-    """Store the input example and its outputs; return the dtype lists for MLmodel."""
+def write_reference(
+    path: str | os.PathLike, inputs: tuple, outputs: Any, platform: str | None = None
+) -> dict[str, Any]:
+    """Store the input example and its outputs; return the dtype lists for MLmodel, and the
+    platform (``cpu``, ``cuda``...) that computed the outputs when known."""
     import jax
 
     ref = Path(path, "reference")
     ref.mkdir(parents=True, exist_ok=True)
     in_dtypes = arrays.save_arrays(Path(path, REFERENCE_INPUTS), jax.tree.leaves(inputs), "in")
     out_dtypes = arrays.save_arrays(Path(path, REFERENCE_OUTPUTS), jax.tree.leaves(outputs), "out")
-    return {"input_dtypes": in_dtypes, "output_dtypes": out_dtypes}
+    ref: dict[str, Any] = {"input_dtypes": in_dtypes, "output_dtypes": out_dtypes}
+    if platform:
+        ref["platform"] = str(platform)
+    return ref
 
 
 def read_reference(path: str | os.PathLike, meta: dict[str, Any]) -> tuple[list, list] | None:

@@ -48,9 +48,14 @@ def export_function(
     if input_example is None:
         raise UnsupportedModelError(
             "Exporting a function needs an input_example to learn the input shapes and dtypes: "
-            "pass input_example=<a batch of inputs>, or export it yourself with jax.export.export "
+            "pass input_example=<a batch of inputs> (or jax.ShapeDtypeStruct leaves: shapes "
+            "only, no reference result stored), or export it yourself with jax.export.export "
             "and pass the Exported."
         )
+    if platforms is not None:
+        from jaxexp_mlflow.runtime.platforms import canonical
+
+        platforms = tuple(canonical(p) for p in platforms)  # jax.export's names: cuda, not gpu
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     args = input_specs(as_args(input_example), batch_polymorphic=batch_polymorphic)
     if params is not None:

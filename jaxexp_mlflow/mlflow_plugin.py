@@ -33,6 +33,7 @@ class JaxRunContextProvider:
             import jaxlib
 
             from jaxexp_mlflow.internals.jax_private import backends_initialized
+            from jaxexp_mlflow.runtime.platforms import running_platform
 
             tags = {
                 "jaxexp.jax_version": jax.__version__,
@@ -45,6 +46,7 @@ class JaxRunContextProvider:
             return {
                 **tags,
                 "jaxexp.backend": jax.default_backend(),
+                "jaxexp.platform": running_platform(),  # as jax.export names it: cuda, not gpu
                 "jaxexp.device_kind": devices[0].device_kind if devices else "",
                 "jaxexp.device_count": str(len(devices)),
             }

@@ -196,7 +196,9 @@ def store_reference(
             model = JaxExpModel(exported, params, conf)
         avals = list(exported.in_avals)[int(conf.get("n_param_leaves") or 0) :]
         ((probe, outputs),) = run_probes(avals, lambda leaves: call_flat(model, leaves), n=1)
-        reference = artifact.write_reference(path, tuple(probe.leaves), outputs)
+        reference = artifact.write_reference(
+            path, tuple(probe.leaves), outputs, getattr(model, "platform", None)
+        )
     except Exception as err:  # noqa: BLE001 - a reference is a bonus, never a reason to fail
         _logger.warning("No synthetic reference stored: %s", err)
         shutil.rmtree(Path(path, "reference"), ignore_errors=True)

@@ -236,11 +236,13 @@ def environment(backend: str = "jax") -> dict[str, Any]:
     import jax
     import jaxlib
 
+    from jaxexp_mlflow.runtime.platforms import running_platform
+
     devices = jax.devices()
     return {
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
-        "backend": jax.default_backend(),
+        "backend": running_platform(),  # jax.export's name (cuda), not default_backend()'s gpu
         "device_kind": devices[0].device_kind if devices else None,
         "device_count": len(devices),
     }

@@ -146,13 +146,25 @@ def verify(
     if synthetic:
         dims = ", ".join(f"{k}={v}" for k, v in synthetic["dims"].items()) or "static shapes"
         reference = f"synthetic probe ({dims}; seed {synthetic['seed']}), stored at save time"
+    from jaxexp_mlflow.reproduce import reference_platform, running_platform_of
+
+    ref_platform = reference_platform(flavor)
+    if model is not None and ref_platform != running_platform_of(model):
+        reference += (
+            f", computed on {ref_platform}; this run is on {running_platform_of(model)}: "
+            "cross-platform tolerances (docs/hardware.md)"
+        )
     if as_json:
         emit_json(
             {
                 "ok": passed,
                 "uri": uri,
                 "route": chosen.to_dict() if chosen is not None else {"name": "direct"},
-                "reference": {"synthetic": bool(synthetic), **(synthetic or {})},
+                "reference": {
+                    "synthetic": bool(synthetic),
+                    "platform": ref_platform,
+                    **(synthetic or {}),
+                },
                 "saved_with": {
                     "jax_version": flavor.get("jax_version"),
                     "jaxlib_version": flavor.get("jaxlib_version"),

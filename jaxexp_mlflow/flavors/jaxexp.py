@@ -141,6 +141,16 @@ def save_model(
     """
     from jaxexp_mlflow.flavors import atomic
 
+    load_options = {"allow_incompatible", "allow_other_platform", "data_parallel", "devices"}
+    if load_only := sorted(set(kwargs) & (load_options | {"route"})):
+        from jaxexp_mlflow.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"save_model got {load_only}, which are options of load_model, not of saving. To "
+            "save for platforms this machine lacks, pass platforms=(...): a function is then "
+            "also lowered for this host to compute its reference result (docs/hardware.md); "
+            "pass the load option to load_model(...) where the model runs."
+        )
     if "_jax_params" in kwargs:  # from log_model: Model.log keeps ``params`` for MLflow's own
         params = kwargs.pop("_jax_params")
     kwargs.pop("validate_serving_input", None)  # Model.log's own option, passed along to us
@@ -214,7 +224,7 @@ def _save_into(
     if code_ready is not None and code_dir_subpath:
         code_ready(os.path.join(path, code_dir_subpath), code_dir_subpath)
 
-    section, exp, stored = saving.write_model_files(
+    section, exp, stored, host_outputs = saving.write_model_files(
         exported,
         path,
         params=params,
@@ -268,6 +278,8 @@ def _save_into(
         serving=dict(serving_config) if serving_config else None,
         code=code_dir_subpath,
     )
+    if input_example is not None and saving.is_abstract(input_example):
+        input_example = None  # shapes only: nothing to run, no example to store
     if input_example is not None:
         example = sig.serving_example(in_specs, input_example)
         if example is not None:
@@ -291,7 +303,16 @@ def _save_into(
     _write_environment(
         path, conda_env, pip_requirements, extra_pip_requirements, include_package=include_package
     )
-    _read_back(path, target, exp, mlflow_model, section, params=stored, input_example=input_example)
+    _read_back(
+        path,
+        target,
+        exp,
+        mlflow_model,
+        section,
+        params=stored,
+        input_example=input_example,
+        host_outputs=host_outputs,
+    )
 
 
 def _read_back(
@@ -303,6 +324,7 @@ def _read_back(
     *,
     params: Any,
     input_example: Any,
+    host_outputs: Any = None,
 ) -> None:
     """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
 
@@ -310,6 +332,8 @@ def _read_back(
     without one, a synthetic probe's when the model runs here (``probes``), from the same
     loaded model: the export is compiled once either way. ``params`` are the params as stored
     (``{name: array}``, from ``saving.write_model_files``), None for none or a checkpoint path.
+    ``host_outputs``: for a function exported for platforms this machine lacks, the reference
+    computed by a host lowering of it (the read-back then deserializes and restores only).
     """
     from jaxexp_mlflow import artifact, probes
     from jaxexp_mlflow.export import as_args
@@ -319,8 +343,13 @@ def _read_back(
     found = readback.read_back(
         path, exp, flavor_name=FLAVOR_NAME, params=params, inputs=inputs, target=target
     )
+    outputs, platform = found.outputs, None if found.model is None else found.model.platform
+    if outputs is None and host_outputs is not None:
+        from jaxexp_mlflow.runtime.platforms import running_platform
+
+        outputs, platform = host_outputs, running_platform()
     if inputs is not None:
-        reference = {"reference": artifact.write_reference(path, inputs, found.outputs)}
+        reference = {"reference": artifact.write_reference(path, inputs, outputs, platform)}
     elif found.model is not None:
         reference = probes.store_reference(path, exp, section.to_dict(), None, model=found.model)
     else:
@@ -329,7 +358,7 @@ def _read_back(
         mlflow_model.add_flavor(FLAVOR_NAME, **dataclasses.replace(section, **reference).to_dict())
         _write_mlmodel(mlflow_model, path)
     if inputs is not None:
-        readback.check_reference(path, FLAVOR_NAME, found.outputs)
+        readback.check_reference(path, FLAVOR_NAME, outputs)
 
 
 def _write_mlmodel(mlflow_model: Model, path: str) -> None:

@@ -71,10 +71,7 @@ def resolve_exported(
     elif callable(exported):
         if platforms is not None and hasattr(exported, "platforms"):
             raise UnsupportedModelError("platforms= applies only to functions, not Exported.")
-        fn, arrays = exported, params
-        if params is not None and not isinstance(params, str | os.PathLike):
-            named = named_params.canonicalize(params)  # export against {name: array}
-            fn, arrays = named_params.bind(exported, named), named.arrays
+        fn, arrays = _named_function(exported, params)
         exp = export_function(
             fn,
             arrays,
@@ -92,6 +89,42 @@ def resolve_exported(
     register_for_save(exp.out_tree)
     data = _serialize(exp, vjp_order)
     return exp, data, here, blob_codec.describe(data, source="the serialized export")
+
+
+def _named_function(fn: Any, params: Any) -> tuple[Any, Any]:
+    """``fn`` and ``params`` as exported: against a flat ``{name: array}`` of the params."""
+    if params is None or isinstance(params, str | os.PathLike):
+        return fn, params
+    named = named_params.canonicalize(params)
+    return named_params.bind(fn, named), named.arrays
+
+
+def is_abstract(input_example: Any) -> bool:
+    """An input example of ``jax.ShapeDtypeStruct`` leaves only: shapes to export against,
+    no values to compute a reference from."""
+    leaves = jax.tree.leaves(input_example)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _host_reference(fn: Any, params: Any, input_example: Any, batch_polymorphic: bool) -> Any:
+    """The reference outputs of a function exported for platforms this machine lacks: the same
+    function lowered for this host's platform (not stored), run on the input example.
+    ``jaxexp verify`` on the target machine compares against them with the cross-platform
+    tolerances (``reproduce.DEFAULT_TOLERANCES``, docs/hardware.md)."""
+    from jaxexp_mlflow.export import as_args
+    from jaxexp_mlflow.runtime.platforms import running_platform
+
+    fn, arrays = _named_function(fn, params)
+    here = export_function(
+        fn,
+        arrays,
+        input_example,
+        batch_polymorphic=batch_polymorphic,
+        platforms=(running_platform(),),
+    )
+    args = as_args(input_example)
+    outputs = here.call(arrays, *args) if arrays is not None else here.call(*args)
+    return jax.block_until_ready(outputs)
 
 
 def _refuse_if_this_jax_cannot_read(description: Any) -> None:
@@ -154,10 +187,11 @@ def write_model_files(
     params' final fsync pass.
 
     Returns the MLmodel ``jaxexp`` section (a ``flavors.section.FlavorSection``), the
-    ``Exported`` (to infer the signature from) and the params as stored (``{name: array}``;
-    None for none or an on-disk checkpoint). The reference result (the input example's, or a
-    synthetic probe's) is computed later, by the read-back of the finished directory
-    (``flavors.readback``), with the params as stored.
+    ``Exported`` (to infer the signature from), the params as stored (``{name: array}``;
+    None for none or an on-disk checkpoint) and, for a function exported for platforms this
+    machine lacks, the reference outputs of a host lowering of it (else None). The reference
+    result (the input example's, or a synthetic probe's) is computed later, by the read-back
+    of the finished directory (``flavors.readback``), with the params as stored.
     """
     from jaxexp_mlflow import params as params_codec
 
@@ -235,6 +269,14 @@ def write_model_files(
         iree=_prepare_for_iree(exp, data, path, n_params),
         **names_conf,
     )
-    if input_example is not None:  # the reference result is computed by the read-back
-        _refuse_if_it_cannot_run_here(section.to_dict(), description)
-    return section, exp, arrays
+    host_outputs = None
+    if input_example is not None and not is_abstract(input_example):
+        from jaxexp_mlflow.runtime.platforms import available_platforms
+
+        function = callable(exported) and not isinstance(exported, jax.export.Exported)
+        if function and not set(exp.platforms) & set(available_platforms()):
+            # exported for a platform this machine lacks: reference from a host lowering
+            host_outputs = _host_reference(exported, params, input_example, batch_polymorphic)
+        else:  # the reference result is computed by the read-back
+            _refuse_if_it_cannot_run_here(section.to_dict(), description)
+    return section, exp, arrays, host_outputs

@@ -514,6 +514,8 @@ def _validate(conf: Any) -> None:
             if not isinstance(ref.get(key), list):
                 raise _bad(f"reference.{key}", "a list of dtype names", ref.get(key))
             _str_list(ref, key)
+        if ref.get("platform") is not None and not isinstance(ref["platform"], str):
+            raise _bad("reference.platform", "a platform name (cpu, cuda, tpu)", ref["platform"])
     serving = conf.get("serving") or {}
     _int(serving, "max_batch", 1, MAX_BATCH, field="serving.max_batch")
     _int(serving, "max_request_bytes", 1, MAX_REQUEST_BYTES, field="serving.max_request_bytes")

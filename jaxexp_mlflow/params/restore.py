@@ -24,6 +24,12 @@ from jaxexp_mlflow.params.tree import compare, flat, raise_mismatch
 _ORBAX = object()
 _HOST = object()  # a leaf read by the fast path, placed with the others in one transfer
 
+#: Host bytes the fast path reads ahead before it sends them to an accelerator in one batched
+#: transfer (env ``JAXEXP_RESTORE_FLUSH_BYTES``): params bound for a GPU or TPU never sit whole
+#: in host memory, only this much at a time. CPU targets adopt the host buffers (no copy), so
+#: they are placed together at the end.
+FLUSH_BYTES = 512 * 1024**2
+
 #: How the last restore_params call read its leaves ({"fast": n, "orbax": m}); for benchmarks
 #: and tests.
 LAST_RESTORE_STATS: dict[str, int] = {}
@@ -104,8 +110,16 @@ def restore_params(
     default_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     ocdbt = layout.uses_ocdbt(path, meta)
     stats = {"fast": 0, "orbax": 0}
-    hosts: list[Any] = []  # what the fast path read, placed together after it
+    hosts: list[Any] = []  # what the fast path read and has not yet placed
     shardings: list[Any] = []
+    placed: list[Any] = []  # the device arrays, in the order the fast path read them
+    flush_at = int(os.environ.get("JAXEXP_RESTORE_FLUSH_BYTES", FLUSH_BYTES))
+
+    def flush() -> None:
+        if hosts:
+            placed.extend(jax.device_put(hosts, shardings))  # one batched transfer
+            hosts.clear()
+            shardings.clear()
 
     def fast(kp: Any, sds: Any) -> Any:
         sharding = getattr(sds, "sharding", None) or default_sharding
@@ -133,11 +147,14 @@ def restore_params(
         stats["fast"] += 1
         hosts.append(host)
         shardings.append(sharding)
+        if _on_accelerator(sharding) and sum(h.nbytes for h in hosts) >= flush_at:
+            flush()  # straight into device memory: no full host copy of the params
         return _HOST
 
     restored = jax.tree_util.tree_map_with_path(fast, target)
-    placed = iter(jax.device_put(hosts, shardings))  # one batched transfer, not one per leaf
-    restored = jax.tree.map(lambda r: next(placed) if r is _HOST else r, restored)
+    flush()
+    arrays = iter(placed)
+    restored = jax.tree.map(lambda r: next(arrays) if r is _HOST else r, restored)
     manifest.verify_files()  # what the fast path did not read, before Orbax reads it
     stats["orbax"] = sum(x is _ORBAX for x in jax.tree.leaves(restored))
     LAST_RESTORE_STATS.clear()
@@ -149,3 +166,8 @@ def restore_params(
     todo = jax.tree.map(lambda sds, r: sds if r is _ORBAX else ocp.PLACEHOLDER, target, restored)
     from_orbax = orbax_io.restore(path, todo, default_sharding)
     return jax.tree.map(lambda r, o: o if r is _ORBAX else r, restored, from_orbax)
+
+
+def _on_accelerator(sharding: Any) -> bool:
+    """Whether a sharding's devices are not the host CPU's (a transfer copies the buffer)."""
+    return any(getattr(d, "platform", "cpu") != "cpu" for d in sharding.device_set)

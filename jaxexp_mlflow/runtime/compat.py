@@ -291,16 +291,11 @@ class Environment:
 
         from jaxexp_mlflow.flavors.section import package_version
         from jaxexp_mlflow.internals.jax_private import stablehlo_version
+        from jaxexp_mlflow.runtime import platforms as names
 
-        platform = jax.default_backend()
+        available = names.available_platforms()
+        platform = available[0]  # as jax.export names it: cuda, not jax.default_backend()'s gpu
         devices = jax.devices()
-        available = [platform]
-        if platform != "cpu":
-            try:
-                if jax.devices("cpu"):
-                    available.append("cpu")
-            except RuntimeError:
-                pass
         return cls(
             jax_version=jax.__version__,
             jaxlib_version=package_version("jaxlib"),
@@ -314,12 +309,22 @@ class Environment:
             max_schema=_running_schema(),
             enforces_window=hasattr(jax.config, EXPIRED_FLAG),
             reads_expired=bool(getattr(jax.config, EXPIRED_FLAG, False)),
-            custom_call_targets=registered_custom_call_targets(platform),
+            # every platform a model may run on here: a cpu-only export on a CUDA host calls
+            # the LAPACK kernels registered for the host, not CUDA's
+            custom_call_targets=_union(registered_custom_call_targets(p) for p in available),
             stablehlo_version=stablehlo_version(),
         )
 
     def replace(self, **changes: Any) -> Environment:
-        """A copy with ``changes`` applied (used to judge against another environment)."""
+        """A copy with ``changes`` applied (used to judge against another environment).
+
+        Platform names are taken as ``jax.export`` names them (``gpu`` becomes ``cuda``)."""
+        from jaxexp_mlflow.runtime.platforms import canonical
+
+        if changes.get("platform"):
+            changes["platform"] = canonical(changes["platform"])
+        if changes.get("available_platforms"):
+            changes["available_platforms"] = [canonical(p) for p in changes["available_platforms"]]
         if "custom_call_targets" in changes and changes["custom_call_targets"] is not None:
             changes["custom_call_targets"] = frozenset(changes["custom_call_targets"])
         for key in ("available_platforms",):
@@ -339,6 +344,12 @@ class Environment:
         d["custom_call_targets"] = None if targets is None else len(targets)
         d["jaxlib_build_date"] = _iso(release_date(self.jaxlib_version))
         return d
+
+
+def _union(sets: Any) -> frozenset[str] | None:
+    """The union of the registries read (None when none could be read)."""
+    read = [s for s in sets if s is not None]
+    return frozenset().union(*read) if read else None
 
 
 def _running_schema() -> int | None:

@@ -107,33 +107,36 @@ def _mesh_for(exported: Any, devices: list[Any]) -> Any:
 def choose_platform(
     exported_platforms: tuple[str, ...] | list[str], *, allow_other_platform: bool = False
 ) -> tuple[str, bool]:
-    """(platform to run on, whether JAX's platform check must be disabled)."""
-    import jax
+    """(platform to run on, whether JAX's platform check must be disabled).
 
-    backend = jax.default_backend()
+    Names are ``jax.export``'s (``cuda``, ``rocm``, ``tpu``, ``cpu``; ``runtime.platforms``): a
+    model exported for ``("cpu", "cuda")`` runs on the GPU of a CUDA host; one exported for
+    ``cpu`` only runs on that host's CPU, and the process is told so once.
+    """
+    from jaxexp_mlflow.runtime import platforms as names
+
+    running = names.running_platform()
     platforms = [str(p) for p in exported_platforms]
-    if backend in platforms:
-        return backend, False
-    if backend != "cpu" and "cpu" in platforms:
-        try:
-            if jax.devices("cpu"):
-                return "cpu", False
-        except RuntimeError:
-            pass
+    if running in platforms:
+        return running, False
+    for other in names.available_platforms()[1:]:
+        if other in platforms:
+            names.say_once(tuple(platforms), other, running)
+            return other, False
     if allow_other_platform:
         _logger.warning(
             "jaxexp: the model was exported for %s; running it on %r anyway "
             "(allow_other_platform=True disables JAX's platform check)",
             platforms,
-            backend,
+            running,
         )
-        return backend, True
+        return running, True
     from jaxexp_mlflow.errors import IncompatibleError
 
     raise IncompatibleError(
         f"The model was exported for platforms {platforms}, but this machine runs JAX on "
-        f"{backend!r}. Run it where one of those platforms is available, re-export it for "
-        f"{backend!r} too (save_model(..., platforms=[..., {backend!r}])), or pass "
+        f"{running!r}. Run it where one of those platforms is available, re-export it for "
+        f"{running!r} too (save_model(..., platforms=[..., {running!r}])), or pass "
         "allow_other_platform=True to try anyway."
     )
 
@@ -162,14 +165,14 @@ def plan(
     it; ``data_parallel`` shards the batch of a 1-device export over all local devices;
     ``devices`` overrides the devices to use (default: all of the chosen platform).
     """
-    import jax
+    from jaxexp_mlflow.runtime import platforms as names
 
     platform, disable = choose_platform(
         exported.platforms, allow_other_platform=allow_other_platform
     )
     if disable:
         exported = _without_platform_check(exported)
-    devs = list(devices) if devices is not None else list(jax.devices(platform))
+    devs = list(devices) if devices is not None else names.devices(platform)
     n = int(exported.nr_devices)
     n_in = len(exported.in_avals)
     if n == 1:
@@ -177,7 +180,7 @@ def plan(
             return _data_parallel(exported, platform, devs)
         if data_parallel:
             _logger.info("jaxexp: data_parallel=True but only one %s device is visible", platform)
-        if platform != jax.default_backend() or devices is not None:
+        if platform != names.running_platform() or devices is not None:
             from jax.sharding import SingleDeviceSharding
 
             one = SingleDeviceSharding(devs[0])

@@ -140,6 +140,15 @@ class JaxExpModel:
         self._jit_call = jax.jit(self._raw_call)
         self._jit_call_with_params = jax.jit(self._raw_call)
 
+    @property
+    def platform(self) -> str:
+        """The platform the model runs on, as ``jax.export`` names it (``cuda``, not ``gpu``)."""
+        if self.placement is not None:
+            return str(self.placement.platform)
+        from jaxexp_mlflow.runtime.platforms import running_platform
+
+        return running_platform()
+
     def _named(self, params: Any) -> dict[str, Any]:
         """The params as ``{name: array}`` in the export's leaf order (see params.names)."""
         from jaxexp_mlflow import artifact

@@ -219,6 +219,10 @@ def plan(
     # the routes that run in this process need this machine to fit the model first
     first = f" First fix this machine ({', '.join(machine)}: see the reasons)." if machine else ""
     routes: list[Route] = []
+    if "platform" in machine:
+        # no JAX of any era runs a cuda-only (tpu-only...) lowering on this machine's devices:
+        # every JAX route, the recorded environment's included, needs the exported platform
+        return routes
     if not blocking:
         text, when = _direct_closes(verdict, schema)
         routes.append(Route(DIRECT, here, "load it as it is." + first, text, when))
@@ -290,7 +294,7 @@ def describe(routes: list[Route]) -> str:
     if not routes:
         return (
             "No route runs it here: not this jax (with or without its flags), not a bridge "
-            "re-export, and no JAX of the writer's era is known."
+            "re-export, and no JAX of the writer's era on this machine's platform."
         )
     return "Routes that work here, in order:\n" + "\n".join(
         f"  {i + 1}. {r}" for i, r in enumerate(routes)
