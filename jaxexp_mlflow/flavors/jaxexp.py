@@ -291,7 +291,27 @@ def _save_into(
     _write_environment(
         path, conda_env, pip_requirements, extra_pip_requirements, include_package=include_package
     )
-    _read_back(path, target, exp, mlflow_model, section, params=stored, input_example=input_example)
+    _read_back(
+        path,
+        target,
+        exp,
+        mlflow_model,
+        section,
+        params=stored,
+        input_example=input_example,
+        batched=_one_batch_axis(in_specs, out_specs),
+    )
+
+
+def _one_batch_axis(in_specs: list[Any], out_specs: list[Any]) -> bool:
+    """Whether every input and output leaf shares one symbolic leading dimension: the models
+    pyfunc could pad to buckets, whose rows the read-back then tries to prove independent."""
+    from jaxexp_mlflow.runtime.buckets import batch_symbol
+
+    if not in_specs:
+        return False
+    syms = batch_symbol([s.symbols for s in in_specs], [s.symbols for s in out_specs])
+    return syms is not None
 
 
 def _read_back(
@@ -303,8 +323,12 @@ def _read_back(
     *,
     params: Any,
     input_example: Any,
+    batched: bool = False,
 ) -> None:
     """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
+
+    ``batched`` (one symbolic batch axis everywhere): the loaded model's rows are also put to
+    the proof of ``runtime.rows`` on the same inputs, recorded as ``jaxexp.padding``.
 
     With an input example its outputs (computed from the params as stored) become the reference;
     without one, a synthetic probe's when the model runs here (``probes``), from the same
@@ -325,11 +349,34 @@ def _read_back(
         reference = probes.store_reference(path, exp, section.to_dict(), None, model=found.model)
     else:
         reference = {}
-    if reference.get("reference"):
+    if batched and found.model is not None:
+        reference["padding"] = _prove_rows(found.model, exp, inputs)
+    if reference.get("reference") or reference.get("padding"):
         mlflow_model.add_flavor(FLAVOR_NAME, **dataclasses.replace(section, **reference).to_dict())
         _write_mlmodel(mlflow_model, path)
     if inputs is not None:
         readback.check_reference(path, FLAVOR_NAME, found.outputs)
+
+
+def _prove_rows(model: Any, exp: Any, inputs: Any) -> dict[str, Any]:
+    """The ``jaxexp.padding`` record: ``runtime.rows.prove`` on the input example's leaves, or
+    on the synthetic probe the reference was made of (a probe of the export's avals otherwise)."""
+    import jax
+
+    from jaxexp_mlflow import probes
+    from jaxexp_mlflow.runtime import rows
+
+    def call(leaves: list[Any]) -> list[Any]:
+        return probes.call_flat(model, leaves)
+
+    if inputs is not None:
+        return rows.prove(call, jax.tree.leaves(inputs), source="input example")
+    try:
+        avals = list(exp.in_avals)[model._n_param_leaves :]
+        leaves = probes.make(avals).leaves
+    except Exception as err:  # noqa: BLE001 - no probe: not proven, never a failed save
+        return {"rows_independent": False, "proof": f"no synthetic probe: {err}"[:300]}
+    return rows.prove(call, leaves, source="synthetic probe")
 
 
 def _write_mlmodel(mlflow_model: Model, path: str) -> None:

@@ -33,6 +33,7 @@ from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public n
 from jaxexp_mlflow.flavors.signature import LeafSpec
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import executables as executables_mod
+from jaxexp_mlflow.runtime import rows as rows_mod
 
 _logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class JaxExpPyfunc:
         saved_config: dict[str, Any] | None = None,
         classifier: dict[str, Any] | None = None,
         serving: bool = False,
+        rows_independent: bool = False,
     ) -> None:
         from jaxexp_mlflow.flavors import signature
 
@@ -89,8 +91,15 @@ class JaxExpPyfunc:
         self.batch_symbol = buckets_mod.batch_symbol(
             [s.symbols for s in inputs], [s.symbols for s in outputs]
         )
-        # IREE runs every batch size with one compiled module: no padding to buckets
-        self._bucketed = self.policy.enabled and self.batch_symbol is not None and not iree
+        # IREE runs every batch size with one compiled module: no padding to buckets; padding
+        # needs rows proven independent at save (MLmodel jaxexp.padding, runtime/rows.py)
+        self.rows_independent = bool(rows_independent)
+        self._bucketed = (
+            self.policy.enabled
+            and self.batch_symbol is not None
+            and not iree
+            and self.rows_independent
+        )
         self._out_wire = [None if s.wire_dtype == s.dtype else s.wire_dtype for s in self.outputs]
         if iree:
             call_flat = model.call_flat
@@ -443,6 +452,7 @@ def _load_uncached(
         saved_config=saved,
         classifier=flavor_conf.get("classifier"),
         serving=in_scoring_server(),
+        rows_independent=rows_mod.proven(flavor_conf),
     )
     register(meta.get("model_uuid"), impl)
     return impl

@@ -10,9 +10,10 @@ scoring server every bucket is compiled at load (``precompile``), so requests on
 compiled code.
 
 Bucketing applies only when every input and every output has the same symbolic leading
-dimension (and it appears nowhere else); otherwise batches run at their own size. A function
-that mixes rows of a batch (batch statistics, a softmax over the batch axis) gives different
-results on padded batches: turn buckets off for it (``buckets: off``).
+dimension (and it appears nowhere else) and the model's rows were proven independent at save
+(``runtime/rows.py``, MLmodel ``jaxexp.padding``); otherwise batches run at their own size. A
+function that mixes rows of a batch (batch statistics, a softmax over the batch axis, segment
+sums of a graph) gives different results on padded batches, so it is never padded.
 """
 
 from __future__ import annotations
