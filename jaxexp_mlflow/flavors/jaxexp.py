@@ -109,6 +109,7 @@ def save_model(
     serving_config: dict[str, Any] | None = None,
     include_package: bool = False,
     classifier: Any = None,
+    polymorphic_shapes: Any = None,
     **kwargs: Any,
 ) -> None:
     """Save a JAX model to ``path`` as an MLflow model with the ``jaxexp`` and pyfunc flavors.
@@ -116,8 +117,11 @@ def save_model(
     ``exported`` is a ``jax.export.Exported``, the bytes of a serialized one (stored unchanged),
     or a jitted function ``fn(params, *inputs)`` that is exported here against ``params`` and
     ``input_example`` (leading dimensions symbolic unless ``batch_polymorphic=False``; for
-    ``platforms`` given, lowered for each). ``params`` (a pytree of arrays, or the path of an
-    existing Orbax checkpoint) are stored as an Orbax checkpoint and bound at load time.
+    ``platforms`` given, lowered for each; inputs whose leading sizes differ in the example get
+    one symbol per size, and ``polymorphic_shapes``, ``jax.export``'s shapes specification such
+    as ``("n, ...", "e")``, names them instead: docs/saving.md). ``params`` (a pytree of arrays,
+    or the path of an existing Orbax checkpoint) are stored as an Orbax checkpoint and bound at
+    load time.
     ``input_example`` is the positional inputs after the params (a tuple for several); it and
     the outputs computed from it are stored as the model's reference result, and saved as
     MLflow's input example (``serving_input_example.json``) when JSON can carry it.
@@ -172,6 +176,7 @@ def save_model(
             classifier=classifier,
             durable=durable,
             code_ready=code_ready,
+            polymorphic_shapes=polymorphic_shapes,
             **kwargs,
         )
 
