@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover - the oldest-jax environment has no [ire
     HAVE_IREE = False
 
 GATHER = "gather with a symbolic batch dimension"
+RESHAPE = "reshape of a symbolic batch dimension"
 
 #: What IREE 3.13 does with each model saved batch-polymorphic (the flavor's default):
 #: "runs" (reproduces within the tolerance) or the construct it is refused up front for.
@@ -55,6 +56,7 @@ IREE_OUTCOME = {
     "eqx_attention": GATHER,  # vmap(eqx.nn.Embedding) lookups
     "while_scatter": "runs",  # lax.while_loop + .at[].set scatter + scatter-add
     "list_params": "runs",  # params named layers[0].w, non_trainable[0] (a scalar)
+    "linen_merged_batch": RESHAPE,  # [b, 8] -> [2b, 4]: dynamic_reshape (issue 37)
 }
 
 
