@@ -202,3 +202,37 @@ def test_proof_on_plain_functions():
 
     assert rows.prove(fails, [x], source="t")["rows_independent"] is False
     assert rows.filler(np.arange(3), 4, "reversed").tolist() == [2, 1, 0, 2]
+
+
+# -- a scoring server compiles its buckets in the background --------------------------------------
+
+
+def test_server_compiles_buckets_in_the_background(tmp_path):
+    """Inside a server (``serving=True``) the load starts a thread for the buckets and returns:
+    the first request runs meanwhile; ``precompile: true`` still compiles them during the load."""
+    from jaxexp_mlflow.codec.mlmodel import read_mlmodel
+    from jaxexp_mlflow.flavors import signature as sig
+    from jaxexp_mlflow.flavors.pyfunc import JaxExpPyfunc
+    from jaxexp_mlflow.flavors.section import flavor_section
+
+    params = mlp_params()
+    path = tmp_path / "mlp"
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(3))
+    ins, outs = sig.specs_from_conf(flavor_section(read_mlmodel(path)))
+    model = mlflow.jaxexp.load_model(str(path))
+
+    def load(config):
+        return JaxExpPyfunc(
+            model, config, inputs=ins, outputs=outs, serving=True, rows_independent=True
+        )
+
+    impl = load(FAST)
+    assert impl.policy.background and impl._precompiling is not None
+    x = batch(3)
+    np.testing.assert_allclose(impl.predict(x), mlp_apply(params, x), rtol=1e-5, atol=1e-6)
+    impl._precompiling.join(timeout=300)
+    assert not impl._precompiling.is_alive()
+    assert impl._flat.compiles + impl._flat.loaded == 4  # every bucket, each once
+
+    eager = load({**FAST, "precompile": True})
+    assert eager._precompiling is None and eager._flat.compiles + eager._flat.loaded == 4

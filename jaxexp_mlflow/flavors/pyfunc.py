@@ -132,8 +132,18 @@ class JaxExpPyfunc:
             self._flat = jax.jit(flat_call)
             # a bucket compiled by an earlier process loads without lowering
             self._flat = executables_mod.executables(self._flat, model, len(exported.out_avals))
+        self._precompiling: threading.Thread | None = None
         if self._bucketed and self.policy.precompile and self._only_batch_symbolic():
-            self.precompile(self.policy.precompile)
+            if self.policy.background:  # a server's default: up now, buckets compile meanwhile
+                self._precompiling = threading.Thread(
+                    target=self._precompile_in_background,
+                    args=(self.policy.precompile,),
+                    name="jaxexp-precompile",
+                    daemon=True,
+                )
+                self._precompiling.start()
+            else:
+                self.precompile(self.policy.precompile)
         self.predict = self._fast_predict()
 
     def _fast_predict(self) -> Any:
@@ -259,6 +269,14 @@ class JaxExpPyfunc:
             leaves = [np.zeros((size, *s.shape[1:]), s.dtype) for s in self.inputs]
             for out in self._call(leaves):
                 out.block_until_ready()
+
+    def _precompile_in_background(self, sizes: Any) -> None:
+        """``precompile`` on a background thread: a failure is logged, never raised (the
+        bucket then compiles on its first use, where its error reaches the caller)."""
+        try:
+            self.precompile(sizes)
+        except Exception as err:  # noqa: BLE001 - a request will meet it, typed
+            _logger.warning("jaxexp: precompiling the batch buckets stopped: %s", err)
 
     def run(self, leaves: list[np.ndarray]) -> list[np.ndarray]:
         """Run on converted input leaves (padding to a bucket); return numpy output leaves."""
