@@ -236,3 +236,40 @@ def test_server_compiles_buckets_in_the_background(tmp_path):
 
     eager = load({**FAST, "precompile": True})
     assert eager._precompiling is None and eager._flat.compiles + eager._flat.loaded == 4
+
+
+# -- through a real `mlflow models serve` ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_what_load_model_computes(tmp_path):
+    """The graph network of the issue (N == E in the example, one shared symbol) served by
+    ``mlflow models serve``: a 5-node, 5-edge graph is not padded to 8 (the last edge summed
+    again was 4.04 off), and the answer is load_model's."""
+    import os
+    from pathlib import Path
+
+    from tests.test_serving import post, start_server, stop_server
+
+    params = gnn_params()
+    path = tmp_path / "gnn"
+    mlflow.jaxexp.save_model(jax.jit(gnn), path, params=params, input_example=graph(4))
+    model = mlflow.jaxexp.load_model(str(path))
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+        "JAXEXP_COMPILATION_CACHE": str(tmp_path / "xla"),
+    }
+    proc, url = start_server(str(path), "local", env, tmp_path / "serve.log")
+    try:
+        for n in (5, 7):
+            g = graph(n, seed=n)
+            names = ("nodes", "senders", "receivers")
+            body = {"inputs": {k: v.tolist() for k, v in zip(names, g, strict=True)}}
+            r = post(url, body)
+            assert r.status_code == 200, r.text[:500]
+            got = np.asarray(r.json()["predictions"], np.float32)
+            np.testing.assert_array_equal(got, np.asarray(model(*g)))
+    finally:
+        stop_server(proc)
