@@ -100,6 +100,16 @@ class JaxExpPyfunc:
             and not iree
             and self.rows_independent
         )
+        if (
+            self.policy.enabled
+            and self.batch_symbol is not None
+            and not iree
+            and not rows_independent
+        ):
+            _logger.info(
+                "jaxexp: batches run at their own size, not padded to buckets: the model's "
+                "rows are not proven independent (MLmodel jaxexp.padding; docs/serving.md)"
+            )
         self._out_wire = [None if s.wire_dtype == s.dtype else s.wire_dtype for s in self.outputs]
         if iree:
             call_flat = model.call_flat
