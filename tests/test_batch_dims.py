@@ -119,3 +119,12 @@ def test_a_function_needing_equal_sizes_says_how_to_name_them(tmp_path):
             tmp_path / "m",
             input_example=(np.ones(3, np.float32), np.ones(4, np.float32)),
         )
+
+
+def test_training_hook_exports_with_the_named_dimensions():
+    from jaxexp_mlflow.hooks import TrainingHook
+
+    hook = TrainingHook(gnn, graph(4, 4), log_every=1, polymorphic_shapes=("n, ...", "e", "e"))
+    exported = hook._export(gnn_params())
+    shapes = [str(a.shape) for a in exported.in_avals[2:]]  # after the two params leaves
+    assert shapes == ["(n, 4)", "(e,)", "(e,)"]
