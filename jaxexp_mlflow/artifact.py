@@ -129,10 +129,21 @@ def check_params(exported: Any, params: Any) -> int:
             np.shape(leaf), getattr(leaf, "dtype", None) or jax.numpy.result_type(leaf)
         )
         if tuple(got.shape) != tuple(aval.shape) or got.dtype != aval.dtype:
+            narrowed = (
+                tuple(got.shape) == tuple(aval.shape)
+                and jax.dtypes.canonicalize_dtype(got.dtype) == aval.dtype
+            )
+            hint = (
+                f" jax computes {got.dtype} as {aval.dtype} while jax_enable_x64 is off: pass "
+                f"these params as {aval.dtype} (.astype(np.{aval.dtype})), what the function "
+                "computes with, or turn jax_enable_x64 on before exporting."
+                if narrowed
+                else ""
+            )
             raise ParamsMismatchError(
                 f"params{path}: expected {aval_str(aval)}, found "
                 f"{got.dtype}{list(got.shape)}. Pass params of the exported shapes and dtypes, "
-                "or export the function again for these params."
+                f"or export the function again for these params.{hint}"
             )
     return len(leaves)
 

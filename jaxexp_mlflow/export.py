@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.export  # jax < 0.8 does not import the submodule by itself
+import numpy as np
 
 from jaxexp_mlflow.errors import UnsupportedModelError
 
@@ -29,11 +30,124 @@ def _spec(x: Any, batch: Any = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def input_specs(args: tuple, *, batch_polymorphic: bool = True) -> tuple:
-    """ShapeDtypeStructs for ``args``; with ``batch_polymorphic`` every array of rank >= 1 gets the
-    same symbolic leading dimension ``b`` (inputs of one call share their batch size)."""
-    batch = jax.export.symbolic_shape(BATCH_DIM)[0] if batch_polymorphic else None
-    return jax.tree.map(lambda x: _spec(x, batch), args)
+def batch_symbols(args: tuple) -> list[str | None]:
+    """The symbolic leading dimension of each input leaf (None for a scalar): ``b`` for every
+    leaf when the leading sizes of the example agree; otherwise one symbol per distinct leading
+    size, in order of first appearance (``b``, ``b1``, ``b2``, ...): nodes ``[5, F]`` and edges
+    ``[7]`` get ``b`` and ``b1``, and leaves of one size share theirs."""
+    sizes = [np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(args)]
+    order: list[int] = []
+    for n in sizes:
+        if n is not None and n not in order:
+            order.append(n)
+    names = {n: BATCH_DIM if i == 0 else f"{BATCH_DIM}{i}" for i, n in enumerate(order)}
+    return [None if n is None else names[n] for n in sizes]
+
+
+def input_specs(
+    args: tuple, *, batch_polymorphic: bool = True, polymorphic_shapes: Any = None
+) -> tuple:
+    """ShapeDtypeStructs for ``args``.
+
+    ``polymorphic_shapes`` (``jax.export``'s shapes specification: one string per input, or a
+    prefix pytree of them, e.g. ``("n, f", "e")``) names the symbolic dimensions of each input;
+    it is checked against the example (``InputError`` naming the input and the dimension).
+    Otherwise, with ``batch_polymorphic``, leading dimensions become symbols (:func:`batch_symbols`:
+    one shared ``b`` when the example's leading sizes agree, one per distinct size otherwise).
+    """
+    if polymorphic_shapes is not None:
+        return _user_specs(args, polymorphic_shapes)
+    if not batch_polymorphic:
+        return jax.tree.map(_spec, args)
+    leaves, tree = jax.tree.flatten(args)
+    names = batch_symbols(args)
+    scope = jax.export.SymbolicScope()
+    dims = {n: jax.export.symbolic_shape(n, scope=scope)[0] for n in dict.fromkeys(names) if n}
+    specs = [_spec(x, dims.get(n) if n else None) for x, n in zip(leaves, names, strict=True)]
+    return jax.tree.unflatten(tree, specs)
+
+
+def _leaf_labels(args: tuple) -> list[str]:
+    """``args[0]``, ``args[1]['x']``, ...: how a message names each input leaf."""
+    paths = jax.tree_util.tree_flatten_with_path(args)[0]
+    return [f"input {jax.tree_util.keystr(p)}" for p, _ in paths]
+
+
+def _user_specs(args: tuple, polymorphic_shapes: Any) -> tuple:
+    """``jax.export.symbolic_args_specs`` for the user's shapes specification, its errors typed:
+    which input, which dimension, what the example has there."""
+    from jaxexp_mlflow.errors import InputError
+
+    if isinstance(polymorphic_shapes, str) and len(args) == 1:
+        polymorphic_shapes = (polymorphic_shapes,)
+    if isinstance(polymorphic_shapes, list):
+        polymorphic_shapes = tuple(polymorphic_shapes)
+    try:
+        specs = jax.export.symbolic_args_specs(args, polymorphic_shapes)
+    except Exception as err:  # noqa: BLE001 - JAX's ValueError/TypeError: say it in our words
+        raise InputError(
+            f"polymorphic_shapes={polymorphic_shapes!r} does not fit the input example"
+            f"{_failing_input(args, polymorphic_shapes)} "
+            f"({_describe_inputs(args, False)}): {type(err).__name__}: {str(err)[:600]}. Give "
+            "one shapes string per input (e.g. polymorphic_shapes=('n, ...', 'e') for inputs of "
+            "shapes [N, F] and [E]), with as many dimensions as the input has ('...' for the "
+            "rest); a dimension named twice must have one size in the example."
+        ) from err
+    _check_example_fits(args, specs)
+    return specs
+
+
+def _failing_input(args: tuple, polymorphic_shapes: Any) -> str:
+    """`` at input [i] (float32[5, 4] against 'n, 3')`` for the first input whose own shapes
+    string JAX refuses, when the specification has one entry per input; else empty."""
+    if not isinstance(polymorphic_shapes, tuple) or len(polymorphic_shapes) != len(args):
+        return ""
+    for i, (arg, spec) in enumerate(zip(args, polymorphic_shapes, strict=True)):
+        try:
+            jax.export.symbolic_args_specs((arg,), (spec,))
+        except Exception:  # noqa: BLE001 - this one is the culprit
+            shapes = [f"{np.result_type(x)}{list(np.shape(x))}" for x in jax.tree.leaves(arg)]
+            return f" at input [{i}] ({', '.join(shapes[:4])} against {spec!r})"
+    return ""
+
+
+def _check_example_fits(args: tuple, specs: tuple) -> None:
+    """Each symbol of ``specs`` has one size across the example, and fixed dimensions match:
+    else an ``InputError`` naming both places."""
+    from jaxexp_mlflow.errors import InputError
+
+    labels = _leaf_labels(args)
+    seen: dict[str, tuple[int, str, int]] = {}
+    for label, x, spec in zip(labels, jax.tree.leaves(args), jax.tree.leaves(specs), strict=True):
+        shape = np.shape(x)
+        if len(spec.shape) != len(shape):
+            raise InputError(
+                f"polymorphic_shapes gives {label} {len(spec.shape)} dimensions "
+                f"({', '.join(map(str, spec.shape))}), but the input example has "
+                f"{len(shape)} ({list(shape)}). Give one name per dimension, or '...' for "
+                "the rest."
+            )
+        for axis, (dim, size) in enumerate(zip(spec.shape, shape, strict=True)):
+            if isinstance(dim, int):
+                if dim != size:
+                    raise InputError(
+                        f"polymorphic_shapes: {label} dimension {axis} is fixed to {dim}, but the "
+                        f"input example has {size} there. Name it with a symbol, or pass an "
+                        "example of that size."
+                    )
+                continue
+            name = str(dim)
+            if not name.isidentifier():
+                continue  # an expression (2*n, n + 1): JAX checks it when exporting
+            if name in seen and seen[name][0] != size:
+                first_size, first_label, first_axis = seen[name]
+                raise InputError(
+                    f"polymorphic_shapes names dimension {axis} of {label} {name!r}, as it names "
+                    f"dimension {first_axis} of {first_label}, but the input example has "
+                    f"{size} and {first_size} there: one symbol has one size per call. Give "
+                    "them different symbols if they may differ, or fix the example."
+                )
+            seen.setdefault(name, (size, label, axis))
 
 
 def export_function(
@@ -43,8 +157,10 @@ def export_function(
     *,
     batch_polymorphic: bool = True,
     platforms: Sequence[str] | None = None,
+    polymorphic_shapes: Any = None,
 ) -> Any:
-    """Export ``fn(params, *inputs)`` (or ``fn(*inputs)`` without params) against examples."""
+    """Export ``fn(params, *inputs)`` (or ``fn(*inputs)`` without params) against examples
+    (symbolic dimensions: :func:`input_specs`)."""
     if input_example is None:
         raise UnsupportedModelError(
             "Exporting a function needs an input_example to learn the input shapes and dtypes: "
@@ -57,7 +173,11 @@ def export_function(
 
         platforms = tuple(canonical(p) for p in platforms)  # jax.export's names: cuda, not gpu
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-    args = input_specs(as_args(input_example), batch_polymorphic=batch_polymorphic)
+    args = input_specs(
+        as_args(input_example),
+        batch_polymorphic=batch_polymorphic,
+        polymorphic_shapes=polymorphic_shapes,
+    )
     if params is not None:
         args = (jax.tree.map(_spec, params), *args)
     try:
@@ -167,11 +287,20 @@ def export_error(
             f"({', '.join(kinds)}), and host callbacks cannot be serialized. {cause} "
             f"[{what}; jax said {reason}]"
         )
+    syms = sorted(
+        {str(d) for a in jax.tree.leaves(args) for d in a.shape if not isinstance(d, int)}
+    )
     hint = (
         " If the function needs a concrete batch size, pass batch_polymorphic=False."
         if batch_polymorphic
         else ""
     )
+    if len(syms) > 1:
+        hint += (
+            f" The inputs' leading dimensions got the symbols {syms} (one per distinct size in "
+            "the input example): if the function needs some of them equal, say so with "
+            "polymorphic_shapes (e.g. ('n, ...', 'n')), or give an example whose sizes agree."
+        )
     return UnsupportedModelError(
         f"jax.export could not export {name!r} for {what}: {reason}.{hint}"
     )

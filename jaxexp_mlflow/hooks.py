@@ -105,6 +105,8 @@ class TrainingHook:
       :meth:`close`).
     - ``log_model_kwargs``: extra arguments for ``mlflow.jaxexp.log_model`` (signature,
       pip_requirements, metadata, ...).
+    - ``batch_polymorphic`` / ``polymorphic_shapes`` / ``platforms``: how the function is
+      exported, as for ``save_model`` (docs/saving.md: symbolic dimensions).
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class TrainingHook:
         batch_polymorphic: bool = True,
         platforms: Sequence[str] | None = None,
         log_model_kwargs: Mapping[str, Any] | None = None,
+        polymorphic_shapes: Any = None,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode={mode!r}: expected 'min' or 'max'")
@@ -161,6 +164,7 @@ class TrainingHook:
         self.vjp_order = int(vjp_order)
         self.batch_polymorphic = batch_polymorphic
         self.platforms = platforms
+        self.polymorphic_shapes = polymorphic_shapes
         self.log_model_kwargs = dict(log_model_kwargs or {})
         self.is_main = jax.process_index() == 0
         self.best: float | None = None  # the best value seen (logged, or pending)
@@ -311,6 +315,7 @@ class TrainingHook:
                 self.input_example,
                 batch_polymorphic=self.batch_polymorphic,
                 platforms=self.platforms,
+                polymorphic_shapes=self.polymorphic_shapes,
             )
             self.exported = _memoize_vjp(exported, self.vjp_order)
         return self.exported

@@ -173,6 +173,22 @@ def list_params() -> tuple[Any, Any, np.ndarray]:
     return jax.jit(apply), params, features()
 
 
+def linen_merged_batch() -> tuple[Any, Any, np.ndarray]:
+    """A Flax linen ``Dense`` applied to the batch merged with a split of the features
+    (``[b, 8] -> [2b, 4] -> [b, 12]``, the time-distributed layer pattern): a reshape of the
+    symbolic batch dimension, as flax ``nn.scan``, haliax and numpyro's ``Predictive`` write."""
+    import flax.linen as nn
+
+    dense = nn.Dense(6)
+    variables = dense.init(jax.random.key(0), jnp.zeros((1, 4)))
+
+    def apply(variables: Any, x: jax.Array) -> jax.Array:
+        b = x.shape[0]
+        return dense.apply(variables, x.reshape(2 * b, 4)).reshape(b, 12)
+
+    return jax.jit(apply), variables, features()
+
+
 BUILDERS = {
     "nnx_transformer": nnx_transformer,
     "nnx_transformer_bf16": lambda: nnx_transformer(jnp.bfloat16),
@@ -181,4 +197,5 @@ BUILDERS = {
     "eqx_attention": eqx_attention,
     "while_scatter": while_scatter,
     "list_params": list_params,
+    "linen_merged_batch": linen_merged_batch,
 }

@@ -109,6 +109,7 @@ def save_model(
     serving_config: dict[str, Any] | None = None,
     include_package: bool = False,
     classifier: Any = None,
+    polymorphic_shapes: Any = None,
     **kwargs: Any,
 ) -> None:
     """Save a JAX model to ``path`` as an MLflow model with the ``jaxexp`` and pyfunc flavors.
@@ -116,8 +117,11 @@ def save_model(
     ``exported`` is a ``jax.export.Exported``, the bytes of a serialized one (stored unchanged),
     or a jitted function ``fn(params, *inputs)`` that is exported here against ``params`` and
     ``input_example`` (leading dimensions symbolic unless ``batch_polymorphic=False``; for
-    ``platforms`` given, lowered for each). ``params`` (a pytree of arrays, or the path of an
-    existing Orbax checkpoint) are stored as an Orbax checkpoint and bound at load time.
+    ``platforms`` given, lowered for each; inputs whose leading sizes differ in the example get
+    one symbol per size, and ``polymorphic_shapes``, ``jax.export``'s shapes specification such
+    as ``("n, ...", "e")``, names them instead: docs/saving.md). ``params`` (a pytree of arrays,
+    or the path of an existing Orbax checkpoint) are stored as an Orbax checkpoint and bound at
+    load time.
     ``input_example`` is the positional inputs after the params (a tuple for several); it and
     the outputs computed from it are stored as the model's reference result, and saved as
     MLflow's input example (``serving_input_example.json``) when JSON can carry it.
@@ -182,6 +186,7 @@ def save_model(
             classifier=classifier,
             durable=durable,
             code_ready=code_ready,
+            polymorphic_shapes=polymorphic_shapes,
             **kwargs,
         )
 
@@ -312,7 +317,19 @@ def _save_into(
         params=stored,
         input_example=input_example,
         host_outputs=host_outputs,
+        batched=_one_batch_axis(in_specs, out_specs),
     )
+
+
+def _one_batch_axis(in_specs: list[Any], out_specs: list[Any]) -> bool:
+    """Whether every input and output leaf shares one symbolic leading dimension: the models
+    pyfunc could pad to buckets, whose rows the read-back then tries to prove independent."""
+    from jaxexp_mlflow.runtime.buckets import batch_symbol
+
+    if not in_specs:
+        return False
+    syms = batch_symbol([s.symbols for s in in_specs], [s.symbols for s in out_specs])
+    return syms is not None
 
 
 def _read_back(
@@ -325,8 +342,12 @@ def _read_back(
     params: Any,
     input_example: Any,
     host_outputs: Any = None,
+    batched: bool = False,
 ) -> None:
     """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
+
+    ``batched`` (one symbolic batch axis everywhere): the loaded model's rows are also put to
+    the proof of ``runtime.rows`` on the same inputs, recorded as ``jaxexp.padding``.
 
     With an input example its outputs (computed from the params as stored) become the reference;
     without one, a synthetic probe's when the model runs here (``probes``), from the same
@@ -354,11 +375,34 @@ def _read_back(
         reference = probes.store_reference(path, exp, section.to_dict(), None, model=found.model)
     else:
         reference = {}
-    if reference.get("reference"):
+    if batched and found.model is not None:
+        reference["padding"] = _prove_rows(found.model, exp, inputs)
+    if reference.get("reference") or reference.get("padding"):
         mlflow_model.add_flavor(FLAVOR_NAME, **dataclasses.replace(section, **reference).to_dict())
         _write_mlmodel(mlflow_model, path)
     if inputs is not None:
         readback.check_reference(path, FLAVOR_NAME, outputs)
+
+
+def _prove_rows(model: Any, exp: Any, inputs: Any) -> dict[str, Any]:
+    """The ``jaxexp.padding`` record: ``runtime.rows.prove`` on the input example's leaves, or
+    on the synthetic probe the reference was made of (a probe of the export's avals otherwise)."""
+    import jax
+
+    from jaxexp_mlflow import probes
+    from jaxexp_mlflow.runtime import rows
+
+    def call(leaves: list[Any]) -> list[Any]:
+        return probes.call_flat(model, leaves)
+
+    if inputs is not None:
+        return rows.prove(call, jax.tree.leaves(inputs), source="input example")
+    try:
+        avals = list(exp.in_avals)[model._n_param_leaves :]
+        leaves = probes.make(avals).leaves
+    except Exception as err:  # noqa: BLE001 - no probe: not proven, never a failed save
+        return {"rows_independent": False, "proof": f"no synthetic probe: {err}"[:300]}
+    return rows.prove(call, leaves, source="synthetic probe")
 
 
 def _write_mlmodel(mlflow_model: Model, path: str) -> None:

@@ -33,6 +33,7 @@ from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public n
 from jaxexp_mlflow.flavors.signature import LeafSpec
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import executables as executables_mod
+from jaxexp_mlflow.runtime import rows as rows_mod
 
 _logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class JaxExpPyfunc:
         saved_config: dict[str, Any] | None = None,
         classifier: dict[str, Any] | None = None,
         serving: bool = False,
+        rows_independent: bool = False,
     ) -> None:
         from jaxexp_mlflow.flavors import signature
 
@@ -89,8 +91,25 @@ class JaxExpPyfunc:
         self.batch_symbol = buckets_mod.batch_symbol(
             [s.symbols for s in inputs], [s.symbols for s in outputs]
         )
-        # IREE runs every batch size with one compiled module: no padding to buckets
-        self._bucketed = self.policy.enabled and self.batch_symbol is not None and not iree
+        # IREE runs every batch size with one compiled module: no padding to buckets; padding
+        # needs rows proven independent at save (MLmodel jaxexp.padding, runtime/rows.py)
+        self.rows_independent = bool(rows_independent)
+        self._bucketed = (
+            self.policy.enabled
+            and self.batch_symbol is not None
+            and not iree
+            and self.rows_independent
+        )
+        if (
+            self.policy.enabled
+            and self.batch_symbol is not None
+            and not iree
+            and not rows_independent
+        ):
+            _logger.info(
+                "jaxexp: batches run at their own size, not padded to buckets: the model's "
+                "rows are not proven independent (MLmodel jaxexp.padding; docs/serving.md)"
+            )
         self._out_wire = [None if s.wire_dtype == s.dtype else s.wire_dtype for s in self.outputs]
         if iree:
             call_flat = model.call_flat
@@ -123,8 +142,18 @@ class JaxExpPyfunc:
             self._flat = jax.jit(flat_call)
             # a bucket compiled by an earlier process loads without lowering
             self._flat = executables_mod.executables(self._flat, model, len(exported.out_avals))
+        self._precompiling: threading.Thread | None = None
         if self._bucketed and self.policy.precompile and self._only_batch_symbolic():
-            self.precompile(self.policy.precompile)
+            if self.policy.background:  # a server's default: up now, buckets compile meanwhile
+                self._precompiling = threading.Thread(
+                    target=self._precompile_in_background,
+                    args=(self.policy.precompile,),
+                    name="jaxexp-precompile",
+                    daemon=True,
+                )
+                self._precompiling.start()
+            else:
+                self.precompile(self.policy.precompile)
         self.predict = self._fast_predict()
 
     def _fast_predict(self) -> Any:
@@ -250,6 +279,14 @@ class JaxExpPyfunc:
             leaves = [np.zeros((size, *s.shape[1:]), s.dtype) for s in self.inputs]
             for out in self._call(leaves):
                 out.block_until_ready()
+
+    def _precompile_in_background(self, sizes: Any) -> None:
+        """``precompile`` on a background thread: a failure is logged, never raised (the
+        bucket then compiles on its first use, where its error reaches the caller)."""
+        try:
+            self.precompile(sizes)
+        except Exception as err:  # noqa: BLE001 - a request will meet it, typed
+            _logger.warning("jaxexp: precompiling the batch buckets stopped: %s", err)
 
     def run(self, leaves: list[np.ndarray]) -> list[np.ndarray]:
         """Run on converted input leaves (padding to a bucket); return numpy output leaves."""
@@ -443,6 +480,7 @@ def _load_uncached(
         saved_config=saved,
         classifier=flavor_conf.get("classifier"),
         serving=in_scoring_server(),
+        rows_independent=rows_mod.proven(flavor_conf),
     )
     register(meta.get("model_uuid"), impl)
     return impl

@@ -47,6 +47,7 @@ def resolve_exported(
     vjp_order: int,
     batch_polymorphic: bool,
     platforms: Any,
+    polymorphic_shapes: Any = None,
 ) -> tuple[Any, bytes, tuple[str | None, str | None], Any]:
     """Normalise what the user passed into (Exported, blob bytes, exporter versions, description).
 
@@ -66,6 +67,13 @@ def resolve_exported(
                 f"{vjp_order}), or pass vjp_order<={depth}."
             )
         return exp, data, (None, None), description
+    if polymorphic_shapes is not None and not (
+        callable(exported) and not isinstance(exported, jax.export.Exported)
+    ):
+        raise UnsupportedModelError(
+            "polymorphic_shapes= applies only to a function the flavor exports; an Exported "
+            "or its bytes already has its shapes."
+        )
     if isinstance(exported, jax.export.Exported):
         exp = exported
     elif callable(exported):
@@ -78,6 +86,7 @@ def resolve_exported(
             input_example,
             batch_polymorphic=batch_polymorphic,
             platforms=platforms,
+            polymorphic_shapes=polymorphic_shapes,
         )
     else:
         raise UnsupportedModelError(
@@ -180,6 +189,7 @@ def write_model_files(
     platforms: Any = None,
     compression: Any = "default",
     durable: bool = True,
+    polymorphic_shapes: Any = None,
 ) -> tuple[FlavorSection, Any, Any]:
     """Write blob and params into ``path``.
 
@@ -202,6 +212,7 @@ def write_model_files(
         vjp_order=vjp_order,
         batch_polymorphic=batch_polymorphic,
         platforms=platforms,
+        polymorphic_shapes=polymorphic_shapes,
     )
     artifact.check_free_space(path, artifact.model_bytes(data, params, input_example))
     n_params = 0

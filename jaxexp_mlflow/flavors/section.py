@@ -63,6 +63,7 @@ _WRITTEN_WHEN_SET = frozenset(
         "serving",
         "reference",
         "reference_synthetic",
+        "padding",
     }
 )
 
@@ -112,6 +113,9 @@ class FlavorSection:
     reference: dict[str, Any] | None = None
     reference_synthetic: dict[str, Any] | None = None
     iree: dict[str, Any] | None = None
+    #: whether pyfunc may pad batches to buckets: ``rows_independent`` (bool, proven at save
+    #: by ``runtime.rows.prove``) and ``proof`` (how); absent: not proven, never padded
+    padding: dict[str, Any] | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -504,10 +508,14 @@ def _validate(conf: Any) -> None:
         "serving",
         "classifier",
         "iree",
+        "padding",
     ):
         value = conf.get(key)
         if value is not None and not isinstance(value, dict):
             raise _bad(key, "a mapping", value)
+    padding = conf.get("padding") or {}
+    if not isinstance(padding.get("rows_independent", False), bool):
+        raise _bad("padding.rows_independent", "true or false", padding.get("rows_independent"))
     ref = conf.get("reference")
     if ref:
         for key in ("input_dtypes", "output_dtypes"):

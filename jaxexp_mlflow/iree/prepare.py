@@ -16,8 +16,9 @@ Stores beside the original blob (kept byte-for-byte) what IREE needs and only JA
   the same without it;
 * the ops IREE cannot compile, found while walking (``unsupported``): a ``gather`` (or
   ``dynamic_gather``) whose result has a symbolic dimension (embedding lookups of
-  symbolic-batch exports). The IREE verdict refuses them up front, naming the op and the way out
-  (save with ``batch_polymorphic=False``);
+  symbolic-batch exports), and a ``dynamic_reshape`` with a symbolic result (a reshape that
+  merges or splits the batch dimension). The IREE verdict refuses them up front, naming the op
+  and the way out (save with ``batch_polymorphic=False``);
 * the calling-convention facts: the Orbax directory names of the params leaves (custom pytree
   nodes such as Flax's ``FrozenDict`` have key paths only JAX can compute), the exporter's
   symbolic shape constraints (checked before each call, since IREE drops shape assertions), the
@@ -103,6 +104,10 @@ def _explicit_broadcast(op: Any, ir: Any) -> bool:
 #: What the IREE verdict says about a gather of a symbolic-batch export (IREE 3.13 lowers a gather
 #: through a reshape that must be static, and fails on dynamic ones).
 SYMBOLIC_GATHER = "gather with a symbolic batch dimension"
+#: A ``dynamic_reshape`` (a reshape of a symbolic dimension: merging the batch into another
+#: dimension, ``x.reshape(-1)``, flax ``nn.scan``'s carry, or splitting it): IREE 3.13 fails to
+#: legalize every one measured ("failed to legalize operation 'stablehlo.dynamic_reshape'").
+SYMBOLIC_RESHAPE = "reshape of a symbolic batch dimension"
 
 
 def _implied_algorithm(op: Any, ir: Any) -> bool:
@@ -175,6 +180,8 @@ def _rewrite_op(op: Any, ir: Any, changes: set[str], unsupported: set[str]) -> N
                         _symbolic_result(child, ir)
                     ):
                         unsupported.add(SYMBOLIC_GATHER)
+                    elif name == "stablehlo.dynamic_reshape" and _symbolic_result(child, ir):
+                        unsupported.add(SYMBOLIC_RESHAPE)
                     _rewrite_op(child, ir, changes, unsupported)
 
 

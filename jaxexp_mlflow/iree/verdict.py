@@ -12,9 +12,11 @@ anything is compiled. Reasons (codes):
 ``iree_dtypes``        dtypes the IREE runtime cannot pass (e.g. int4, float4)
 ``iree_ops``           ops IREE 3.13 cannot compile: a ``gather`` whose result has a symbolic
                        (batch) dimension, i.e. an embedding lookup of a ``batch_polymorphic``
-                       export. From the save-time walk of the module (``iree.unsupported``);
-                       for models without one, from the blob: a gather op in a module with
-                       symbolic input shapes
+                       export, and a ``dynamic_reshape`` (a reshape that merges or splits the
+                       batch dimension: flax ``nn.scan``, ``x.reshape(-1)``). From the
+                       save-time walk of the module (``iree.unsupported``); for models without
+                       one, from the blob: a gather op in a module with symbolic input shapes;
+                       a ``dynamic_reshape`` op always (JAX writes one only for symbolic shapes)
 ``iree_sdy``           the module carries Shardy (``sdy``), which IREE cannot parse, and the model
                        has no prepared module (saved before preparation existed or without JAX)
 """
@@ -32,15 +34,19 @@ from jaxexp_mlflow.runtime.compat import INCOMPATIBLE, OK, WARN, Reason, Verdict
 #: Custom calls the IREE path handles itself: shape assertions are checked before the call.
 HANDLED_TARGETS = frozenset({"shape_assertion"})
 
-#: As ``iree.prepare.SYMBOLIC_GATHER`` (that module imports jax).
+#: As ``iree.prepare.SYMBOLIC_GATHER``/``SYMBOLIC_RESHAPE`` (that module imports jax).
 SYMBOLIC_GATHER = "gather with a symbolic batch dimension"
+SYMBOLIC_RESHAPE = "reshape of a symbolic batch dimension"
+_CONCRETE_BATCH = (
+    "Save the model with batch_polymorphic=False: the module then has no symbolic {op}, and "
+    "IREE compiles it for the saved batch size unless it holds other ops IREE 3.13 lacks "
+    "(serve other sizes with one model per size); or load it with the JAX backend "
+    "(backend='jax'), which runs it as saved."
+)
 #: The way out of each construct ``iree_ops`` refuses.
 OPS_ACTION = {
-    SYMBOLIC_GATHER: (
-        "Save the model with batch_polymorphic=False (IREE then compiles it for the saved batch "
-        "size; serve other sizes with fixed batch buckets, one model per size), or load it "
-        "with the JAX backend (backend='jax')."
-    ),
+    SYMBOLIC_GATHER: _CONCRETE_BATCH.format(op="gather"),
+    SYMBOLIC_RESHAPE: _CONCRETE_BATCH.format(op="reshape"),
 }
 
 
@@ -52,16 +58,19 @@ def unsupported_ops(description: Any, prepared: dict[str, Any] | None) -> list[s
     is taken for one: every such gather measured (embedding lookups, ``vmap``-ed takes,
     ``take_along_axis``) failed to compile.
     """
+    ops = description.vhlo_ops or ()
+    # JAX writes dynamic_reshape only for a symbolic shape: refused from the blob too, so that
+    # a model whose walk predates this construct is refused before compiling as well
+    reshapes = [SYMBOLIC_RESHAPE] if any(op.startswith("dynamic_reshape_v") for op in ops) else []
     recorded = (prepared or {}).get("unsupported")
     if isinstance(recorded, list):
-        return sorted({str(x)[:200] for x in recorded})
-    ops = description.vhlo_ops or ()
+        return sorted({str(x)[:200] for x in recorded} | set(reshapes))
     gathers = any(op.startswith(("gather_v", "dynamic_gather_v")) for op in ops)
     try:
         symbolic = any(Aval.parse(a).symbolic for a in description.in_avals)
     except ValueError:
         symbolic = False
-    return [SYMBOLIC_GATHER] if gathers and symbolic else []
+    return sorted(([SYMBOLIC_GATHER] if gathers and symbolic else []) + reshapes)
 
 
 def iree_installed() -> bool:

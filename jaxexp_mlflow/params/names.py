@@ -196,6 +196,30 @@ def _is_param_leaf(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex)
 
 
+def python_scalar(value: bool | int | float | complex, where: str) -> np.ndarray:
+    """A plain Python number among the params (an Equinox module's ``float`` field, brax's
+    ``std_eps``) as the 0-d array jax computes with: its canonical dtype (float32, int32,
+    complex64 unless ``jax_enable_x64`` is on), the dtype the export gives it. A value that
+    dtype cannot hold is refused (:class:`ParamsMismatchError`) rather than wrapped."""
+    dtype = np.dtype(jax.numpy.result_type(value))
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if not info.min <= value <= info.max:
+            raise ParamsMismatchError(
+                f"{where}: expected a number that {dtype} holds (jax computes Python ints in "
+                f"{dtype}{'' if dtype.itemsize == 8 else ' while jax_enable_x64 is off'}), "
+                f"found the Python int {value}. Make it a numpy array of a wider dtype with "
+                "jax_enable_x64 on, or move it out of params."
+            )
+    array = np.asarray(value, dtype=dtype)
+    if dtype.kind in "fc" and np.isfinite(value) and not np.all(np.isfinite(array)):
+        raise ParamsMismatchError(
+            f"{where}: expected a number that {dtype} holds, found the Python number {value}, "
+            f"which overflows it. Enable jax_enable_x64 or move it out of params."
+        )
+    return array
+
+
 def canonicalize(params: Any) -> NamedParams:
     """Name the array leaves of ``params`` and record how to rebuild it from them.
 
@@ -217,6 +241,8 @@ def canonicalize(params: Any) -> NamedParams:
     paths = jax.tree_util.tree_flatten_with_path(params)[0]
     for name, leaf, (path, _) in zip(all_names, leaves, paths, strict=True):
         if _is_param_leaf(leaf):
+            if isinstance(leaf, bool | int | float | complex) and not isinstance(leaf, np.generic):
+                leaf = python_scalar(leaf, f"params{jax.tree_util.keystr(path)}")
             if is_key(leaf):
                 impls[name] = key_impl_name(leaf)
                 leaf = jax.random.key_data(leaf)

@@ -6,13 +6,14 @@ smallest bucket ``>= n`` (by repeating its last row, so padding never introduces
 and the outputs are sliced back to ``n`` rows; a batch larger than the largest bucket runs in
 chunks of that size. A bucket compiles on its first use (through the persistent compilation
 cache, ``runtime/cache.py``), so a process compiles only the sizes its batches need; inside a
-scoring server every bucket is compiled at load (``precompile``), so requests only ever run
-compiled code.
+scoring server every bucket is compiled by a background thread started at load (``precompile``),
+smallest first, so the server is up after one load and later requests run compiled code.
 
 Bucketing applies only when every input and every output has the same symbolic leading
-dimension (and it appears nowhere else); otherwise batches run at their own size. A function
-that mixes rows of a batch (batch statistics, a softmax over the batch axis) gives different
-results on padded batches: turn buckets off for it (``buckets: off``).
+dimension (and it appears nowhere else) and the model's rows were proven independent at save
+(``runtime/rows.py``, MLmodel ``jaxexp.padding``); otherwise batches run at their own size. A
+function that mixes rows of a batch (batch statistics, a softmax over the batch axis, segment
+sums of a graph) gives different results on padded batches, so it is never padded.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ DEFAULT_MAX_BATCH = 1024
 
 @dataclass(frozen=True)
 class BucketPolicy:
-    """The bucket sizes (empty = off) and whether to compile them all at load time."""
+    """The bucket sizes (empty = off), those to compile before their first use, and whether
+    that happens in the background (a scoring server's default: it answers requests meanwhile)
+    or during the load (``precompile`` asked for explicitly)."""
 
     sizes: tuple[int, ...]
     precompile: tuple[int, ...]
+    background: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -97,7 +101,8 @@ def resolve(
     Keys (model_config or the MLmodel ``jaxexp.serving`` section): ``buckets`` (``"pow2"``
     (default), ``"off"``, or a list of sizes), ``max_batch`` (largest power-of-two bucket,
     default 1024), ``precompile`` (``true``: every bucket at load, ``false``: none, each compiles
-    on first use, or a list; unset: every bucket when ``serving``, else none).
+    on first use, or a list; unset: every bucket when ``serving``, compiled in the background
+    so that the server is up after one load and answers meanwhile, else none).
     Environment: ``JAXEXP_BUCKETS``, ``JAXEXP_MAX_BATCH``, ``JAXEXP_PRECOMPILE`` with the same
     values (comma-separated lists).
     """
@@ -115,7 +120,7 @@ def resolve(
     sizes = _parse_sizes(pick("buckets", ENV_BUCKETS), max_batch)
     pre = pick("precompile", ENV_PRECOMPILE)
     if pre is None:
-        precompile = sizes if serving else ()
+        return BucketPolicy(sizes, sizes if serving else (), background=serving)
     elif pre is True or (isinstance(pre, str) and pre.lower() in ("1", "true", "on")):
         precompile = sizes
     elif pre is False or (isinstance(pre, str) and pre.lower() in ("0", "false", "off", "")):

@@ -198,7 +198,8 @@ class JaxExpModel:
         return InputError(
             f"The inputs do not match the exported function {self.exported.fun_name!r}: "
             f"expected {expected}, found {found}. Pass arrays of those dtypes and shapes "
-            f"(symbolic dimensions may take any size). JAX said: {err}"
+            f"(a symbolic dimension may take any size, one size wherever it appears: inputs "
+            f"sharing a symbol share that size). JAX said: {err}"
         )
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
