@@ -149,8 +149,17 @@ def progress(total_bytes: int, desc: str) -> Iterator[Any]:
         return
     from tqdm.auto import tqdm
 
+    # the CLI's stderr escapes control characters; the bar's carriage returns are its own, and
+    # its description is made printable here
+    desc = "".join(c if c.isprintable() else "?" for c in desc)
     with tqdm(
-        total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False
+        total=total_bytes,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        leave=False,
+        file=getattr(sys.stderr, "unescaped", sys.stderr),
     ) as bar:
         yield bar
 
