@@ -560,32 +560,7 @@ class _Tree:
         return named
 
     def _download(self, info: Any, local: Path) -> None:
-        from mlflow.exceptions import MlflowException
-
-        from jaxexp_mlflow.errors import ArtifactError
-
-        local.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            _fetch(self.repo, info, local)
-        except MlflowException:
-            raise
-        except Exception as err:  # requests' HTTPError, boto's ClientError... (after retries)
-            from jaxexp_mlflow.errors import ArtifactError
-
-            raise ArtifactError(
-                f"Downloading {info.path!r} from the artifact store failed: expected the file "
-                f"the store listed, found {type(err).__name__}: {str(err)[:300]}. Retry; if it "
-                "fails again the stored model is damaged or the server cannot read it."
-            ) from err
-        found = local.stat().st_size
-        if info.file_size is not None and found != info.file_size:
-            local.unlink(missing_ok=True)
-            raise ArtifactError(
-                f"The artifact store listed {info.path!r} with {info.file_size} bytes but sent "
-                f"{'more' if found > info.file_size else f'{found} bytes'}: expected the size "
-                "it listed. The download was cut off and nothing was loaded; the store is "
-                "broken or hostile (or the file changed meanwhile: retry)."
-            )
+        fetch_listed(self.repo, info, local)
         if (info.file_size or 0) >= CHECKSUM_MIN_BYTES:  # while its pages are in the cache
             from jaxexp_mlflow.codec.crc32c import path_crc32c
 
@@ -626,6 +601,61 @@ def _fetch(repo: Any, info: Any, local: Path) -> None:
         mlflow_private.download_file(repo, info.path, local)
     else:  # one byte more tells "larger than listed"
         mlflow_private.download_file_at_most(repo, info.path, local, info.file_size + 1)
+
+
+def fetch_listed(repo: Any, info: Any, local: Path, max_bytes: int | None = None) -> None:
+    """Download the listed file ``info`` to ``local``, stopping at its listed size: a size over
+    ``max_bytes`` is refused before anything is fetched, a store sending more than it listed
+    is cut off (``_fetch``) and the file removed. ``ArtifactError`` otherwise."""
+    from mlflow.exceptions import MlflowException
+
+    from jaxexp_mlflow.errors import ArtifactError
+
+    if max_bytes is not None and (info.file_size is None or info.file_size > max_bytes):
+        raise ArtifactError(
+            f"The artifact store lists {info.path!r} with {info.file_size} bytes: expected at "
+            f"most {max_bytes} for this file. Nothing was downloaded; the store is broken or "
+            "hostile, or the limit (JAXEXP_MAX_*_BYTES) is too low for this model."
+        )
+    local.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _fetch(repo, info, local)
+    except MlflowException:
+        local.unlink(missing_ok=True)
+        raise
+    except Exception as err:  # requests' HTTPError, boto's ClientError... (after retries)
+        local.unlink(missing_ok=True)
+        raise ArtifactError(
+            f"Downloading {info.path!r} from the artifact store failed: expected the file "
+            f"the store listed, found {type(err).__name__}: {str(err)[:300]}. Retry; if it "
+            "fails again the stored model is damaged or the server cannot read it."
+        ) from err
+    found = local.stat().st_size
+    if info.file_size is not None and found != info.file_size:
+        local.unlink(missing_ok=True)
+        raise ArtifactError(
+            f"The artifact store listed {info.path!r} with {info.file_size} bytes but sent "
+            f"{'more' if found > info.file_size else f'{found} bytes'}: expected the size "
+            "it listed. The download was cut off and nothing was loaded; the store is "
+            "broken or hostile (or the file changed meanwhile: retry)."
+        )
+
+
+def list_top(model_uri: str) -> tuple[Any, str, dict[str, Any]]:
+    """(the repository holding ``model_uri``, the path inside it, ``{name: FileInfo}`` of its
+    top-level entries), the listing checked like a download's (``_Bounds``, sizes): what
+    ``jaxexp inspect/check/audit`` fetch single files from."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    resolved = resolve_repository(model_uri)
+    if resolved is not None:
+        _, repo, root = resolved
+    else:
+        root_uri, root = mlflow_private.root_uri_and_artifact_path(model_uri)
+        repo, root = get_artifact_repository(root_uri), root or ""
+    listing = _list(repo, root or None)
+    _Bounds(root).check(root, [i.path for i in listing])
+    return repo, root, {posixpath.basename(i.path.rstrip("/")): i for i in listing}
 
 
 class Download(NamedTuple):
