@@ -641,12 +641,46 @@ def fetch_listed(repo: Any, info: Any, local: Path, max_bytes: int | None = None
         )
 
 
+def _logged_model_uri(model_uri: str, max_pages: int = 100) -> str:
+    """A ``runs:/<run_id>/<name>/...`` URI as the artifact location (``.../<rest>``) of the
+    model logged under that name by that run (MLflow 3 keeps logged models apart from run
+    artifacts), else the run's artifact URI; other URIs unchanged. Public MLflow API only."""
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+    if not RunsArtifactRepository.is_runs_uri(model_uri):
+        return model_uri
+    from mlflow.tracking import MlflowClient
+
+    run_id, rel = RunsArtifactRepository.parse_runs_uri(model_uri)
+    name, _, rest = (rel or "").partition("/")
+    if name:
+        client = MlflowClient()
+        experiment = client.get_run(run_id).info.experiment_id
+        quoted = "'" not in name  # MLflow's filter syntax cannot quote both quotes
+        token = None
+        for _ in range(max_pages):
+            page = client.search_logged_models(
+                experiment_ids=[experiment],
+                filter_string=f"name = '{name}'" if quoted else None,
+                page_token=token,
+            )
+            for found in page:
+                if found.source_run_id == run_id and found.name == name:
+                    base = str(found.artifact_location).rstrip("/")
+                    return f"{base}/{rest}" if rest else base
+            token = page.token
+            if not token:
+                break
+    return RunsArtifactRepository.get_underlying_uri(model_uri)
+
+
 def list_top(model_uri: str) -> tuple[Any, str, dict[str, Any]]:
     """(the repository holding ``model_uri``, the path inside it, ``{name: FileInfo}`` of its
     top-level entries), the listing checked like a download's (``_Bounds``, sizes): what
     ``jaxexp inspect/check/audit`` fetch single files from."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
+    model_uri = _logged_model_uri(model_uri)
     resolved = resolve_repository(model_uri)
     if resolved is not None:
         _, repo, root = resolved
