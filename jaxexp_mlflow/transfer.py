@@ -716,7 +716,10 @@ def download_model(
     from mlflow.artifacts import download_artifacts
     from mlflow.utils.file_utils import create_tmp_dir
 
+    # runs:/ URIs: the logged model's own location, so that its files come through _Tree too
     resolved = resolve_repository(model_uri)
+    if resolved is None and not os.path.exists(model_uri):
+        resolved = resolve_repository(_logged_model_uri(model_uri))
     if resolved is None:
         return Download(download_artifacts(artifact_uri=model_uri, dst_path=dst_path), False, {})
     outer, repo, root = resolved
