@@ -71,7 +71,7 @@ class RecordedRun:
         """``jax 0.6.2 / jaxlib 0.6.2, python 3.11.7 (uv)``."""
         return (
             f"jax {self.jax_version} / jaxlib {self.jaxlib_version}, python {self.python} "
-            f"({self.env_manager} environment from the model's requirements)"
+            f"({self.env_manager} environment from MLmodel's record)"
         )
 
 

@@ -186,13 +186,13 @@ def trust_requirements_option() -> click.Option:
         is_flag=True,
         expose_value=False,
         callback=_remember_trust,
-        help="--env-manager installs what the model's requirements name (python_env.yaml, "
-        "requirements.txt, conda.yaml), printed before anything is installed. Without this "
-        "flag only plain `name[extras] (op version)` requirements from your package index are "
-        "installed and anything else (local paths, URLs, VCS, -e, --index-url and other "
-        "options, a uv.lock) is refused with exit 2; with it they are installed as written, "
-        "running any build backend the model ships. Only for models you trust to run code "
-        "here.",
+        help="--env-manager installs what MLmodel records (Python, jax, jaxlib, numpy, "
+        "flatbuffers, orbax-checkpoint, mlflow, jaxexp-mlflow) from your package index, printed "
+        "before anything is installed. What the model's requirements add (python_env.yaml, "
+        "requirements.txt, conda.yaml) is shown and installed only with this flag, as written, "
+        "running any build backend the model ships; without it, lines beyond plain "
+        "`name[extras] (op version)` (local paths, URLs, VCS, -e, --index-url and other "
+        "options) are refused with exit 2. Only for models you trust to run code here.",
     )
 
 
