@@ -73,3 +73,31 @@ def test_refresh_downloads_bounded_and_leaves_nothing_behind(store, tracking_uri
     assert result.exit_code == 2, result.output
     assert "sent more" in " ".join(result.stderr.split())
     assert list(tmp.iterdir()) == []
+
+
+class _Page(list):
+    """A page of results as MLflow's ``search_*`` calls return it (``token``: the next)."""
+
+    def __init__(self, items, token):
+        super().__init__(items)
+        self.token = token
+
+
+@pytest.mark.parametrize("token", [lambda n: "same", lambda n: f"t{n}"])
+def test_audit_stops_a_registry_that_pages_without_end(token, monkeypatch):
+    """A tracking server answering with another page forever (or the same token again)."""
+    from jaxexp_mlflow.cli._common import InputProblem
+    from jaxexp_mlflow.cli.audit import _pages
+
+    monkeypatch.setenv("JAXEXP_MAX_LIST_ENTRIES", "1000")
+    calls = []
+
+    def search_registered_models(page_token=None):
+        calls.append(page_token)
+        if len(calls) > 10_000:
+            raise AssertionError("still paging after 10 000 pages")
+        return _Page([f"m{len(calls)}"] * 10, token(len(calls)))
+
+    with pytest.raises(InputProblem, match="JAXEXP_MAX_LIST_ENTRIES"):
+        _pages(search_registered_models)
+    assert len(calls) <= 101
