@@ -118,3 +118,16 @@ def test_model_strings_reach_stderr_escaped(model, command):
     for stream in (proc.stdout, proc.stderr):
         assert "\x1b" not in stream and "\r" not in stream, repr(stream)
     assert "Verdict ok" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_zarr_metadata_is_read_up_to_1_mib(model):
+    """64 MiB of ``[]`` in one array's metadata would be ~2 GiB once parsed."""
+    meta_file = next(
+        p for p in (model / "params" / "w1").iterdir() if p.name in (".zarray", "zarr.json")
+    )
+    meta = json.loads(meta_file.read_text())
+    meta["pad"] = [[]] * 600_000
+    meta_file.write_text(json.dumps(meta))
+    M.write_manifest(model / "params")
+    with pytest.raises(ArtifactError, match="array metadata"):
+        mlflow.jaxexp.load_model(str(model))

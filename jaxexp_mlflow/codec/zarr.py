@@ -89,7 +89,7 @@ def read_meta(root: Path, rel_dir: str, listed: Any) -> dict | None:
                     files.read_file(
                         root / rel_dir / name,
                         what=f"array metadata {rel_dir}/{name}",
-                        max_bytes=files.MAX_SMALL_FILE_BYTES,
+                        max_bytes=MAX_META_BYTES,
                     )
                 )
             except (ValueError, RecursionError) as e:
@@ -124,6 +124,9 @@ def _dtype(meta: dict) -> Any:
     return dtype
 
 
+#: An array's zarr metadata is a few hundred bytes (Orbax writes no attributes there): parsed
+#: JSON costs ~30x its size, so the read stops at 1 MiB rather than the 64 MiB of other JSON.
+MAX_META_BYTES = 1 << 20
 #: At most this many chunk files per array when the caller does not say how many files exist
 #: (the params manifest's own limit).
 MAX_CHUNK_FILES = 1_000_000
