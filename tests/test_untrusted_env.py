@@ -126,7 +126,8 @@ def test_the_environment_is_written_from_mlmodel_and_built_away_from_the_model(m
     assert trusted.exit_code == 2
     assert "installed as written because --trust-requirements" in trusted.stderr
     installs = [c for c in _calls(uv_calls) if c["ARGS"].startswith("pip install")]
-    assert installs == [] or "evilpkg==0.1" in installs[0]["ARGS"]
+    assert installs and "evilpkg==0.1" in installs[0]["ARGS"]
+    assert Path(installs[0]["CWD"]) == model.resolve()  # as written: relative to the model
 
 
 def test_no_fallback_reads_a_file_the_check_did_not(model, uv_calls):
