@@ -410,6 +410,14 @@ def _loader_dir(into: Path) -> Path:
     return into
 
 
+def _args(line: str) -> list[str]:
+    """A requirement line as installer arguments (``--index-url X`` is two), as written."""
+    try:
+        return shlex.split(line)
+    except ValueError:  # unbalanced quotes: the line as one argument
+        return [line]
+
+
 def _build(
     plan: InstallPlan, local: Path, out: Path, root: Path | None, quiet: bool
 ) -> tuple[Path, list[str], str]:
@@ -422,7 +430,7 @@ def _build(
     from jaxexp_mlflow import env_build
 
     facts = plan.facts or EnvFacts()
-    trusted = [a for line in facts.added for a in shlex.split(line)] if plan.trusted else []
+    trusted = [a for line in facts.added for a in _args(line)] if plan.trusted else []
     with_loader = facts.requirements()
     without = [*facts.requirements(with_loader=False), *_loader_dependencies()]
     kw: dict[str, Any] = {"quiet": quiet, "root": root}
