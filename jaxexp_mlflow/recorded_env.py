@@ -1,26 +1,25 @@
 """Re-run a model's reference in the environment it was logged with.
 
-MLflow records the exact requirements of a logged model (``requirements.txt``,
-``python_env.yaml``: the exporter's jax and jaxlib among them). :func:`run_recorded` restores that
-environment with MLflow's own machinery, as ``mlflow models predict --env-manager`` does
-(``PyFuncBackend.prepare_env``: ``uv`` or ``virtualenv``, cached under MLflow's environment root
-and reused), and runs the stored reference input there (``_env_runner.py``). ``jaxexp verify
---env-manager`` puts that run, the stored reference and the current environment side by side.
+``jaxexp verify --env-manager`` rebuilds the environment a model was logged with and runs its
+stored reference input there (``_env_runner.py``), next to the stored reference and the current
+environment. A model directory is untrusted input, so the environment is built from facts, not
+from files the model ships:
 
-The loader there is jaxexp-mlflow, never Python from the model directory (not even the copy an
-``include_package=True`` model carries in ``code/``): the one the model's requirements install
-(``jaxexp-mlflow>=X.Y.Z``), or, when the environment cannot be built with it (the package is not
-on the index at hand, an air-gapped machine) or the requirements do not name it (models saved
-before it was required), the jaxexp-mlflow running here: the environment is then built from the
-requirements without that line, and the runner finds this package at the end of its
-``sys.path`` (a directory holding only a link to it), so that what the environment installed
-wins and nothing else of this installation leaks in.
+* the requirement list is written here from what MLmodel records (``env_facts``: Python, jax,
+  jaxlib, numpy, flatbuffers, orbax-checkpoint, mlflow and ``jaxexp-mlflow>=`` the version that
+  wrote it), as pinned names from the user's index;
+* it is installed (``env_build``: ``uv``, or ``venv`` + ``pip``) in an empty directory under the
+  user's cache, so only the user's installer configuration applies (never a ``uv.toml`` the
+  model ships), and cached there;
+* only then does the environment's jaxexp-mlflow (or, where the index lacks it, the one running
+  here, appended to ``sys.path`` from a directory holding only a link to it) load the model, in
+  ``python -I`` from an empty working directory.
 
-Restoring an environment installs what the model's requirements name, and a model directory is
-untrusted input: :func:`check_requirements` reads them as MLflow will (``python_env.yaml``, the
-``requirements.txt``/``constraints.txt`` it names, or ``conda.yaml``) and, unless trusted,
-refuses anything but plain ``name[extras] (op version)`` requirements from the index before
-anything is installed.
+What the model's own requirements add (``python_env.yaml``, the ``requirements.txt`` /
+``constraints.txt`` it names, or ``conda.yaml``, read as MLflow reads them) is shown, and
+installed (as written) only with ``--trust-requirements``. :func:`check_requirements` still
+refuses, before anything is installed, lines that would install from elsewhere or run a build
+backend, so that a hostile model is named as such; no fallback reads any other file.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import json
 import os
 import re
 import shlex
-import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow.env_facts import EnvFacts, recorded_facts
 from jaxexp_mlflow.errors import JaxExpError
 
 RUNNER = Path(__file__).with_name("_env_runner.py")
@@ -71,7 +71,7 @@ class RecordedRun:
         """``jax 0.6.2 / jaxlib 0.6.2, python 3.11.7 (uv)``."""
         return (
             f"jax {self.jax_version} / jaxlib {self.jaxlib_version}, python {self.python} "
-            f"({self.env_manager} environment from the model's requirements)"
+            f"({self.env_manager} environment from MLmodel's record)"
         )
 
 
@@ -101,8 +101,14 @@ _CONDA_BUILD_DEP = re.compile(
 #: any other is refused as "another requirements file".
 _FROM_ENV = {"-r": _REQUIREMENTS_FILE, "--requirement": _REQUIREMENTS_FILE}
 _FOLLOW = {_REQUIREMENTS_FILE: {"-c": _CONSTRAINTS_FILE, "--constraint": _CONSTRAINTS_FILE}}
+_AMBIGUOUS = (
+    "a comment ending in `\\`: pip reads the next line as a requirement, other readers as "
+    "part of the comment"
+)
 _HASH_OPTION = re.compile(r"\s+--hash(=|\s+)\S+")
-_ARCHIVE = (".whl", ".zip", ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz", ".tar.xz", ".txz")
+#: A name ending like an archive or a wheel is a local file to pip and uv (``.tar.lzma``,
+#: ``.tlz`` and ``.tar.zst`` included), never a name from the index.
+_ARCHIVE = re.compile(r"\.(whl|zip|tar|t[a-z]{0,2}z|gz|bz2|xz|lz|lzma|zst|z|7z|egg|rar)$", re.I)
 _OPTION_REASONS = {
     ("-e", "--editable"): "an editable install: runs the build backend of what it names",
     ("-i", "--index-url", "--extra-index-url", "--find-links", "-f", "--trusted-host", "--index"): (
@@ -114,28 +120,39 @@ _OPTION_REASONS = {
 
 @dataclass
 class InstallPlan:
-    """What restoring the model's recorded environment installs, read as MLflow reads it."""
+    """What restoring the model's recorded environment installs: the list written from
+    MLmodel's facts (``facts``), and the model's own requirements read as MLflow reads them
+    (``requirements``; those beyond the facts are ``facts.added``)."""
 
     env_manager: str
     python: str | None = None
     requirements: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    facts: EnvFacts | None = None
+    trusted: bool = False
 
     def describe(self) -> str:
         """The lines printed before anything is installed."""
+        facts = self.facts or EnvFacts()
         head = (
-            f"Installing into the recorded environment ({self.env_manager}) what the model's "
-            f"requirements name ({', '.join(self.files) or 'no requirement files'}; nothing if "
-            "MLflow's cached environment for them exists):"
+            f"Installing into the recorded environment ({self.env_manager}) what MLmodel records, "
+            "from your package index, in a directory holding no file of the model (nothing if "
+            "the cached environment exists):"
         )
-        lines = [f"  python {self.python or '(the running version)'}"]
-        lines += [f"  {r}" for r in self.requirements]
-        if self.refused:
-            lines.append(
-                f"  ({len(self.refused)} of them beyond plain requirements from the index, "
-                "installed because --trust-requirements is set)"
+        lines = [f"  python {facts.python or '(the running version: not recorded)'}"]
+        lines += [f"  {r}  ({facts.sources.get(r.split('==')[0], 'MLmodel')})" for r in facts.pins]
+        if facts.loader:
+            lines.append(f"  {facts.loader}  (else the jaxexp-mlflow running here)")
+        if facts.added:
+            where = ", ".join(self.files) or "the model's requirements"
+            verdict = (
+                "installed as written because --trust-requirements is set"
+                if self.trusted
+                else "NOT installed (pass --trust-requirements to install them as written)"
             )
+            lines.append(f"The model's requirements ({where}) add {len(facts.added)}, {verdict}:")
+            lines += [f"  {_short(r)}" for r in facts.added]
         return "\n".join([head, *lines])
 
 
@@ -143,14 +160,33 @@ def _short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _logical_lines(text: str) -> list[str]:
-    """pip's reading of a requirements file: continuation lines joined, comments dropped."""
-    joined = re.sub(r"\\\r?\n", "", text)
-    out = []
-    for line in joined.splitlines():
-        line = re.sub(r"(^|\s)#.*$", "", line).strip()
-        if line:
-            out.append(line)
+#: pip's comment: ``#`` at the start of a line or after whitespace.
+_COMMENT = re.compile(r"(^|\s+)#.*$")
+
+
+def _logical_lines(text: str, problems: list[str] | None = None) -> list[str]:
+    """pip's reading of a requirements file (``pip._internal.req.req_file.join_lines``): a line
+    ending in ``\\`` is joined with the next unless it holds a comment, comments dropped. A
+    comment ending in ``\\`` (read as a continuation by other readers) is added to
+    ``problems``: the readings differ, so the file is refused rather than guessed."""
+    out: list[str] = []
+    pending: list[str] = []
+    for line in text.splitlines():
+        comment = _COMMENT.search(line)
+        if line.endswith("\\") and not comment:
+            pending.append(line[:-1])
+            continue
+        if comment and line.rstrip().endswith("\\") and problems is not None:
+            problems.append(line)
+        joined = "".join([*pending, line])
+        pending = []
+        joined = _COMMENT.sub("", joined).strip()
+        if joined:
+            out.append(joined)
+    if pending:
+        joined = _COMMENT.sub("", "".join(pending)).strip()
+        if joined:
+            out.append(joined)
     return out
 
 
@@ -175,7 +211,7 @@ def _why_not_plain(line: str) -> str | None:
         return "not a requirement (expected `name[extras] (op version)`)"
     if req.url:
         return "a direct reference (URL, VCS or local path)"
-    if req.name.lower().endswith(_ARCHIVE):
+    if _ARCHIVE.search(req.name):
         return "a local archive"
     return None
 
@@ -234,24 +270,17 @@ def install_plan(local_path: str | Path, env_manager: str = "uv") -> InstallPlan
             text = _read_text(root, name, f"{name} (named in {where})")
             if text is not None:
                 plan.files.append(name)
-                for ln in _logical_lines(text):
+                ambiguous: list[str] = []
+                for ln in _logical_lines(text, ambiguous):
                     add(name, ln, _FOLLOW.get(name, {}))
+                for ln in ambiguous:
+                    refuse(name, ln, _AMBIGUOUS)
                 return
         plan.requirements.append(line)
         why = _why_not_plain(line)
         if why:
             refuse(where, line, why)
 
-    if env_manager == "uv" and os.path.lexists(root / "uv.lock"):
-        plan.files.append("uv.lock")
-        plan.requirements.append("(uv sync of the model's uv.lock and pyproject.toml)")
-        refuse(
-            "uv.lock",
-            "uv sync",
-            "the lock's sources, indexes and build backends are the "
-            "model's choice; jaxexp does not check them",
-        )
-        return plan
     python_env_file, conda_file = _env_files(root)
     python_env = _read_yaml(root, python_env_file, f"python env file {python_env_file!r}")
     if python_env is not None:
@@ -299,17 +328,31 @@ def install_plan(local_path: str | Path, env_manager: str = "uv") -> InstallPlan
             if not isinstance(item, str):
                 refuse(source, repr(item), "expected a requirement string")
                 continue
-            for ln in _logical_lines(item):
+            ambiguous = []
+            for ln in _logical_lines(item, ambiguous):
                 add(source, ln, _FROM_ENV)
+            for ln in ambiguous:
+                refuse(source, ln, _AMBIGUOUS)
     return plan
 
 
 def check_requirements(
     local_path: str | Path, env_manager: str = "uv", *, trust: bool = False
 ) -> InstallPlan:
-    """:func:`install_plan`, refusing with :class:`UntrustedRequirementsError` (before anything
-    is installed) a plan with more than plain requirements from the index unless ``trust``."""
+    """:func:`install_plan` with the facts the environment is built from (``env_facts``),
+    refusing with :class:`UntrustedRequirementsError` (before anything is installed) a recorded
+    version that is not a release number, and, unless ``trust``, model requirements beyond plain
+    requirements from the index (which would only be installed with ``trust`` anyway)."""
     plan = install_plan(local_path, env_manager)
+    plan.facts = recorded_facts(local_path, plan.requirements)
+    plan.trusted = trust
+    plan.python = plan.facts.python
+    if plan.facts.problems:
+        raise UntrustedRequirementsError(
+            "The recorded environment is written from the versions MLmodel records; "
+            f"{'; '.join(plan.facts.problems[:10])}. Nothing was installed. The model's MLmodel "
+            "is damaged or forged; download it again from its source."
+        )
     if plan.refused and not trust:
         shown = "; ".join(plan.refused[:10]) + (
             f"; and {len(plan.refused) - 10} more" if len(plan.refused) > 10 else ""
@@ -326,35 +369,22 @@ def check_requirements(
     return plan
 
 
-_LOADER = re.compile(r"^\s*jaxexp[-_.]mlflow(?![\w.-])", re.IGNORECASE)
-#: The model's environment files, copied (without the loader's line) for a fallback build.
-_ENV_FILES = ("MLmodel", "python_env.yaml", "requirements.txt", "constraints.txt", "conda.yaml")
-
-
-def _names_loader(line: str) -> bool:
-    """Whether a requirement line (or a ``conda.yaml`` pip entry) names jaxexp-mlflow."""
-    return bool(_LOADER.match(line.strip().removeprefix("- ").strip()))
-
-
-def _check_loader_version(reqs: list[str]) -> None:
-    """The running jaxexp-mlflow must satisfy the model's own requirement on it."""
+def _check_loader_version(loader: str | None) -> None:
+    """The running jaxexp-mlflow must satisfy the record's requirement on it."""
     from packaging.requirements import InvalidRequirement, Requirement
 
     from jaxexp_mlflow import __version__
 
-    for line in reqs:
-        if not _names_loader(line):
-            continue
-        try:
-            spec = Requirement(line).specifier
-        except InvalidRequirement:
-            continue
-        if not spec.contains(__version__, prereleases=True):
-            raise RecordedEnvError(
-                f"The model requires {line!r} and the index at hand does not provide it; the "
-                f"jaxexp-mlflow running here is {__version__}. Install a jaxexp-mlflow that "
-                "satisfies it (or make it available to uv) and verify again."
-            )
+    try:
+        spec = Requirement(loader or "jaxexp-mlflow").specifier
+    except InvalidRequirement:
+        return
+    if not spec.contains(__version__, prereleases=True):
+        raise RecordedEnvError(
+            f"The model requires {loader!r} and the index at hand does not provide it; the "
+            f"jaxexp-mlflow running here is {__version__}. Install a jaxexp-mlflow that "
+            "satisfies it (or make it available to your index) and verify again."
+        )
 
 
 #: jaxexp-mlflow's own dependencies where its distribution metadata cannot be read.
@@ -363,7 +393,7 @@ _LOADER_DEPS = ("click>=8.1", "google-crc32c>=1.5", "tqdm>=4.66")
 
 def _loader_dependencies() -> list[str]:
     """What the running jaxexp-mlflow needs besides itself (its distribution's requirements
-    without extras): installed in place of the ``jaxexp-mlflow`` line of a fallback build."""
+    without extras): installed in place of ``jaxexp-mlflow`` when the index lacks it."""
     import importlib.metadata
 
     try:
@@ -373,33 +403,6 @@ def _loader_dependencies() -> list[str]:
     return [r for r in reqs if "extra" not in r.partition(";")[2]] or list(_LOADER_DEPS)
 
 
-def _without_loader(local: Path, into: Path) -> Path:
-    """A copy of the model's environment files where the jaxexp-mlflow requirement is replaced
-    by the running package's own dependencies (the package itself comes from ``_loader_dir``)."""
-    into.mkdir(exist_ok=True)
-    deps = _loader_dependencies()
-    for name in _ENV_FILES:
-        src = local / name
-        if not src.is_file() or src.is_symlink():
-            continue
-        if name == "MLmodel":
-            shutil.copyfile(src, into / name)
-            continue
-        from jaxexp_mlflow.codec import files
-
-        text = files.read_bytes(local, name, what=name, max_bytes=1 << 20).decode("utf-8")
-        kept: list[str] = []
-        for ln in text.splitlines():
-            if not _names_loader(ln.split("#")[0]):
-                kept.append(ln)
-            elif name != "constraints.txt":
-                indent = ln[: len(ln) - len(ln.lstrip())]
-                dash = "- " if ln.lstrip().startswith("- ") else ""
-                kept.extend(f"{indent}{dash}{d}" for d in deps)
-        (into / name).write_text("\n".join(kept) + "\n")
-    return into
-
-
 def _loader_dir(into: Path) -> Path:
     """A directory holding only ``jaxexp_mlflow``, a link to the package running here."""
     into.mkdir()
@@ -407,13 +410,60 @@ def _loader_dir(into: Path) -> Path:
     return into
 
 
-def _prepare(local: Path, env_manager: str, env_root_dir: str | None, capture: bool) -> Any:
-    from mlflow.pyfunc.backend import PyFuncBackend
+def _args(line: str) -> list[str]:
+    """A requirement line as installer arguments (``--index-url X`` is two), as written."""
+    try:
+        return shlex.split(line)
+    except ValueError:  # unbalanced quotes: the line as one argument
+        return [line]
 
-    backend = PyFuncBackend(
-        config={}, env_manager=env_manager, install_mlflow=False, env_root_dir=env_root_dir
-    )
-    return backend.prepare_env(str(local), capture_output=capture)
+
+def _build(
+    plan: InstallPlan, local: Path, out: Path, root: Path | None, quiet: bool
+) -> tuple[Path, list[str], str]:
+    """(the environment's interpreter, what it was built from, which jaxexp-mlflow loads).
+
+    First with ``jaxexp-mlflow>=V`` from the index; where the index lacks it, with the running
+    package's dependencies instead (the package itself comes from :func:`_loader_dir`). Both
+    lists are written from MLmodel's facts; no file of the model is read for either.
+    """
+    from jaxexp_mlflow import env_build
+
+    facts = plan.facts or EnvFacts()
+    trusted = [a for line in facts.added for a in _args(line)] if plan.trusted else []
+    with_loader = facts.requirements()
+    without = [*facts.requirements(with_loader=False), *_loader_dependencies()]
+    kw: dict[str, Any] = {"quiet": quiet, "root": root}
+    if trusted:
+        kw.update(trusted_args=trusted, trusted_cwd=local)
+    elif env_build.cached(plan.env_manager, facts.python, without, root) and not env_build.cached(
+        plan.env_manager, facts.python, with_loader, root
+    ):
+        python = env_build.build(plan.env_manager, facts.python, without, **kw)
+        return python, without, "here (not installable from the index)"
+    try:
+        if trusted:
+            kw["into"] = out / "env"
+        python = env_build.build(plan.env_manager, facts.python, with_loader, **kw)
+        return python, with_loader, "recorded requirements"
+    except env_build.EnvBuildError as first:
+        _check_loader_version(facts.loader)
+        if trusted:
+            kw["into"] = out / "env-here"
+        try:
+            python = env_build.build(plan.env_manager, facts.python, without, **kw)
+        except env_build.EnvBuildError as err:
+            raise RecordedEnvError(
+                f"Could not build the model's recorded environment with {plan.env_manager} "
+                f"(python {facts.python}, {' '.join(with_loader)}): {err.message} (with "
+                f"{facts.loader}: {first.message[:300]}). Expected these pins on your package "
+                "index; is it reachable, and is `uv` installed (pip install uv)?"
+            ) from err
+        return python, without, "here (not installable from the index)"
+
+
+def _child_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
 
 
 def run_recorded(
@@ -426,15 +476,14 @@ def run_recorded(
 ) -> RecordedRun:
     """Build (or reuse) the model's recorded environment and run its reference input there.
 
-    Raises :class:`UntrustedRequirementsError` before anything is installed if the model's
-    requirements are more than plain requirements from the index, unless
-    ``trust_requirements`` (:func:`check_requirements`); :class:`RecordedEnvError` if the
-    environment cannot be built (e.g. ``virtualenv`` without pyenv, ``uv`` missing, a pinned
-    version not on the index); a model that fails to run inside the environment is returned
-    with ``error`` set.
+    The environment is written from MLmodel's facts (:func:`check_requirements`, which raises
+    :class:`UntrustedRequirementsError` before anything is installed for a forged record or,
+    unless ``trust_requirements``, hostile requirement lines) and cached under
+    ``env_root_dir`` (default ``env_build.cache_root()``); what the model's requirements add is
+    installed only with ``trust_requirements``. :class:`RecordedEnvError` if the environment
+    cannot be built (``uv`` missing, a pinned version not on the index); a model that fails to
+    run inside the environment is returned with ``error`` set.
     """
-    from mlflow.exceptions import MlflowException
-
     from jaxexp_mlflow.reproduce import decode_outputs
 
     if env_manager not in ENV_MANAGERS:
@@ -442,44 +491,37 @@ def run_recorded(
             f"--env-manager must be one of {', '.join(ENV_MANAGERS)}, got {env_manager!r}."
         )
     local = Path(local_path).resolve()
-    run = RecordedRun(env_manager, requirements(local))
-    check_requirements(local, env_manager, trust=trust_requirements)  # before installing anything
-    names_loader = any(_names_loader(r) for r in run.requirements)
-    with tempfile.TemporaryDirectory(prefix="jaxexp-env-") as out:
-        try:
-            try:
-                environment = _prepare(local, env_manager, env_root_dir, capture_output)
-                run.details["loader"] = "recorded requirements" if names_loader else "here"
-            except (MlflowException, Exception):  # noqa: BLE001 - MLflow raises plain Exception
-                if not names_loader:
-                    raise
-                # jaxexp-mlflow is not on the index at hand: the one running here loads it
-                _check_loader_version(run.requirements)
-                shadow = _without_loader(local, Path(out, "env"))
-                environment = _prepare(shadow, env_manager, env_root_dir, capture_output)
-                run.details["loader"] = "here (not installable from the index)"
-        except RecordedEnvError:
-            raise
-        except (MlflowException, Exception) as err:  # noqa: BLE001 - MLflow raises plain Exception
-            raise RecordedEnvError(
-                f"Could not build the model's recorded environment with {env_manager} "
-                f"(requirements {run.requirements}): {' '.join(str(err).split())[:800]}. "
-                + (
-                    "MLflow's virtualenv manager needs pyenv to install the recorded Python; "
-                    "try --env-manager uv."
-                    if env_manager == "virtualenv"
-                    else "Is `uv` installed (pip install uv) and the package index reachable?"
-                )
-            ) from err
-        loader = _loader_dir(Path(out, "loader"))
-        outputs = Path(out, "outputs")
+    if not (local / "MLmodel").is_file():
+        raise RecordedEnvError(
+            f"Could not build the model's recorded environment: expected a model directory with "
+            f"an MLmodel file at {local}, found none."
+        )
+    plan = check_requirements(local, env_manager, trust=trust_requirements)  # before installing
+    root = Path(env_root_dir) if env_root_dir else None
+    with tempfile.TemporaryDirectory(prefix="jaxexp-env-") as tmp:
+        out = Path(tmp)
+        python, installed, loader_from = _build(plan, local, out, root, capture_output)
+        run = RecordedRun(env_manager, installed)
+        run.details["loader"] = loader_from
+        loader = _loader_dir(out / "loader")
+        outputs, cwd = out / "outputs", out / "cwd"
         outputs.mkdir()
-        cmd = " ".join(shlex.quote(str(x)) for x in ("python", RUNNER, local, outputs, loader))
+        cwd.mkdir()
+        cmd = [str(python), "-I", str(RUNNER), str(local), str(outputs), str(loader)]
         try:
-            environment.execute(cmd, capture_output=capture_output)
-        except Exception as err:  # noqa: BLE001 - the runner itself failed to start
+            proc = subprocess.run(
+                cmd, cwd=cwd, env=_child_env(), capture_output=capture_output, text=True
+            )
+        except OSError as err:
             raise RecordedEnvError(f"The runner failed in the recorded environment: {err}") from err
-        result = json.loads(Path(outputs, "result.json").read_text())
+        result_file = outputs / "result.json"
+        if not result_file.is_file():
+            tail = " ".join((proc.stderr or "").split())[-800:]
+            raise RecordedEnvError(
+                f"The runner exited with code {proc.returncode} in the recorded environment "
+                f"without a result: {tail or 'no output'}. Expected result.json."
+            )
+        result = json.loads(result_file.read_text())
         run.details = {**result, **run.details}
         run.python = result.get("python")
         run.jax_version, run.jaxlib_version = (
@@ -488,7 +530,7 @@ def run_recorded(
         )
         run.error, run.seconds = result.get("error"), result.get("seconds")
         if run.error is None:
-            with np.load(Path(outputs, "outputs.npz"), allow_pickle=False) as data:
+            with np.load(outputs / "outputs.npz", allow_pickle=False) as data:
                 raw = [data[f"out_{i}"] for i in range(len(result["output_dtypes"]))]
             run.outputs = decode_outputs(raw, result["output_dtypes"])
     return run

@@ -23,8 +23,10 @@ older jax (e.g. the model's recorded environment).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -230,11 +232,55 @@ def refresh(
     the source's params checkpoint, signature and reference input, tagged ``jaxexp.refresh.*``
     (source URI, source jax/jaxlib versions, max error), and registered as a new version of
     ``registered_model_name`` if given. ``options`` go to device placement
-    (``allow_other_platform``, ``devices``). Returns the new model's ``ModelInfo``.
+    (``allow_other_platform``, ``devices``). Returns the new model's ``ModelInfo``. A remote
+    source is downloaded into a temporary directory (bounded: ``transfer.download_model``)
+    that is removed afterwards, on success or failure.
     """
+    with contextlib.ExitStack() as stack:
+        return _refresh(
+            _source_dir(model_uri, stack),
+            model_uri,
+            name=name,
+            registered_model_name=registered_model_name,
+            run_id=run_id,
+            rtol=rtol,
+            atol=atol,
+            bridge=bridge,
+            **options,
+        )
+
+
+def _source_dir(model_uri: str, stack: contextlib.ExitStack) -> Path:
+    """The source model as a local directory: a local path as it is; anything else downloaded
+    with ``transfer.download_model`` (listings bounded, each file stopped at its listed size)
+    into a temporary directory ``stack`` removes, on success or failure."""
+    from urllib.parse import unquote, urlparse
+
+    from jaxexp_mlflow.transfer import download_model
+
+    if os.path.isdir(model_uri):
+        return Path(model_uri)
+    if model_uri.startswith("file:") and os.path.isdir(unquote(urlparse(model_uri).path)):
+        return Path(unquote(urlparse(model_uri).path))
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxexp-refresh-"))
+    return Path(download_model(model_uri, tmp).path)
+
+
+def _refresh(
+    local: Path,
+    model_uri: str,
+    *,
+    name: str,
+    registered_model_name: str | None,
+    run_id: str | None,
+    rtol: float | None,
+    atol: float | None,
+    bridge: bool,
+    **options: Any,
+) -> Any:
+    """:func:`refresh` of the source model at ``local``."""
     import jax
     import mlflow
-    from mlflow.artifacts import download_artifacts
     from mlflow.models import Model
     from mlflow.models.model import MLMODEL_FILE_NAME
 
@@ -243,7 +289,6 @@ def refresh(
     from jaxexp_mlflow.flavors import jaxexp as flavor
     from jaxexp_mlflow.flavors.section import package_version, read_section
 
-    local = Path(download_artifacts(artifact_uri=model_uri))
     meta = read_section(local)
     source_model = Model.load(os.path.join(local, MLMODEL_FILE_NAME))
     data = artifact.read_blob(local, meta)

@@ -149,8 +149,17 @@ def progress(total_bytes: int, desc: str) -> Iterator[Any]:
         return
     from tqdm.auto import tqdm
 
+    # the CLI's stderr escapes control characters; the bar's carriage returns are its own, and
+    # its description is made printable here
+    desc = "".join(c if c.isprintable() else "?" for c in desc)
     with tqdm(
-        total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False
+        total=total_bytes,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        leave=False,
+        file=getattr(sys.stderr, "unescaped", sys.stderr),
     ) as bar:
         yield bar
 
@@ -551,32 +560,7 @@ class _Tree:
         return named
 
     def _download(self, info: Any, local: Path) -> None:
-        from mlflow.exceptions import MlflowException
-
-        from jaxexp_mlflow.errors import ArtifactError
-
-        local.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            _fetch(self.repo, info, local)
-        except MlflowException:
-            raise
-        except Exception as err:  # requests' HTTPError, boto's ClientError... (after retries)
-            from jaxexp_mlflow.errors import ArtifactError
-
-            raise ArtifactError(
-                f"Downloading {info.path!r} from the artifact store failed: expected the file "
-                f"the store listed, found {type(err).__name__}: {str(err)[:300]}. Retry; if it "
-                "fails again the stored model is damaged or the server cannot read it."
-            ) from err
-        found = local.stat().st_size
-        if info.file_size is not None and found != info.file_size:
-            local.unlink(missing_ok=True)
-            raise ArtifactError(
-                f"The artifact store listed {info.path!r} with {info.file_size} bytes but sent "
-                f"{'more' if found > info.file_size else f'{found} bytes'}: expected the size "
-                "it listed. The download was cut off and nothing was loaded; the store is "
-                "broken or hostile (or the file changed meanwhile: retry)."
-            )
+        fetch_listed(self.repo, info, local)
         if (info.file_size or 0) >= CHECKSUM_MIN_BYTES:  # while its pages are in the cache
             from jaxexp_mlflow.codec.crc32c import path_crc32c
 
@@ -619,6 +603,95 @@ def _fetch(repo: Any, info: Any, local: Path) -> None:
         mlflow_private.download_file_at_most(repo, info.path, local, info.file_size + 1)
 
 
+def fetch_listed(repo: Any, info: Any, local: Path, max_bytes: int | None = None) -> None:
+    """Download the listed file ``info`` to ``local``, stopping at its listed size: a size over
+    ``max_bytes`` is refused before anything is fetched, a store sending more than it listed
+    is cut off (``_fetch``) and the file removed. ``ArtifactError`` otherwise."""
+    from mlflow.exceptions import MlflowException
+
+    from jaxexp_mlflow.errors import ArtifactError
+
+    if max_bytes is not None and (info.file_size is None or info.file_size > max_bytes):
+        raise ArtifactError(
+            f"The artifact store lists {info.path!r} with {info.file_size} bytes: expected at "
+            f"most {max_bytes} for this file. Nothing was downloaded; the store is broken or "
+            "hostile, or the limit (JAXEXP_MAX_*_BYTES) is too low for this model."
+        )
+    local.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _fetch(repo, info, local)
+    except MlflowException:
+        local.unlink(missing_ok=True)
+        raise
+    except Exception as err:  # requests' HTTPError, boto's ClientError... (after retries)
+        local.unlink(missing_ok=True)
+        raise ArtifactError(
+            f"Downloading {info.path!r} from the artifact store failed: expected the file "
+            f"the store listed, found {type(err).__name__}: {str(err)[:300]}. Retry; if it "
+            "fails again the stored model is damaged or the server cannot read it."
+        ) from err
+    found = local.stat().st_size
+    if info.file_size is not None and found != info.file_size:
+        local.unlink(missing_ok=True)
+        raise ArtifactError(
+            f"The artifact store listed {info.path!r} with {info.file_size} bytes but sent "
+            f"{'more' if found > info.file_size else f'{found} bytes'}: expected the size "
+            "it listed. The download was cut off and nothing was loaded; the store is "
+            "broken or hostile (or the file changed meanwhile: retry)."
+        )
+
+
+def _logged_model_uri(model_uri: str, max_pages: int = 100) -> str:
+    """A ``runs:/<run_id>/<name>/...`` URI as the artifact location (``.../<rest>``) of the
+    model logged under that name by that run (MLflow 3 keeps logged models apart from run
+    artifacts), else the run's artifact URI; other URIs unchanged. Public MLflow API only."""
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+
+    if not RunsArtifactRepository.is_runs_uri(model_uri):
+        return model_uri
+    from mlflow.tracking import MlflowClient
+
+    run_id, rel = RunsArtifactRepository.parse_runs_uri(model_uri)
+    name, _, rest = (rel or "").partition("/")
+    if name:
+        client = MlflowClient()
+        experiment = client.get_run(run_id).info.experiment_id
+        quoted = "'" not in name  # MLflow's filter syntax cannot quote both quotes
+        token = None
+        for _ in range(max_pages):
+            page = client.search_logged_models(
+                experiment_ids=[experiment],
+                filter_string=f"name = '{name}'" if quoted else None,
+                page_token=token,
+            )
+            for found in page:
+                if found.source_run_id == run_id and found.name == name:
+                    base = str(found.artifact_location).rstrip("/")
+                    return f"{base}/{rest}" if rest else base
+            token = page.token
+            if not token:
+                break
+    return RunsArtifactRepository.get_underlying_uri(model_uri)
+
+
+def list_top(model_uri: str) -> tuple[Any, str, dict[str, Any]]:
+    """(the repository holding ``model_uri``, the path inside it, ``{name: FileInfo}`` of its
+    top-level entries), the listing checked like a download's (``_Bounds``, sizes): what
+    ``jaxexp inspect/check/audit`` fetch single files from."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    model_uri = _logged_model_uri(model_uri)
+    resolved = resolve_repository(model_uri)
+    if resolved is not None:
+        _, repo, root = resolved
+    else:
+        root_uri, root = mlflow_private.root_uri_and_artifact_path(model_uri)
+        repo, root = get_artifact_repository(root_uri), root or ""
+    listing = _list(repo, root or None)
+    _Bounds(root).check(root, [i.path for i in listing])
+    return repo, root, {posixpath.basename(i.path.rstrip("/")): i for i in listing}
+
+
 class Download(NamedTuple):
     """Where a model was downloaded, and what this module knows of the files it fetched."""
 
@@ -643,7 +716,10 @@ def download_model(
     from mlflow.artifacts import download_artifacts
     from mlflow.utils.file_utils import create_tmp_dir
 
+    # runs:/ URIs: the logged model's own location, so that its files come through _Tree too
     resolved = resolve_repository(model_uri)
+    if resolved is None and not os.path.exists(model_uri):
+        resolved = resolve_repository(_logged_model_uri(model_uri))
     if resolved is None:
         return Download(download_artifacts(artifact_uri=model_uri, dst_path=dst_path), False, {})
     outer, repo, root = resolved

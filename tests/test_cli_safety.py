@@ -112,7 +112,7 @@ def test_verify_env_prints_what_it_installs_for_a_plain_model(saved, tmp_path, f
     assert "Installing into the recorded environment (uv)" in result.stderr
     assert "jaxlib==" in result.stderr
     help_text = " ".join(_cli("verify", "--help").stdout.split())
-    assert "installs what the model's requirements name" in help_text
+    assert "installs what MLmodel records" in help_text
     assert "--trust-requirements" in help_text
 
 

@@ -83,7 +83,7 @@ def test_log_and_load_through_a_remote_server(server, tmp_path, monkeypatch):
         mlflow.set_experiment("remote")
         params = mlp_params()
         x = batch(3)
-        with mlflow.start_run():
+        with mlflow.start_run() as run:
             info = mlflow.jaxexp.log_model(
                 export_mlp(params),
                 name="model",
@@ -93,7 +93,8 @@ def test_log_and_load_through_a_remote_server(server, tmp_path, monkeypatch):
             )
         # the artifacts went through the server into its own artifact store
         assert len(list(artifacts.rglob("exported.bin"))) == 1
-        for i, uri in enumerate((info.model_uri, "models:/remote-mlp/1")):
+        runs_uri = f"runs:/{run.info.run_id}/model"  # the logged model, found by its run
+        for i, uri in enumerate((info.model_uri, "models:/remote-mlp/1", runs_uri)):
             (tmp_path / str(i)).mkdir()
             model = mlflow.jaxexp.load_model(uri, dst_path=str(tmp_path / str(i)))
             np.testing.assert_allclose(model(x), mlp_apply(params, x), rtol=1e-6)

@@ -124,6 +124,12 @@ class _SafeStdout:
     def writable(self) -> bool:
         return True
 
+    @property
+    def unescaped(self) -> Any:
+        """The stream itself, for a progress bar's own carriage returns (nothing a model or a
+        store wrote may go there)."""
+        return self._stream
+
     def __getattr__(self, name: str) -> Any:
         if name == "buffer":  # no way around the sanitizer (click writes text through it)
             raise AttributeError(name)
@@ -132,16 +138,35 @@ class _SafeStdout:
 
 @contextlib.contextmanager
 def safe_stdout() -> Iterator[None]:
-    """Route ``sys.stdout`` through :func:`safe_text` for the block (``click.echo`` included)."""
-    before = sys.stdout
-    if before is None or isinstance(before, _SafeStdout):
+    """Route ``sys.stdout`` and ``sys.stderr`` through :func:`safe_text` for the block
+    (``click.echo``, warnings, and every logging handler that was writing to either, such as
+    the one printing a verdict's reasons). A terminal progress bar writes to the stream's
+    ``unescaped`` attribute (its carriage returns are its own)."""
+    before_out, before_err = sys.stdout, sys.stderr
+    if before_out is None or isinstance(before_out, _SafeStdout):
         yield
         return
-    sys.stdout = _SafeStdout(before)  # type: ignore[assignment]
+    streams = {id(before_out): _SafeStdout(before_out)}
+    if before_err is not None and not isinstance(before_err, _SafeStdout):
+        streams[id(before_err)] = _SafeStdout(before_err)
+    for raw in (sys.__stdout__, sys.__stderr__):  # handlers made before the runner swapped them
+        if raw is not None and id(raw) not in streams:
+            streams[id(raw)] = _SafeStdout(raw)
+    handlers = []
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):
+            wrapped = streams.get(id(getattr(handler, "stream", None)))
+            if isinstance(handler, logging.StreamHandler) and wrapped is not None:
+                handlers.append((handler, handler.stream))
+                handler.stream = wrapped
+    sys.stdout = streams[id(before_out)]  # type: ignore[assignment]
+    sys.stderr = streams.get(id(before_err), before_err)  # type: ignore[assignment]
     try:
         yield
     finally:
-        sys.stdout = before
+        sys.stdout, sys.stderr = before_out, before_err
+        for handler, stream in handlers:
+            handler.stream = stream
 
 
 #: ``ctx.meta`` key of ``--trust-requirements`` (read by ``cli/verify_env.py``).
@@ -161,13 +186,13 @@ def trust_requirements_option() -> click.Option:
         is_flag=True,
         expose_value=False,
         callback=_remember_trust,
-        help="--env-manager installs what the model's requirements name (python_env.yaml, "
-        "requirements.txt, conda.yaml), printed before anything is installed. Without this "
-        "flag only plain `name[extras] (op version)` requirements from your package index are "
-        "installed and anything else (local paths, URLs, VCS, -e, --index-url and other "
-        "options, a uv.lock) is refused with exit 2; with it they are installed as written, "
-        "running any build backend the model ships. Only for models you trust to run code "
-        "here.",
+        help="--env-manager installs what MLmodel records (Python, jax, jaxlib, numpy, "
+        "flatbuffers, orbax-checkpoint, mlflow, jaxexp-mlflow) from your package index, printed "
+        "before anything is installed. What the model's requirements add (python_env.yaml, "
+        "requirements.txt, conda.yaml) is shown and installed only with this flag, as written, "
+        "running any build backend the model ships; without it, lines beyond plain "
+        "`name[extras] (op version)` (local paths, URLs, VCS, -e, --index-url and other "
+        "options) are refused with exit 2. Only for models you trust to run code here.",
     )
 
 

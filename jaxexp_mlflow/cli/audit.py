@@ -106,14 +106,27 @@ def _closed(closes: dt.date | None, as_of: dt.date, how: str) -> str:
 
 
 def _pages(search: Any, **kwargs: Any) -> list:
-    """Every result of an MLflow ``search_*`` call (they return one page at a time)."""
-    out, token = [], None
+    """Every result of an MLflow ``search_*`` call (they return one page at a time), at most
+    ``JAXEXP_MAX_LIST_ENTRIES`` of them and no page token twice: a tracking server that pages
+    without end is refused (``InputProblem``), not followed."""
+    from jaxexp_mlflow.transfer import list_limits
+
+    limit = list_limits()[1]
+    out, token, seen = [], None, set()
     while True:
         page = search(**kwargs, page_token=token)
         out.extend(page)
         token = getattr(page, "token", None)
         if not token:
             return out
+        if len(out) > limit or token in seen:
+            raise InputProblem(
+                f"the tracking server's {getattr(search, '__name__', 'search')} answered more "
+                f"than {limit} results or the same page twice: expected a list with an end. The "
+                "server is broken or hostile; raise JAXEXP_MAX_LIST_ENTRIES if the registry "
+                "really holds that many."
+            )
+        seen.add(token)
 
 
 def name_filter(name: str) -> str:
@@ -161,7 +174,7 @@ def _experiments(names: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
         if exp is None:
             raise InputProblem(f"no experiment named {name!r} in {mlflow.get_tracking_uri()}")
         ids.append(exp.experiment_id)
-    for m in mlflow.search_logged_models(experiment_ids=ids, output_format="list"):
+    for m in _pages(mlflow.MlflowClient().search_logged_models, experiment_ids=ids):
         yield f"models:/{m.model_id}", {"name": m.name, "model_id": m.model_id}
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,25 +96,29 @@ def _join(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name
 
 
-def _download(artifact_uri: str, dst: str) -> Path:
-    import mlflow
+def _limit(name: str) -> int:
+    """The most bytes a single remote file may have: MLmodel's limit for MLmodel, the blob's
+    for anything else (a blob, an artifact named directly)."""
+    from jaxexp_mlflow.codec import files
 
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=dst))
+    return files.MAX_MLMODEL_BYTES if name == MLMODEL else files.MAX_BLOB_BYTES
 
 
-def _fetch(base: str, name: str, into: Path) -> Path:
-    """Download ``<base>/<name>`` to ``into/name`` (MLflow keeps run-relative paths: flatten)."""
-    into.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=into.parent) as tmp:
-        got = _download(_join(base, name), tmp)
-        dest = into / name
-        shutil.move(str(got), dest)
+def _fetch(repo: Any, info: Any, into: Path) -> Path:
+    """Download the listed file ``info`` to ``into/<its name>``, stopping at its listed size
+    (``transfer.fetch_listed``: a partial file is removed)."""
+    from jaxexp_mlflow.transfer import fetch_listed
+
+    name = os.path.basename(info.path.rstrip("/"))
+    dest = into / name
+    fetch_listed(repo, info, dest, max_bytes=_limit(name))
     return dest
 
 
 def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
-    import mlflow
     from mlflow.exceptions import MlflowException
+
+    from jaxexp_mlflow.transfer import list_top
 
     try:
         base = _underlying(uri)
@@ -126,27 +129,35 @@ def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
                 local = Path(download_model(base, dst)[0])  # in parallel, with progress
             target = _local(uri, local)
         else:
-            names = {os.path.basename(f.path): f for f in mlflow.artifacts.list_artifacts(base)}
+            repo, _root, names = list_top(base)
+            names = {k: v for k, v in names.items() if not v.is_dir}
             if MLMODEL in names:
                 local = Path(dst, "model")
                 with step(f"Downloading {MLMODEL} of {uri}"):
-                    _fetch(base, MLMODEL, local)
+                    _fetch(repo, names[MLMODEL], local)
                 target = _require_jaxexp(Target(uri, "model", local, mlmodel=read_mlmodel(local)))
                 wanted = {target.flavor.get("exported_file", DEFAULT_BLOB), *parts} - {MLMODEL}
-                with step(f"Downloading {', '.join(sorted(wanted))}"):
+                with step(f"Downloading {', '.join(sorted(map(str, wanted)))}"):
                     for name in sorted(wanted & set(names)):
-                        _fetch(base, name, local)
+                        _fetch(repo, names[name], local)
             elif DEFAULT_BLOB in names:
                 with step(f"Downloading {DEFAULT_BLOB} of {uri}"):
-                    target = Target(uri, "blob", _download(_join(base, DEFAULT_BLOB), dst))
+                    target = Target(uri, "blob", _fetch(repo, names[DEFAULT_BLOB], Path(dst)))
             elif names:
                 raise InputProblem(
                     f"{uri} holds {sorted(names)[:8]} but no {MLMODEL} or {DEFAULT_BLOB}; "
                     "expected a jaxexp model or a serialized jax.export blob"
                 )
-            else:  # a single file (or nothing: MLflow then says what is missing)
+            else:  # a single file: its entry in the listing of its directory
+                parent, _, leaf = base.rstrip("/").rpartition("/")
+                repo, _root, siblings = list_top(parent) if parent and leaf else (None, "", {})
+                info = siblings.get(leaf)
+                if info is None or info.is_dir:
+                    raise InputProblem(
+                        f"cannot fetch {uri}: the artifact store lists no such model or file"
+                    )
                 with step(f"Downloading {uri}"):
-                    local = _download(base, dst)
+                    local = _fetch(repo, info, Path(dst))
                 target = _local(uri, local)
     except MlflowException as err:
         raise InputProblem(f"cannot fetch {uri}: {' '.join(err.message.split())}") from err

@@ -56,8 +56,8 @@ Examples:
     "--env-manager",
     type=click.Choice(["uv", "virtualenv"]),
     default=None,
-    help="Also re-run the reference in the environment the model was logged with (restored "
-    "from its recorded requirements by MLflow) and show the drift side by side.",
+    help="Also re-run the reference in the environment the model was logged with (built from "
+    "the versions MLmodel records, from your package index) and show the drift side by side.",
 )
 @route_option
 @run_options

@@ -107,6 +107,9 @@ def verify_in_recorded_env(
                 "recorded_environment": {
                     "env_manager": recorded.env_manager,
                     "requirements": recorded.requirements,
+                    # what the model's own requirements add (installed only when trusted)
+                    "model_adds": plan.facts.added if plan.facts else [],
+                    "model_adds_installed": bool(trust_requirements),
                     "python": recorded.python,
                     "jax_version": recorded.jax_version,
                     "jaxlib_version": recorded.jaxlib_version,

@@ -89,7 +89,7 @@ def read_meta(root: Path, rel_dir: str, listed: Any) -> dict | None:
                     files.read_file(
                         root / rel_dir / name,
                         what=f"array metadata {rel_dir}/{name}",
-                        max_bytes=files.MAX_SMALL_FILE_BYTES,
+                        max_bytes=MAX_META_BYTES,
                     )
                 )
             except (ValueError, RecursionError) as e:
@@ -124,8 +124,20 @@ def _dtype(meta: dict) -> Any:
     return dtype
 
 
-def array_meta(meta: dict) -> ArrayMeta:
-    """Shape, dtype and chunk files of a plain array (raises :class:`NotPlain` otherwise)."""
+#: An array's zarr metadata is a few hundred bytes (Orbax writes no attributes there): parsed
+#: JSON costs ~30x its size, so the read stops at 1 MiB rather than the 64 MiB of other JSON.
+MAX_META_BYTES = 1 << 20
+#: At most this many chunk files per array when the caller does not say how many files exist
+#: (the params manifest's own limit).
+MAX_CHUNK_FILES = 1_000_000
+
+
+def array_meta(meta: dict, max_files: int | None = None) -> ArrayMeta:
+    """Shape, dtype and chunk files of a plain array (raises :class:`NotPlain` otherwise).
+
+    The chunk grid's size is checked before any chunk name is made: more chunk files than
+    ``max_files`` (the checkpoint's listed files; default :data:`MAX_CHUNK_FILES`) is an
+    :class:`ArtifactError`, whatever the metadata's shape claims."""
     try:
         shape = tuple(int(d) for d in meta["shape"])
         dtype = _dtype(meta)
@@ -178,6 +190,14 @@ def array_meta(meta: dict) -> ArrayMeta:
         raise NotPlain("chunk shape")
     rows = shape[0] if shape else 1
     outer0 = outer[0] if shape else 1
+    n_files = -(-rows // outer0) if shape else 1
+    limit = MAX_CHUNK_FILES if max_files is None else max_files
+    if n_files > limit:
+        raise ArtifactError(
+            f"A params array's zarr metadata claims shape {list(shape)[:8]} in chunks of "
+            f"{outer0} rows: {n_files} chunk files, expected at most {limit} (the files the "
+            "checkpoint lists). The checkpoint is damaged or forged; download the model again."
+        )
     rest = f"{sep}0" * (len(shape) - 1)
     if not shape:
         keys = ["c" if prefix else "0"]
@@ -309,7 +329,7 @@ def read_array(
         meta = read_meta(root, rel_dir, manifest.files)
         if meta is None:
             raise NotPlain("no zarr metadata")
-    info = array_meta(meta)
+    info = array_meta(meta, len(manifest.files))
     shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
     if info.shape != shape or info.dtype != dtype:
         raise NotPlain("shape or dtype")

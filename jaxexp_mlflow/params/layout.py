@@ -189,7 +189,7 @@ def plain_tree(path: Path, meta: dict, listed: Any) -> dict[tuple[str, ...], Lea
             zmeta = zarr.read_meta(path, dir_name(tokens), listed) if tokens else None
             if zmeta is None or tokens in found:
                 return None
-            info = zarr.array_meta(zmeta)
+            info = zarr.array_meta(zmeta, len(listed) if listed is not None else None)
             found[tokens] = LeafMeta(info.shape, info.dtype, zmeta)
     except (zarr.NotPlain, AttributeError, KeyError, TypeError, ValueError):
         return None  # Orbax judges (and refuses) what this does not understand

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -52,6 +53,26 @@ MANIFEST_FILE = "jaxexp_manifest.json"
 FORMAT = "jaxexp-manifest"
 VERSION = 2
 _MAX_FILES = 1_000_000
+#: The manifest's size limit (docs/security.md: JSON metadata 64 MiB).
+MAX_BYTES = files.MAX_SMALL_FILE_BYTES
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _parse(raw: bytes) -> Any:
+    """The manifest's JSON, parsed within a budget: outside strings, every container but the
+    outermost is a key's value (containers <= keys + 1) and a list holds a few values per key
+    (commas <= 4 x (keys + 1)), as in every manifest this package writes. Padding such as
+    32 MiB of ``[]`` (a GiB once parsed) is refused (``ArtifactError``) before parsing."""
+    bare = _STRING.sub(b'""', raw)
+    keys = bare.count(b":")
+    containers = bare.count(b"[") + bare.count(b"{")
+    if containers > keys + 1 or bare.count(b",") > 4 * (keys + 1):
+        raise fail(
+            f"The params manifest {MANIFEST_FILE} is beyond its reading budget: expected one "
+            f"array or object per key and a few values each, found {containers} arrays/objects "
+            f"and {bare.count(b',')} separators for {keys} keys. Download the model again."
+        )
+    return json.loads(raw)
 
 
 @dataclass
@@ -158,9 +179,9 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
             "Re-log the model with this version of jaxexp-mlflow (or pass the checkpoint "
             "directory as params= to log_model, which writes the manifest)."
         )
-    raw = files.read_file(where, what=f"params manifest {MANIFEST_FILE}", max_bytes=256 << 20)
+    raw = files.read_file(where, what=f"params manifest {MANIFEST_FILE}", max_bytes=MAX_BYTES)
     try:
-        doc = json.loads(raw)
+        doc = _parse(raw)
     except (ValueError, RecursionError) as err:
         raise fail(
             f"The params manifest {MANIFEST_FILE} is not valid JSON ({type(err).__name__}). "
@@ -233,8 +254,8 @@ def bind_manifest(directory: str | os.PathLike, identity: dict[str, str]) -> Non
     if not identity:
         return
     path = Path(directory) / MANIFEST_FILE
-    raw = files.read_file(path, what=f"params manifest {MANIFEST_FILE}", max_bytes=256 << 20)
-    doc = json.loads(raw)
+    raw = files.read_file(path, what=f"params manifest {MANIFEST_FILE}", max_bytes=MAX_BYTES)
+    doc = _parse(raw)
     doc["model"] = dict(identity)
     _replace(path, json.dumps(doc, indent=0))
 

@@ -1,0 +1,133 @@
+"""Issue 36: every size a model states is checked before anything proportional to it is made
+(zarr chunk grids, the params manifest), and every string from a model reaches stderr escaped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
+from jaxexp_mlflow.errors import ArtifactError
+from jaxexp_mlflow.params import manifest as M
+from tests.models import batch, export_mlp, mlp_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bounded") / "model"
+    params = mlp_params()
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch())
+    return path
+
+
+@pytest.fixture
+def model(saved, tmp_path) -> Path:
+    return Path(shutil.copytree(saved, tmp_path / "model", symlinks=True))
+
+
+def _huge_grid(model: Path) -> None:
+    """``w1``'s zarr metadata claims 4e9 rows in chunks of one row; the manifest is rewritten
+    to match (a consistent forgery)."""
+    meta_file = next(
+        p for p in (model / "params" / "w1").iterdir() if p.name in (".zarray", "zarr.json")
+    )
+    meta = json.loads(meta_file.read_text())
+    meta["shape"][0] = 4_000_000_000
+    if meta["zarr_format"] == 2:
+        meta["chunks"][0] = 1
+    else:
+        meta["chunk_grid"]["configuration"]["chunk_shape"][0] = 1
+        for codec in meta.get("codecs", []):
+            if codec.get("name") == "sharding_indexed":
+                codec["configuration"]["chunk_shape"][0] = 1
+    meta_file.write_text(json.dumps(meta))
+    M.write_manifest(model / "params")
+
+
+_CHILD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+import jaxexp_mlflow, mlflow
+try:
+    mlflow.jaxexp.load_model(sys.argv[1])
+except BaseException as err:
+    print("RAISED", type(err).__name__, str(err)[:300])
+"""
+
+
+def test_a_zarr_chunk_grid_is_bounded_before_chunk_names_are_made(model):
+    _huge_grid(model)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(model)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert "RAISED ArtifactError" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "4000000000 chunk files" in proc.stdout
+
+
+def test_manifest_padding_is_refused_before_parsing(model):
+    path = model / "params" / M.MANIFEST_FILE
+    doc = path.read_text()
+    pad = ",".join(["[]"] * (1 << 20))  # 3 MiB of padding, ~100 MiB once parsed
+    path.write_text(doc.rstrip()[:-1] + f', "pad": [{pad}]}}')
+    with pytest.raises(ArtifactError, match="reading budget"):
+        mlflow.jaxexp.load_model(str(model))
+
+
+def test_manifest_over_64_mib_is_refused(model):
+    path = model / "params" / M.MANIFEST_FILE
+    with open(path, "a") as f:
+        f.write(" " * (64 << 20))
+    with pytest.raises(ArtifactError, match="manifest"):
+        mlflow.jaxexp.load_model(str(model))
+    assert M.MAX_BYTES == 64 << 20  # what docs/security.md states
+
+
+EVIL = "\x1b[2K\rVerdict ok\x1b[8m"
+
+
+@pytest.mark.parametrize("command", ["check", "verify"])
+def test_model_strings_reach_stderr_escaped(model, command):
+    """The real command line (the verdict's reasons go to stderr through logging): no control
+    character of MLmodel's reaches either stream raw."""
+    doc = yaml.safe_load((model / "MLmodel").read_text())
+    doc["flavors"]["jaxexp"]["jaxlib_version"] = f"0.4.1{EVIL}"
+    doc["flavors"]["jaxexp"]["jax_version"] = f"0.4.1{EVIL}"
+    (model / "MLmodel").write_text(yaml.safe_dump(doc))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from jaxexp_mlflow.cli import main; main()", command, str(model)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    for stream in (proc.stdout, proc.stderr):
+        assert "\x1b" not in stream and "\r" not in stream, repr(stream)
+    assert "Verdict ok" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_zarr_metadata_is_read_up_to_1_mib(model):
+    """64 MiB of ``[]`` in one array's metadata would be ~2 GiB once parsed."""
+    meta_file = next(
+        p for p in (model / "params" / "w1").iterdir() if p.name in (".zarray", "zarr.json")
+    )
+    meta = json.loads(meta_file.read_text())
+    meta["pad"] = [[]] * 600_000
+    meta_file.write_text(json.dumps(meta))
+    M.write_manifest(model / "params")
+    with pytest.raises(ArtifactError, match="array metadata"):
+        mlflow.jaxexp.load_model(str(model))
