@@ -168,10 +168,6 @@ def export_function(
             "only, no reference result stored), or export it yourself with jax.export.export "
             "and pass the Exported."
         )
-    if platforms is not None:
-        from jaxexp_mlflow.runtime.platforms import canonical
-
-        platforms = tuple(canonical(p) for p in platforms)  # jax.export's names: cuda, not gpu
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
     args = input_specs(
         as_args(input_example),

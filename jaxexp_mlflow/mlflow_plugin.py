@@ -33,7 +33,6 @@ class JaxRunContextProvider:
             import jaxlib
 
             from jaxexp_mlflow.internals.jax_private import backends_initialized
-            from jaxexp_mlflow.runtime.platforms import running_platform
 
             tags = {
                 "jaxexp.jax_version": jax.__version__,
@@ -43,10 +42,13 @@ class JaxRunContextProvider:
             if not backends_initialized():
                 return tags
             devices = jax.devices()
+            from jax import export as jax_export  # jax < 0.8 does not import it by itself
+
+            platform = getattr(jax_export, "default_export_platform", jax.default_backend)
             return {
                 **tags,
                 "jaxexp.backend": jax.default_backend(),
-                "jaxexp.platform": running_platform(),  # as jax.export names it: cuda, not gpu
+                "jaxexp.platform": platform(),  # as jax.export names it: cuda, not gpu
                 "jaxexp.device_kind": devices[0].device_kind if devices else "",
                 "jaxexp.device_count": str(len(devices)),
             }

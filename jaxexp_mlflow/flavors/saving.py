@@ -80,6 +80,10 @@ def resolve_exported(
         if platforms is not None and hasattr(exported, "platforms"):
             raise UnsupportedModelError("platforms= applies only to functions, not Exported.")
         fn, arrays = _named_function(exported, params)
+        if platforms is not None:
+            from jaxexp_mlflow.runtime.platforms import canonical
+
+            platforms = tuple(canonical(p) for p in platforms)  # jax.export's: cuda, not gpu
         exp = export_function(
             fn,
             arrays,
