@@ -20,6 +20,7 @@ from mlflow.protos.databricks_pb2 import (
     INVALID_PARAMETER_VALUE,
     INVALID_STATE,
     RESOURCE_ALREADY_EXISTS,
+    RESOURCE_EXHAUSTED,
 )
 
 
@@ -70,6 +71,12 @@ class InputError(JaxExpError):
     """A prediction input does not match the model's signature (shape, dtype, names)."""
 
     default_code = INVALID_PARAMETER_VALUE
+
+
+class RequestLimitError(JaxExpError):
+    """A request would cost more than the server's bounds allow (HTTP 413 in ``jaxexp serve``)."""
+
+    default_code = RESOURCE_EXHAUSTED
 
 
 class SaveConflictError(JaxExpError):

@@ -258,7 +258,10 @@ class JaxExpPyfunc:
         n = leaves[0].shape[0]
         largest = self.policy.largest
         if n > largest:
-            parts = [self.run([x[i : i + largest] for x in leaves]) for i in range(0, n, largest)]
+            parts = []
+            for i in range(0, n, largest):
+                serving_guard.check_deadline()  # a request past its deadline stops here
+                parts.append(self.run([x[i : i + largest] for x in leaves]))
             return [np.concatenate(chunk) for chunk in zip(*parts, strict=True)]
         size = self.policy.bucket_for(n)
         if size != n:

@@ -1,0 +1,189 @@
+"""Bounded work per request in ``jaxexp serve`` (issue 35), against a real server on 127.0.0.1.
+
+* parquet is bounded before decoding: a body of constant columns (parquet's run-length and
+  dictionary encodings) whose decoded size passes the limit is a 413 read off the footer, with
+  the server's RSS watched while it answers;
+* a body that stalls is dropped (408) after ``JAXEXP_BODY_TIMEOUT_S`` and leaves the in-flight
+  budget, so other clients are served again;
+* a CSV cell nested 5000 deep is a 400;
+* a request past its deadline stops its work at the next checkpoint (in-process, the real
+  ``invocations`` of the server: no timing asserted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import socket
+import time
+
+import mlflow
+import numpy as np
+import pandas as pd
+import psutil
+import pytest
+import requests
+
+import jaxexp_mlflow  # noqa: F401
+from jaxexp_mlflow.flavors import server as server_mod
+from jaxexp_mlflow.flavors import serving_guard
+from tests.models import batch, export_mlp, mlp_params
+from tests.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
+
+MAX_BODY = 256 * 1024
+RSS_BOUND_MB = 64
+BODY_TIMEOUT_S = 2
+PARQUET = "application/vnd.apache.parquet"
+FEATURES = [f"f{i}" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bounds")
+    params = mlp_params()
+    mlflow.jaxexp.save_model(
+        export_mlp(params),
+        tmp / "mlp",
+        params=params,
+        input_example=batch(2),
+        serving_config={"buckets": [1, 8], "max_request_bytes": MAX_BODY},
+    )
+    return tmp / "mlp"
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bounds-server")
+    env = {**server_env(tmp), serving_guard.ENV_BODY_TIMEOUT: str(BODY_TIMEOUT_S)}
+    proc, url = start_jaxexp_server(str(model_dir), env, tmp / "server.log")
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    local = mlflow.pyfunc.load_model(str(model_dir))
+    try:
+        yield url, proc, local
+    finally:
+        stop_server(proc)
+        for child in tree:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+
+
+def _constant_parquet(rows_per_group: int, groups: int) -> bytes:
+    """Eight constant float64 feature columns, written a row group at a time (the test process
+    never holds more than one group)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({c: np.zeros(rows_per_group) for c in FEATURES})
+    buf = io.BytesIO()
+    options = {"data_page_size": 1 << 26, "write_statistics": False}
+    with pq.ParquetWriter(buf, table.schema, **options) as writer:
+        for _ in range(groups):
+            writer.write_table(table)
+    return buf.getvalue()
+
+
+def test_parquet_bounded_before_decoding(served):
+    url, proc, local = served
+    body = _constant_parquet(1_000_000, 10)  # 10M rows: 640 MB of float64 once decoded
+    assert len(body) < MAX_BODY
+    before = _tree_rss(proc.pid)
+    r = requests.post(
+        f"{url}/invocations", data=body, headers={"Content-Type": PARQUET}, timeout=120
+    )
+    grown_mb = (_tree_rss(proc.pid) - before) / 2**20
+    assert r.status_code == 413, (r.status_code, r.text[:500])
+    assert len(r.content) < 2048 and "x: float32[-1,8]" in r.json()["message"]
+    assert "10000000 rows" in r.json()["message"]
+    assert grown_mb < RSS_BOUND_MB, f"server RSS grew by {grown_mb:.0f} MB"
+    # a parquet body within the bound is answered as in-process predict
+    x = batch(5, seed=2)
+    frame = pd.DataFrame(x.astype(np.float64), columns=FEATURES)
+    good = io.BytesIO()
+    frame.to_parquet(good)
+    r = requests.post(
+        f"{url}/invocations", data=good.getvalue(), headers={"Content-Type": PARQUET}, timeout=60
+    )
+    assert r.status_code == 200, r.text[:500]
+    np.testing.assert_allclose(
+        np.asarray(r.json()["predictions"], np.float32), local.predict(x), rtol=1e-6, atol=1e-6
+    )
+    text = io.BytesIO()
+    pd.DataFrame({"name": ["a", "b"]}).to_parquet(text)
+    r = requests.post(
+        f"{url}/invocations", data=text.getvalue(), headers={"Content-Type": PARQUET}, timeout=60
+    )
+    assert r.status_code == 400 and "BYTE_ARRAY" in r.json()["message"], r.text[:500]
+
+
+def test_csv_cell_nested_deep_is_400(served):
+    url, proc, _ = served
+    body = 'x\n"' + "[" * 5000 + "]" * 5000 + '"\n'
+    r = requests.post(
+        f"{url}/invocations", data=body, headers={"Content-Type": "text/csv"}, timeout=60
+    )
+    assert r.status_code == 400, (r.status_code, r.text[:500])
+    assert "nests too deeply" in r.json()["message"] and len(r.content) < 2048
+    assert proc.poll() is None
+
+
+def _held(port: int, length: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(
+        b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % length
+    )
+    s.sendall(b" " * (length - 1))  # all but the last byte, then nothing
+    return s
+
+
+def _status(s: socket.socket) -> int:
+    head = b""
+    while b"\r\n" not in head:
+        part = s.recv(4096)
+        if not part:
+            break
+        head += part
+    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+
+
+def test_stalled_bodies_are_dropped_and_free_the_budget(served):
+    url, _, _ = served
+    port = int(url.rsplit(":", 1)[1])
+    held = [_held(port, MAX_BODY - 10) for _ in range(4)]  # 4x the limit: the whole budget
+    time.sleep(0.5)
+    filler = json.dumps({"inputs": batch(2).tolist()}) + " " * 150_000
+    busy = requests.post(
+        f"{url}/invocations", data=filler, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert busy.status_code == 503, busy.text[:300]  # the stalled bodies hold the budget
+    statuses = [_status(h) for h in held]  # answered once their time is up
+    for h in held:
+        h.close()
+    assert statuses == [408] * 4
+    ok = requests.post(
+        f"{url}/invocations", data=filler, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert ok.status_code == 200, ok.text[:300]
+
+
+def test_request_past_its_deadline_stops_its_work(model_dir):
+    """The server's own ``invocations`` under a deadline already passed: no chunk runs."""
+    _, impl = server_mod.load(str(model_dir), {"buckets": [1, 2], "precompile": False})
+    body = json.dumps({"inputs": batch(64).tolist()}).encode()
+    calls = []
+    run = impl.run
+
+    def counting_run(leaves):
+        calls.append(leaves[0].shape[0])
+        return run(leaves)
+
+    impl.run = counting_run  # the instance's own attribute: counts the chunks that ran
+    with serving_guard.deadline(time.monotonic() - 1):
+        text, status, _ = server_mod.invocations(impl, body, "application/json")
+    assert status == 504 and "exceeded" in text
+    assert calls == []  # stopped before any work: the checkpoint after parsing
+    with serving_guard.deadline(time.monotonic() + 600):
+        text, status, _ = server_mod.invocations(impl, body, "application/json")
+    assert status == 200, text[:300]
+    assert len(json.loads(text)["predictions"]) == 64
