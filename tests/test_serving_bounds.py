@@ -187,3 +187,74 @@ def test_request_past_its_deadline_stops_its_work(model_dir):
         text, status, _ = server_mod.invocations(impl, body, "application/json")
     assert status == 200, text[:300]
     assert len(json.loads(text)["predictions"]) == 64
+
+
+# -- compiled shapes: least recently used evicted past JAXEXP_MAX_SHAPES --------------------------
+
+
+def _bt_fn(params, x):
+    import jax.numpy as jnp
+
+    return jnp.tanh(x * params["w"]).sum(axis=1)
+
+
+@pytest.fixture(scope="module")
+def bt_model_dir(tmp_path_factory):
+    """A ``[b, t]`` model: every new ``t`` is a new compiled shape."""
+    import jax
+    import jax.numpy as jnp
+
+    b, t = jax.export.symbolic_shape("b, t")
+    exported = jax.export.export(jax.jit(_bt_fn))(
+        {"w": jax.ShapeDtypeStruct((), jnp.float32)}, jax.ShapeDtypeStruct((b, t), jnp.float32)
+    )
+    path = tmp_path_factory.mktemp("bt") / "bt"
+    mlflow.jaxexp.save_model(
+        exported, path, params={"w": np.float32(0.5)}, serving_config={"buckets": [1, 2]}
+    )
+    return path
+
+
+def test_compiled_shapes_are_bounded_lru(bt_model_dir, tmp_path, monkeypatch):
+    from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
+    from jaxexp_mlflow.runtime import executables
+
+    monkeypatch.setenv(executables.ENV_MAX_SHAPES, "4")
+    monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
+    monkeypatch.setenv("JAXEXP_COMPILATION_CACHE", str(tmp_path / "xla"))
+    impl = load_pyfunc(bt_model_dir)
+    assert impl._flat.capacity == 4
+    for t in range(1, 11):
+        x = np.linspace(-1, 1, 2 * t, dtype=np.float32).reshape(2, t)
+        np.testing.assert_allclose(impl.predict(x), np.tanh(x * 0.5).sum(axis=1), rtol=1e-5)
+        assert impl._flat._cache_size() <= 4
+    assert impl._flat.compiles + impl._flat.loaded == 10
+    x = np.ones((2, 1), np.float32)  # t=1 was evicted: compiled (or loaded) again, same answer
+    np.testing.assert_allclose(impl.predict(x), np.tanh(x * 0.5).sum(axis=1), rtol=1e-5)
+    assert impl._flat.compiles + impl._flat.loaded == 11
+
+
+@pytest.mark.slow  # 90 compiles in a real server: ~21 s here
+def test_served_new_shapes_plateau_in_memory(bt_model_dir, tmp_path):
+    """``jaxexp serve``: one-row requests of ever new ``t``; past the bound of kept shapes the
+    server's RSS stops growing (each new shape still costs a compile)."""
+    env = {**server_env(tmp_path), "JAXEXP_MAX_SHAPES": "16"}
+    proc, url = start_jaxexp_server(str(bt_model_dir), env, tmp_path / "server.log")
+    session = requests.Session()
+
+    def ask(t: int) -> None:
+        x = np.full((1, t), 0.25, np.float32)
+        r = session.post(f"{url}/invocations", json={"inputs": x.tolist()}, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+        np.testing.assert_allclose(r.json()["predictions"], np.tanh(x * 0.5).sum(1), rtol=1e-5)
+
+    try:
+        for t in range(1, 31):  # past the 16 kept shapes
+            ask(t)
+        before = _tree_rss(proc.pid)
+        for t in range(31, 91):  # 60 new shapes: ~100 MB when every executable was kept
+            ask(t)
+        grown_mb = (_tree_rss(proc.pid) - before) / 2**20
+        assert grown_mb < 40, f"server RSS grew by {grown_mb:.0f} MB over 60 new shapes"
+    finally:
+        stop_server(proc)

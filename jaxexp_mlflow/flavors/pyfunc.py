@@ -114,15 +114,27 @@ class JaxExpPyfunc:
             unflatten = treedef.unflatten
             export_arg = model.export_arg
 
-            def flat_call(params: Any, *leaves: Any) -> list:
-                args, kwargs = unflatten(leaves)
-                if has_params:
-                    return jax.tree.leaves(exported.call(export_arg(params), *args, **kwargs))
-                return jax.tree.leaves(exported.call(*args, **kwargs))
+            def make_flat() -> Any:
+                """A new ``jax.jit`` of the flat call: JAX's own caches of traced, lowered and
+                compiled shapes live as long as the function object they were made for."""
 
-            self._flat = jax.jit(flat_call)
-            # a bucket compiled by an earlier process loads without lowering
-            self._flat = executables_mod.executables(self._flat, model, len(exported.out_avals))
+                def flat_call(params: Any, *leaves: Any) -> list:
+                    args, kwargs = unflatten(leaves)
+                    if has_params:
+                        return jax.tree.leaves(exported.call(export_arg(params), *args, **kwargs))
+                    return jax.tree.leaves(exported.call(*args, **kwargs))
+
+                return jax.jit(flat_call)
+
+            # a bucket compiled by an earlier process loads without lowering; at most
+            # max_shapes executables are kept (runtime/executables.py)
+            self._flat = executables_mod.executables(
+                make_flat(),
+                model,
+                len(exported.out_avals),
+                capacity=executables_mod.max_shapes(len(self.policy.sizes) + 1),
+                renew=make_flat,
+            )
         if self._bucketed and self.policy.precompile and self._only_batch_symbolic():
             self.precompile(self.policy.precompile)
         self.predict = self._fast_predict()
