@@ -214,7 +214,8 @@ def test_bad_requests_get_short_4xx(served, case):
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:500])
     message = r.json()["message"]
     assert must_name in message, message
-    assert len(message) < 700, message
+    assert len(message) < 700 and len(r.content) < 2048, message
+    assert "expected" in message.lower() and "found" in message.lower(), message
     assert str(MARK) not in r.text  # the payload is not echoed
 
 
@@ -425,6 +426,8 @@ def test_hostile_json_gets_400(served, case):
     r = post(url, HOSTILE_JSON[case], raw=True)
     assert r.status_code == 400, (r.status_code, r.text[:300])
     assert len(r.json()["message"]) < 700 and "9999999999" not in r.text
+    message = r.json()["message"].lower()
+    assert "expected" in message and "found" in message, message
     assert proc.poll() is None
 
 

@@ -342,9 +342,9 @@ class InputContract:
                 if sym in seen and seen[sym][0] != size:
                     first_size, first = seen[sym]
                     raise InputError(
-                        f"Rule: inputs sharing a dimension have one size along it. Inputs "
-                        f"'{first}' and '{spec.name}' share {sym!r} but have {first_size} and "
-                        f"{size}. Expected: {self.expected()}."
+                        f"Rule: inputs sharing a dimension have one size along it. Found "
+                        f"inputs '{first}' and '{spec.name}' sharing {sym!r} with sizes "
+                        f"{first_size} and {size}. Expected: {self.expected()}."
                     )
                 seen.setdefault(sym, (size, spec.name))
 
@@ -466,29 +466,37 @@ def _record_error(
 def from_split(contract: InputContract, payload: Any) -> Any:
     """MLflow's ``dataframe_split`` object as ``{name: rows}`` (or the rows of a single input)."""
     if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
+        found = "an object without a 'data' list" if isinstance(payload, dict) else "not one"
         raise InputError(
             "Rule: dataframe_split is an object {'columns': [...], 'data': [[...], ...]}. "
-            f"Expected inputs: {contract.expected()}."
+            f"Found {found}. Expected inputs: {contract.expected()}."
         )
     rows = payload["data"]
     columns = payload.get("columns")
     if len(contract.specs) == 1 and columns != contract.names:
         return {contract.names[0]: rows}  # scalar columns: the rows are the rows of the input
-    if not isinstance(columns, list) or any(
-        not isinstance(r, list) or len(r) != len(columns) for r in rows
-    ):
+    if not isinstance(columns, list):
         raise InputError(
             "Rule: dataframe_split needs 'columns' naming the inputs and rows with one value per "
-            f"column. Expected inputs: {contract.expected()}."
+            f"column. Found no 'columns' list. Expected inputs: {contract.expected()}."
         )
+    for i, r in enumerate(rows):
+        if not isinstance(r, list) or len(r) != len(columns):
+            cells = f"{len(r)} cells" if isinstance(r, list) else "not a list"
+            raise InputError(
+                "Rule: dataframe_split needs 'columns' naming the inputs and rows with one value "
+                f"per column. Found row {i} with {cells} for {len(columns)} columns. Expected "
+                f"inputs: {contract.expected()}."
+            )
     return {str(c): [r[i] for r in rows] for i, c in enumerate(columns)}
 
 
 def from_records(contract: InputContract, payload: Any) -> Any:
     """MLflow's ``dataframe_records`` list as ``{name: values}``."""
     if not isinstance(payload, list) or not all(isinstance(r, dict) for r in payload):
+        found = "a list holding other values" if isinstance(payload, list) else "not a list"
         raise InputError(
-            "Rule: dataframe_records is a list of objects {column: value}. "
+            f"Rule: dataframe_records is a list of objects {{column: value}}. Found {found}. "
             f"Expected inputs: {contract.expected()}."
         )
     if not payload:

@@ -507,29 +507,28 @@ def parse_request(impl: JaxExpPyfunc, body: Any) -> tuple[list[np.ndarray], dict
             body = bytes(body).decode("utf-8")
         except UnicodeDecodeError:
             raise InputError(
-                "The request body is not UTF-8 JSON. Send a JSON object such as "
-                f'{{"inputs": ...}} with: {impl._expected()}.'
+                "Expected a UTF-8 JSON object such as "
+                f'{{"inputs": ...}} with: {impl._expected()}. Found bytes that are not UTF-8.'
             ) from None
     obj = serving_guard.loads(body, expected=impl._expected()) if isinstance(body, str) else body
     if not isinstance(obj, dict):
         raise InputError(
-            f"The request body must be a JSON object with one of the keys {list(_FORMATS)}, "
-            f"found a JSON {type(obj).__name__}. Inputs: {impl._expected()}."
+            f"Expected the request body to be a JSON object with one of the keys "
+            f"{list(_FORMATS)}, found a JSON {type(obj).__name__}. Inputs: {impl._expected()}."
         )
     keys = [k for k in obj if k in _FORMATS]
     extra = [k for k in obj if k not in _FORMATS and k != "params"]
     if len(keys) != 1 or extra:
         raise InputError(
-            f"The request must have exactly one of the keys {list(_FORMATS)} (plus optional "
-            f"'params'), found keys {[str(k)[:40] for k in list(obj)[:10]]}. "
-            f"Inputs: {impl._expected()}."
+            f"Expected exactly one of the keys {list(_FORMATS)} (plus optional 'params'), "
+            f"found keys {[str(k)[:40] for k in list(obj)[:10]]}. Inputs: {impl._expected()}."
         )
     fmt = keys[0]
     payload = obj[fmt]
     params = obj.get("params")
     if params is not None and not isinstance(params, dict):
         raise InputError(
-            f"The request's 'params' must be a JSON object, found a JSON "
+            f"Expected the request's 'params' to be a JSON object, found a JSON "
             f"{type(params).__name__}. Inputs: {impl._expected()}."
         )
     if fmt in ("inputs", "instances"):

@@ -102,8 +102,8 @@ def invocations(impl: JaxExpPyfunc, body: bytes, content_type: str) -> tuple[str
             data = serving_guard.parquet_frame(body, limit=limit, expected=impl._expected())
         else:
             return (
-                f"This predictor only supports the following content types: "
-                f"{[_JSON, _CSV, _PARQUET]}. Got {content_type[:100]!r}.",
+                f"This predictor only supports the following content types: expected one of "
+                f"{[_JSON, _CSV, _PARQUET]}, found {content_type[:100]!r}.",
                 415,
                 "text/plain",
             )

@@ -73,24 +73,25 @@ def loads(body: str | bytes, *, expected: str) -> Any:
         return json.loads(body, parse_int=_int_parser())
     except RecursionError:
         raise InputError(
-            f"The request body nests JSON too deeply: expected arrays as deep as the inputs' "
-            f"rank. Inputs: {expected}."
+            "Expected JSON arrays as deep as the inputs' rank, found JSON nested deeper than "
+            f"the parser goes. Inputs: {expected}."
         ) from None
     except UnicodeDecodeError:
         raise InputError(
-            "The request body is not UTF-8 JSON. Send a JSON object such as "
-            f'{{"inputs": ...}} with: {expected}.'
+            'Expected a UTF-8 JSON object such as {"inputs": ...} with: '
+            f"{expected}. Found bytes that are not UTF-8."
         ) from None
     except json.JSONDecodeError as err:
         raise InputError(
-            f"The request body is not valid JSON ({err.msg} at line {err.lineno} column "
-            f'{err.colno}). Send a JSON object such as {{"inputs": ...}} with: {expected}.'
+            f'Expected a JSON object such as {{"inputs": ...}} with: {expected}. Found text '
+            f"that is not valid JSON ({err.msg} at line {err.lineno} column {err.colno})."
         ) from None
     except ValueError as err:  # int() beyond the digit limit
         detail = "an integer longer than any input dtype holds" if "digits" in str(err) else ""
         raise InputError(
-            f"The request body holds {detail or 'a value JSON cannot carry here'} "
-            f"({str(err)[:60]}): expected numbers within the inputs' dtypes. Inputs: {expected}."
+            f"Expected numbers within the inputs' dtypes, found "
+            f"{detail or 'a value JSON cannot carry here'} ({str(err)[:60]}). "
+            f"Inputs: {expected}."
         ) from None
 
 
