@@ -2,7 +2,8 @@
 
 ``jaxexp serve`` (MLflow's scoring protocol with the request limits: ``flavors/server.py``) is
 the guarded server; ``mlflow models serve`` runs as MLflow made it (nothing patched), with the
-input contract applied by ``predict`` on the arrays MLflow hands over.
+input contract applied by ``predict`` on the arrays MLflow hands over (every format of it:
+tests/test_mlflow_serve.py).
 """
 
 from __future__ import annotations

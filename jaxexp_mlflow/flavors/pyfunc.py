@@ -468,8 +468,9 @@ def _load_uncached(
 # ``jaxexp serve`` (``flavors/server.py``) parses ``/invocations`` bodies with ``parse_request``:
 # the four JSON formats of MLflow's scoring protocol, through the input contract (the same rules
 # as predict), at the cost of a plain ``json.loads`` + ``np.asarray``. ``mlflow models serve``
-# keeps MLflow's own parsing (its ``inputs`` format reaches ``predict``, which applies the
-# contract on arrays); nothing here changes MLflow's server.
+# keeps MLflow's own parsing: with no input schema in the signature it turns every format into
+# numpy arrays or DataFrames, uncast, and ``predict`` applies the contract to them; nothing here
+# changes MLflow's server.
 
 _FORMATS = ("inputs", "instances", "dataframe_split", "dataframe_records")
 
