@@ -383,8 +383,16 @@ class Executables:
     def executable(self, x: np.ndarray) -> Any:
         """The executable a call with the bound params and the one array ``x`` runs, once
         compiled or loaded (``None`` before, or when such calls go to ``jitted``)."""
-        exe = self._get((x.shape, x.dtype))
-        return None if exe is None or exe is self._jit else exe
+        key = (x.shape, x.dtype)
+        by_shape = self._by_shape  # inlined _get: this runs on every single-array predict
+        exe = by_shape.get(key)
+        if exe is None or exe is self._jit:
+            return None
+        try:
+            by_shape.move_to_end(key)
+        except KeyError:  # evicted by another thread meanwhile: still callable
+            pass
+        return exe
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """``jitted.lower``."""
