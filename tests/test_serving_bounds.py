@@ -26,7 +26,6 @@ import pytest
 import requests
 
 import jaxexp_mlflow  # noqa: F401
-from jaxexp_mlflow.flavors import server as server_mod
 from jaxexp_mlflow.flavors import serving_guard
 from tests.models import batch, export_mlp, mlp_params
 from tests.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
@@ -167,26 +166,47 @@ def test_stalled_bodies_are_dropped_and_free_the_budget(served):
     assert ok.status_code == 200, ok.text[:300]
 
 
-def test_request_past_its_deadline_stops_its_work(model_dir):
-    """The server's own ``invocations`` under a deadline already passed: no chunk runs."""
-    _, impl = server_mod.load(str(model_dir), {"buckets": [1, 2], "precompile": False})
-    body = json.dumps({"inputs": batch(64).tolist()}).encode()
-    calls = []
-    run = impl.run
+_DEADLINE_CHILD = """
+import json, sys, time
+from jaxexp_mlflow.flavors import server, serving_guard
+_, impl = server.load(sys.argv[1], {"buckets": [1, 2], "precompile": False})
+body = json.dumps({"inputs": [[0.5] * 8] * 64}).encode()
+calls = []
+run = impl.run
+impl.run = lambda leaves: calls.append(leaves[0].shape[0]) or run(leaves)
+with serving_guard.deadline(time.monotonic() - 1):
+    late = server.invocations(impl, body, "application/json")
+calls_late = len(calls)
+with serving_guard.deadline(time.monotonic() + 600):
+    text, status, _ = server.invocations(impl, body, "application/json")
+print("RESULT " + json.dumps({"late": late[:2], "calls_late": calls_late, "calls": len(calls),
+                              "status": status, "rows": len(json.loads(text)["predictions"])}))
+"""
 
-    def counting_run(leaves):
-        calls.append(leaves[0].shape[0])
-        return run(leaves)
 
-    impl.run = counting_run  # the instance's own attribute: counts the chunks that ran
-    with serving_guard.deadline(time.monotonic() - 1):
-        text, status, _ = server_mod.invocations(impl, body, "application/json")
-    assert status == 504 and "exceeded" in text
-    assert calls == []  # stopped before any work: the checkpoint after parsing
-    with serving_guard.deadline(time.monotonic() + 600):
-        text, status, _ = server_mod.invocations(impl, body, "application/json")
-    assert status == 200, text[:300]
-    assert len(json.loads(text)["predictions"]) == 64
+def test_request_past_its_deadline_stops_its_work(model_dir, tmp_path):
+    """The server's own ``invocations`` under a deadline already passed: no chunk runs. In a
+    child process: importing the server module makes a process a scoring server (buckets
+    compiled at load), which the other tests of this process must not become."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(tmp_path / "xla")}
+    done = subprocess.run(
+        [sys.executable, "-c", _DEADLINE_CHILD, str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["late"][1] == 504 and "exceeded" in out["late"][0]
+    assert out["calls_late"] == 0  # stopped before any work: the checkpoint after parsing
+    assert out["status"] == 200 and out["rows"] == 64  # in time: answered in chunks of 2
+    assert out["calls"] > 1  # the run that counts chunks did run (the count could fail)
 
 
 # -- compiled shapes: least recently used evicted past JAXEXP_MAX_SHAPES --------------------------
