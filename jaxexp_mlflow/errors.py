@@ -3,6 +3,14 @@
 Every error says what was expected, what was found and what to do. They derive from
 ``MlflowException`` so that MLflow's own tooling (the scoring server in particular) maps them to
 the right HTTP status: input errors become 400, the rest 500.
+
+Their ``message`` keeps its own text when a caller rewrites it as a prefix plus that text:
+``mlflow models serve`` (``scoring_server.invocations``, MLflow 3.17) sets
+``e.message = f"Failed to predict data '{data}'. \nError: {e.message}"`` on any
+``MlflowException`` that ``predict`` raises, so a client would get the whole request back (a
+38 kB answer to a 500x15 request of the wrong shape). A jaxexp error answers with its own
+message, a few hundred characters that never quote the input; the server still chooses the
+status from its ``error_code``. Any other rewrite (a shorter text, another text) is taken.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from mlflow.protos.databricks_pb2 import (
     INVALID_PARAMETER_VALUE,
     INVALID_STATE,
     RESOURCE_ALREADY_EXISTS,
+    RESOURCE_EXHAUSTED,
 )
 
 
@@ -23,6 +32,19 @@ class JaxExpError(MlflowException):
     def __init__(self, message: str, **kwargs) -> None:
         kwargs.setdefault("error_code", self.default_code)
         super().__init__(message, **kwargs)
+
+    @property
+    def message(self) -> str:
+        """The error's text (what clients of a scoring server get as ``message``)."""
+        return self._jaxexp_message
+
+    @message.setter
+    def message(self, value: str) -> None:
+        value = str(value)
+        own = getattr(self, "_jaxexp_message", None)
+        if own and value != own and value.endswith(own):
+            return  # a prefix quoting the request (MLflow's scoring server): keep our own text
+        self._jaxexp_message = value
 
 
 class UnsupportedModelError(JaxExpError):
@@ -49,6 +71,12 @@ class InputError(JaxExpError):
     """A prediction input does not match the model's signature (shape, dtype, names)."""
 
     default_code = INVALID_PARAMETER_VALUE
+
+
+class RequestLimitError(JaxExpError):
+    """A request would cost more than the server's bounds allow (HTTP 413 in ``jaxexp serve``)."""
+
+    default_code = RESOURCE_EXHAUSTED
 
 
 class SaveConflictError(JaxExpError):

@@ -53,6 +53,30 @@ def short(text: str, limit: int = MAX_MESSAGE) -> str:
 class JaxExpRuntime(MLflowRuntime):
     """``MLflowRuntime`` whose client errors are 4xx with short messages, server faults 500."""
 
+    def _sync_metadata(self) -> None:
+        """MLflowRuntime's hook that reads the model's metadata and the request content type
+        off the MLflow signature, given the inputs the signature no longer declares.
+
+        A jaxexp model's MLflow signature declares its outputs only (so that MLflow hands
+        inputs over unchanged: docs/serving.md); the stock hook reads ``signature.inputs``
+        (``AttributeError`` on ``None``) and chooses the codec from it. Here the inputs come
+        from the flavor section (``jaxexp.io``) as named tensor specs, which gives MLServer's
+        ``dict`` codec (one tensor per input), as a tensor signature always did.
+        """
+        from mlflow.models import ModelSignature
+
+        from jaxexp_mlflow.flavors.pyfunc import impl_for
+        from jaxexp_mlflow.flavors.signature import model_signature
+
+        signature = getattr(self, "_signature", None)
+        impl = impl_for(getattr(getattr(self, "_model", None), "metadata", None))
+        if signature is not None and signature.inputs is None and impl is not None:
+            inputs = model_signature(impl.inputs, impl.outputs).inputs
+            if inputs is not None:
+                params = getattr(signature, "params", None)
+                self._signature = ModelSignature(inputs, signature.outputs, params)
+        super()._sync_metadata()
+
     def _expected(self) -> str:
         from jaxexp_mlflow.flavors.pyfunc import impl_for
 
@@ -70,10 +94,10 @@ class JaxExpRuntime(MLflowRuntime):
         except Exception as err:  # noqa: BLE001 - decoding fails only on what the client sent
             first = short(str(err).splitlines()[0] if str(err) else "", 200)
             raise MLServerError(
-                f"The request could not be decoded into the model's inputs "
-                f"({type(err).__name__}: {first}). Check each input's shape (the product of "
-                f"its dimensions is the length of its data), datatype (values within its "
-                f"range) and content_type.{self._expected()}",
+                "The request could not be decoded into the model's inputs. Expected one V2 "
+                "tensor per input, the product of its shape equal to the length of its data, "
+                "values within its datatype's range, a content_type whose codec takes the "
+                f"tensors.{self._expected()} Found: {type(err).__name__}: {first}",
                 status_code=400,
             ) from None
         params = None

@@ -111,11 +111,14 @@ def test_other_calls_go_to_the_jitted_function(model_dir, tmp_path, monkeypatch)
     assert impl._flat.compiles == 1  # the numpy predict only
 
 
-def test_no_local_cache_directory_keeps_the_plain_jit(model_dir, monkeypatch):
+def test_no_local_cache_directory_stores_nothing(model_dir, monkeypatch):
+    """Without a local cache directory the executables are still kept (bounded, issue 35),
+    but nothing is read from or written to a store."""
     monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
     impl = load_pyfunc(model_dir, {"compilation_cache": False, "buckets": BUCKETS})
-    assert not isinstance(impl._flat, executables.Executables)
+    assert isinstance(impl._flat, executables.Executables) and impl._flat._store is False
     assert impl.predict(batch(2)).shape == (2, 4)
+    assert (impl._flat.compiles, impl._flat.loaded) == (1, 0)
 
 
 def test_a_load_parses_the_mlmodel_once(model_dir, monkeypatch):

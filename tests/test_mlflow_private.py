@@ -132,12 +132,6 @@ META = (
 )
 
 
-def _signature():
-    from mlflow.types import Schema, TensorSpec
-
-    return mlflow.models.ModelSignature(Schema([TensorSpec(np.dtype("float32"), (-1, 2), "x")]))
-
-
 def _example() -> dict[str, np.ndarray]:
     f = np.array([[1.5, np.nan], [0.1, -2.0]], np.float32)
     return {"x": f, "n": np.array([1, 2, 3], np.int32), "mask": np.array([True, False])}
@@ -177,9 +171,6 @@ EXERCISE = {
     ),
     "mlflow.models.utils:_save_example": lambda t: mp.save_input_example(
         mlflow.models.Model(), _example(), t
-    ),
-    "mlflow.models.signature:ModelSignature._is_signature_from_type_hint": lambda t: (
-        mp.mark_signature_validated(_signature())
     ),
 }
 
@@ -362,16 +353,6 @@ def test_save_input_example_fallback(monkeypatch, tmp_path):
     a, b = _both(monkeypatch, [name], run)
     assert a == b
     assert sorted(a[1]) == ["input_example.json", "serving_input_example.json"]
-
-
-def test_serving_names_fallback(monkeypatch):
-    names = ["mlflow.models.signature:ModelSignature._is_signature_from_type_hint"]
-    sig = _signature()
-    assert mp.mark_signature_validated(sig) and sig._is_signature_from_type_hint
-    for name in names:
-        remove(monkeypatch, name)
-    assert mp.mark_signature_validated(_signature()) is False
-    assert set(names) <= mp.fallbacks_taken()
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 ``jaxexp serve`` (MLflow's scoring protocol with the request limits: ``flavors/server.py``) is
 the guarded server; ``mlflow models serve`` runs as MLflow made it (nothing patched), with the
-input contract applied by ``predict`` on the arrays MLflow hands over.
+input contract applied by ``predict`` on the arrays MLflow hands over (every format of it:
+tests/test_mlflow_serve.py).
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ def test_bad_requests_get_short_4xx(served, case):
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:500])
     message = r.json()["message"]
     assert must_name in message, message
-    assert len(message) < 700, message
+    assert len(message) < 700 and len(r.content) < 2048, message
+    assert "expected" in message.lower() and "found" in message.lower(), message
     assert str(MARK) not in r.text  # the payload is not echoed
 
 
@@ -425,6 +427,8 @@ def test_hostile_json_gets_400(served, case):
     r = post(url, HOSTILE_JSON[case], raw=True)
     assert r.status_code == 400, (r.status_code, r.text[:300])
     assert len(r.json()["message"]) < 700 and "9999999999" not in r.text
+    message = r.json()["message"].lower()
+    assert "expected" in message and "found" in message, message
     assert proc.poll() is None
 
 

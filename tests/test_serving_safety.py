@@ -278,10 +278,37 @@ def _v2(x_shape=(2, 8), x_data=None, ids=(1, 2), **extra) -> dict:
     }
 
 
+MARK = 12345.678  # a value that must never come back in an error message
+
+
+def _tensor(name: str, shape: list, datatype: str, data: list) -> dict:
+    return {"name": name, "shape": shape, "datatype": datatype, "data": data}
+
+
 MLSERVER_CASES = {
     "declared_shape_mismatch": _v2(x_shape=(4, 8), x_data=[0.5] * 30),
     "fifty_digit_int": _v2(ids=(10**49, 2)),
     "content_type_pd": _v2(parameters={"content_type": "pd"}),
+    # refused by the input contract (issue 35: every door names expected and found)
+    "float_into_int": {
+        "inputs": [
+            _tensor("x", [2, 8], "FP64", [MARK] * 16),
+            _tensor("ids", [2], "FP64", [1.5, MARK]),
+        ]
+    },
+    "wrong_width": {
+        "inputs": [
+            _tensor("x", [2, 7], "FP64", [MARK] * 14),
+            _tensor("ids", [2], "INT64", [1, 2]),
+        ]
+    },
+    "missing_input": {"inputs": [_tensor("x", [2, 8], "FP64", [MARK] * 16)]},
+    "strings": {
+        "inputs": [
+            _tensor("x", [2, 8], "BYTES", ["a"] * 16),
+            _tensor("ids", [2], "INT64", [1, 2]),
+        ]
+    },
 }
 
 
@@ -294,6 +321,9 @@ def test_mlserver_client_errors_are_short_4xx(mlserver_url, case):
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:2000])
     assert "Traceback" not in r.text and "site-packages" not in r.text, r.text[:2000]
     assert str(REPO) not in r.text and ".py" not in r.text, r.text[:2000]
-    assert len(r.text) < 1000, r.text[:2000]
+    assert len(r.content) < 1000, r.text[:2000]
+    message = r.json()["error"].lower()
+    assert "expected" in message and "found" in message, r.text[:2000]
+    assert str(MARK) not in r.text and "0" * 20 not in r.text, r.text[:2000]
     good = requests.post(infer, json=_v2(), timeout=60)
     assert good.status_code == 200, good.text[:1000]

@@ -19,10 +19,11 @@ Examples:
 \b
 Answers as `mlflow models serve` does (/ping, /health, /version, /invocations with the JSON
 formats inputs, instances, dataframe_split, dataframe_records, CSV and parquet), plus: 413 for
-bodies over max_request_bytes while they stream in, 503 when the bodies in flight pass
-JAXEXP_MAX_INFLIGHT_BYTES, 400 for hostile JSON and inputs the contract refuses
-(docs/serving.md). The model loads through mlflow.pyfunc.load_model; no environment is created
-(like --env-manager local).
+bodies over max_request_bytes while they stream in and for parquet that would decode past
+JAXEXP_MAX_DECODED_BYTES, 408 for bodies not whole within JAXEXP_BODY_TIMEOUT_S, 503 when the
+bodies in flight pass JAXEXP_MAX_INFLIGHT_BYTES, 504 past the request timeout (the work stops),
+400 for hostile JSON and inputs the contract refuses (docs/serving.md). The model loads
+through mlflow.pyfunc.load_model; no environment is created (like --env-manager local).
 """,
 )
 @click.option("-m", "--model-uri", required=True, help="The model: any URI MLflow understands.")

@@ -137,7 +137,9 @@ def _cast(arr: np.ndarray, spec: LeafSpec, target: np.dtype) -> np.ndarray:
         return arr
     found = _describe_found(arr)
     if src.kind in "OUSV" and not is_ml_float(src) or src.kind == "O":
-        raise input_error(spec, found, "Send numbers.")
+        if src.kind == "O" and any(type(v) is int for v in arr.flat):
+            found += " holding an integer beyond 64 bits"  # numpy keeps those as Python ints
+        raise input_error(spec, found, "Send numbers within the input's dtype.")
     t_float = target.kind in "f" or is_ml_float(target)
     t_int = target.kind in "iu" or (target.type.__module__ != "numpy" and not t_float)
     if target.kind == "b":
@@ -249,6 +251,11 @@ class InputContract:
 
     def _frame(self, frame: Any) -> dict[str, Any]:
         cols = [str(c) for c in frame.columns]
+        positions = [str(i) for i in range(len(self.specs))]
+        if len(self.specs) > 1 and cols == positions and not set(cols) & set(self.names):
+            # columns "0", "1", ...: by position (spark_udf names the columns it is given so
+            # when the signature declares no inputs)
+            return {n: column(frame[c]) for n, c in zip(self.names, frame.columns, strict=True)}
         if set(self.names) <= set(cols) or len(self.specs) > 1:
             return {str(c): column(frame[c]) for c in frame.columns}
         spec = self.specs[0]
@@ -335,9 +342,9 @@ class InputContract:
                 if sym in seen and seen[sym][0] != size:
                     first_size, first = seen[sym]
                     raise InputError(
-                        f"Rule: inputs sharing a dimension have one size along it. Inputs "
-                        f"'{first}' and '{spec.name}' share {sym!r} but have {first_size} and "
-                        f"{size}. Expected: {self.expected()}."
+                        f"Rule: inputs sharing a dimension have one size along it. Found "
+                        f"inputs '{first}' and '{spec.name}' sharing {sym!r} with sizes "
+                        f"{first_size} and {size}. Expected: {self.expected()}."
                     )
                 seen.setdefault(sym, (size, spec.name))
 
@@ -355,9 +362,39 @@ def _list_rank(value: Any) -> int:
     return rank
 
 
+def list_cells(values: Any, name: Any = None) -> np.ndarray | None:
+    """Text cells that are all JSON lists (``"[1, 2]"``, CSV's form of an array cell) decoded,
+    or None where they are not all such text. A cell that starts like a list but is not JSON, or
+    nests deeper than the JSON parser goes, is an ``InputError`` naming the column and row."""
+    import json
+
+    if len(values) == 0 or not isinstance(values[0], str):
+        return None
+    if not all(isinstance(v, str) and v.lstrip().startswith("[") for v in values):
+        return None
+    out = np.empty(len(values), dtype=object)  # one list per cell, never broadcast
+    for row, text in enumerate(values):
+        try:
+            out[row] = json.loads(text)
+        except (ValueError, RecursionError) as err:
+            what = "nests too deeply" if isinstance(err, RecursionError) else "is not JSON"
+            where = f"column {str(name)[:40]!r}, " if name is not None else ""
+            raise InputError(
+                "Rule: a text cell holding an array is a JSON list of numbers. Expected cells "
+                f'like "[1, 2]", as deep as the input\'s rank. Found in {where}row {row} a cell '
+                f"that {what}."
+            ) from None
+    return out
+
+
 def column(series: Any) -> Any:
-    """A DataFrame column as an array: scalar cells -> 1-D, array/list cells -> stacked."""
+    """A DataFrame column as an array: scalar cells -> 1-D, array/list cells -> stacked
+    (text cells holding JSON lists, as CSV carries arrays, decoded first)."""
     values = series.to_numpy()
+    if values.dtype == object:
+        decoded = list_cells(values, series.name)
+        if decoded is not None:
+            values = decoded
     if values.dtype == object and len(values) and isinstance(values[0], list | tuple | np.ndarray):
         first = values[0]
         if isinstance(first, np.ndarray) and first.ndim and set(map(type, values)) == {np.ndarray}:
@@ -429,29 +466,37 @@ def _record_error(
 def from_split(contract: InputContract, payload: Any) -> Any:
     """MLflow's ``dataframe_split`` object as ``{name: rows}`` (or the rows of a single input)."""
     if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
+        found = "an object without a 'data' list" if isinstance(payload, dict) else "not one"
         raise InputError(
             "Rule: dataframe_split is an object {'columns': [...], 'data': [[...], ...]}. "
-            f"Expected inputs: {contract.expected()}."
+            f"Found {found}. Expected inputs: {contract.expected()}."
         )
     rows = payload["data"]
     columns = payload.get("columns")
     if len(contract.specs) == 1 and columns != contract.names:
         return {contract.names[0]: rows}  # scalar columns: the rows are the rows of the input
-    if not isinstance(columns, list) or any(
-        not isinstance(r, list) or len(r) != len(columns) for r in rows
-    ):
+    if not isinstance(columns, list):
         raise InputError(
             "Rule: dataframe_split needs 'columns' naming the inputs and rows with one value per "
-            f"column. Expected inputs: {contract.expected()}."
+            f"column. Found no 'columns' list. Expected inputs: {contract.expected()}."
         )
+    for i, r in enumerate(rows):
+        if not isinstance(r, list) or len(r) != len(columns):
+            cells = f"{len(r)} cells" if isinstance(r, list) else "not a list"
+            raise InputError(
+                "Rule: dataframe_split needs 'columns' naming the inputs and rows with one value "
+                f"per column. Found row {i} with {cells} for {len(columns)} columns. Expected "
+                f"inputs: {contract.expected()}."
+            )
     return {str(c): [r[i] for r in rows] for i, c in enumerate(columns)}
 
 
 def from_records(contract: InputContract, payload: Any) -> Any:
     """MLflow's ``dataframe_records`` list as ``{name: values}``."""
     if not isinstance(payload, list) or not all(isinstance(r, dict) for r in payload):
+        found = "a list holding other values" if isinstance(payload, list) else "not a list"
         raise InputError(
-            "Rule: dataframe_records is a list of objects {column: value}. "
+            f"Rule: dataframe_records is a list of objects {{column: value}}. Found {found}. "
             f"Expected inputs: {contract.expected()}."
         )
     if not payload:
@@ -485,7 +530,6 @@ def read_csv(csv_input: Any, contract: InputContract | None = None) -> Any:
     width, so a long header over many one-cell rows would cost rows x columns.
     """
     import io
-    import json
 
     import pandas as pd
 
@@ -501,11 +545,10 @@ def read_csv(csv_input: Any, contract: InputContract | None = None) -> Any:
     for col in frame.columns:
         values = frame[col]
         text_col = values.dtype == object or pd.api.types.is_string_dtype(values.dtype)
-        if text_col and values.map(lambda v: str(v).startswith("[")).all():
-            try:
-                frame[col] = values.map(json.loads)
-            except ValueError:
-                pass  # left as strings: refused as non-numeric
+        if text_col:
+            decoded = list_cells(values.to_numpy(dtype=object), col)
+            if decoded is not None:
+                frame[col] = decoded
     return frame
 
 

@@ -274,7 +274,7 @@ def _save_into(
                 classifier_mod.params_schema(),
             )
     if mlflow_model.signature is not None:
-        sig.validated_by_model(mlflow_model.signature)
+        mlflow_model.signature = sig.served_signature(mlflow_model.signature)
     section = dataclasses.replace(
         section,
         classifier=clf,

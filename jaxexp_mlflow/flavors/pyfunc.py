@@ -133,15 +133,27 @@ class JaxExpPyfunc:
             unflatten = treedef.unflatten
             export_arg = model.export_arg
 
-            def flat_call(params: Any, *leaves: Any) -> list:
-                args, kwargs = unflatten(leaves)
-                if has_params:
-                    return jax.tree.leaves(exported.call(export_arg(params), *args, **kwargs))
-                return jax.tree.leaves(exported.call(*args, **kwargs))
+            def make_flat() -> Any:
+                """A new ``jax.jit`` of the flat call: JAX's own caches of traced, lowered and
+                compiled shapes live as long as the function object they were made for."""
 
-            self._flat = jax.jit(flat_call)
-            # a bucket compiled by an earlier process loads without lowering
-            self._flat = executables_mod.executables(self._flat, model, len(exported.out_avals))
+                def flat_call(params: Any, *leaves: Any) -> list:
+                    args, kwargs = unflatten(leaves)
+                    if has_params:
+                        return jax.tree.leaves(exported.call(export_arg(params), *args, **kwargs))
+                    return jax.tree.leaves(exported.call(*args, **kwargs))
+
+                return jax.jit(flat_call)
+
+            # a bucket compiled by an earlier process loads without lowering; at most
+            # max_shapes executables are kept (runtime/executables.py)
+            self._flat = executables_mod.executables(
+                make_flat(),
+                model,
+                len(exported.out_avals),
+                capacity=executables_mod.max_shapes(len(self.policy.sizes) + 1),
+                renew=make_flat,
+            )
         self._precompiling: threading.Thread | None = None
         if self._bucketed and self.policy.precompile and self._only_batch_symbolic():
             if self.policy.background:  # a server's default: up now, buckets compile meanwhile
@@ -295,7 +307,10 @@ class JaxExpPyfunc:
         n = leaves[0].shape[0]
         largest = self.policy.largest
         if n > largest:
-            parts = [self.run([x[i : i + largest] for x in leaves]) for i in range(0, n, largest)]
+            parts = []
+            for i in range(0, n, largest):
+                serving_guard.check_deadline()  # a request past its deadline stops here
+                parts.append(self.run([x[i : i + largest] for x in leaves]))
             return [np.concatenate(chunk) for chunk in zip(*parts, strict=True)]
         size = self.policy.bucket_for(n)
         if size != n:
@@ -491,8 +506,9 @@ def _load_uncached(
 # ``jaxexp serve`` (``flavors/server.py``) parses ``/invocations`` bodies with ``parse_request``:
 # the four JSON formats of MLflow's scoring protocol, through the input contract (the same rules
 # as predict), at the cost of a plain ``json.loads`` + ``np.asarray``. ``mlflow models serve``
-# keeps MLflow's own parsing (its ``inputs`` format reaches ``predict``, which applies the
-# contract on arrays); nothing here changes MLflow's server.
+# keeps MLflow's own parsing: with no input schema in the signature it turns every format into
+# numpy arrays or DataFrames, uncast, and ``predict`` applies the contract to them; nothing here
+# changes MLflow's server.
 
 _FORMATS = ("inputs", "instances", "dataframe_split", "dataframe_records")
 
@@ -530,29 +546,28 @@ def parse_request(impl: JaxExpPyfunc, body: Any) -> tuple[list[np.ndarray], dict
             body = bytes(body).decode("utf-8")
         except UnicodeDecodeError:
             raise InputError(
-                "The request body is not UTF-8 JSON. Send a JSON object such as "
-                f'{{"inputs": ...}} with: {impl._expected()}.'
+                "Expected a UTF-8 JSON object such as "
+                f'{{"inputs": ...}} with: {impl._expected()}. Found bytes that are not UTF-8.'
             ) from None
     obj = serving_guard.loads(body, expected=impl._expected()) if isinstance(body, str) else body
     if not isinstance(obj, dict):
         raise InputError(
-            f"The request body must be a JSON object with one of the keys {list(_FORMATS)}, "
-            f"found a JSON {type(obj).__name__}. Inputs: {impl._expected()}."
+            f"Expected the request body to be a JSON object with one of the keys "
+            f"{list(_FORMATS)}, found a JSON {type(obj).__name__}. Inputs: {impl._expected()}."
         )
     keys = [k for k in obj if k in _FORMATS]
     extra = [k for k in obj if k not in _FORMATS and k != "params"]
     if len(keys) != 1 or extra:
         raise InputError(
-            f"The request must have exactly one of the keys {list(_FORMATS)} (plus optional "
-            f"'params'), found keys {[str(k)[:40] for k in list(obj)[:10]]}. "
-            f"Inputs: {impl._expected()}."
+            f"Expected exactly one of the keys {list(_FORMATS)} (plus optional 'params'), "
+            f"found keys {[str(k)[:40] for k in list(obj)[:10]]}. Inputs: {impl._expected()}."
         )
     fmt = keys[0]
     payload = obj[fmt]
     params = obj.get("params")
     if params is not None and not isinstance(params, dict):
         raise InputError(
-            f"The request's 'params' must be a JSON object, found a JSON "
+            f"Expected the request's 'params' to be a JSON object, found a JSON "
             f"{type(params).__name__}. Inputs: {impl._expected()}."
         )
     if fmt in ("inputs", "instances"):

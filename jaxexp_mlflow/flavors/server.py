@@ -14,6 +14,11 @@ what MLflow's server does, and Starlette serves it. On top, for jaxexp models:
   nesting, invalid UTF-8) is a 400 from what ``json`` raises, non-finite numbers and values out
   of a dtype's range are refused on the converted arrays (``pyfunc.parse_request``);
 * CSV is read by the input contract, rows checked for width first (``inputs.read_csv``);
+  parquet's footer is checked for the decoded size before a page is read
+  (``serving_guard.parquet_frame``, 413);
+* a body that does not arrive whole in time is a 408 (``serving_guard.BodyLimit``); a request
+  past its deadline is a 504 and its work stops at the next checkpoint, its bytes counted in
+  flight until then;
 * every client error is a 4xx with a short message that never repeats the payload; a server
   fault is a 500 with one line, the traceback in the server log.
 
@@ -23,14 +28,16 @@ MLflow's own server is not changed in any way (no patch of FastAPI or of MLflow'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import os
+import time
 from typing import Any
 
 from mlflow.exceptions import MlflowException
 
-from jaxexp_mlflow.errors import InputError, UnsupportedModelError
+from jaxexp_mlflow.errors import InputError, RequestLimitError, UnsupportedModelError
 from jaxexp_mlflow.flavors import serving_guard
 from jaxexp_mlflow.flavors.inputs import read_csv
 from jaxexp_mlflow.flavors.pyfunc import JaxExpPyfunc, impl_for, parse_request, short
@@ -78,7 +85,7 @@ def _content_type(header: str) -> tuple[str, str | None]:
 
 def invocations(impl: JaxExpPyfunc, body: bytes, content_type: str) -> tuple[str, int, str]:
     """Answer one ``/invocations`` request: (response text, status, media type)."""
-    from mlflow.pyfunc.scoring_server import parse_parquet_input, predictions_to_json
+    from mlflow.pyfunc.scoring_server import predictions_to_json
 
     mime, refusal = _content_type(content_type or "")
     if refusal:
@@ -91,15 +98,22 @@ def invocations(impl: JaxExpPyfunc, body: bytes, content_type: str) -> tuple[str
         elif mime == _CSV:
             data = read_csv(body, impl.contract)
         elif mime == _PARQUET:
-            data = parse_parquet_input(io.BytesIO(body))
+            limit = serving_guard.decoded_limit(impl.max_request_bytes)
+            data = serving_guard.parquet_frame(body, limit=limit, expected=impl._expected())
         else:
             return (
-                f"This predictor only supports the following content types: "
-                f"{[_JSON, _CSV, _PARQUET]}. Got {content_type[:100]!r}.",
+                f"This predictor only supports the following content types: expected one of "
+                f"{[_JSON, _CSV, _PARQUET]}, found {content_type[:100]!r}.",
                 415,
                 "text/plain",
             )
+        serving_guard.check_deadline()
         raw = impl.predict(data, params)
+    except serving_guard.DeadlineExceeded:
+        _logger.warning("jaxexp serve: a request stopped at its deadline (answered 504)")
+        return "Request processing time exceeded limit", 504, _JSON
+    except RequestLimitError as err:
+        return _error(err, 413)
     except MlflowException as err:
         return _error(err)
     except Exception as err:  # noqa: BLE001 - a server fault: logged, one line to the client
@@ -114,6 +128,12 @@ def invocations(impl: JaxExpPyfunc, body: bytes, content_type: str) -> tuple[str
     return out.getvalue(), 200, _JSON
 
 
+async def _settle(task: Any) -> None:
+    """Wait for an abandoned request's work to stop (its result or error is dropped)."""
+    with contextlib.suppress(Exception):
+        await task
+
+
 def build_app(
     impl: JaxExpPyfunc, *, inflight: int | None = None, timeout: float | None = None
 ) -> Any:
@@ -121,6 +141,7 @@ def build_app(
     import mlflow
     from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
     from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
     from starlette.middleware import Middleware
     from starlette.requests import Request
     from starlette.responses import Response
@@ -138,15 +159,27 @@ def build_app(
     async def version(request: Request) -> Response:
         return Response(mlflow.__version__, status_code=200, media_type=_JSON)
 
+    def work(body: bytes, content_type: str, at: float) -> tuple[str, int, str]:
+        with serving_guard.deadline(at):
+            return invocations(impl, body, content_type)
+
     async def answer(request: Request) -> Response:
         body = await request.body()  # bounded by BodyLimit while it streams in
         content_type = request.headers.get("content-type", "")
+        at = time.monotonic() + timeout
+        task = asyncio.ensure_future(asyncio.to_thread(work, body, content_type, at))
         try:
-            text, status, media = await asyncio.wait_for(
-                asyncio.to_thread(invocations, impl, body, content_type), timeout
-            )
+            text, status, media = await asyncio.wait_for(asyncio.shield(task), timeout)
         except TimeoutError:
-            return Response("Request processing time exceeded limit", 504, media_type=_JSON)
+            # answered now; the work stops at its next checkpoint (serving_guard.deadline), and
+            # BodyLimit counts this request's bytes in flight until it has (the background
+            # task runs after the response, inside the middleware's call)
+            return Response(
+                "Request processing time exceeded limit",
+                504,
+                media_type=_JSON,
+                background=BackgroundTask(_settle, task),
+            )
         return Response(text, status_code=status, media_type=media)
 
     routes = [

@@ -338,20 +338,29 @@ def serving_example(inputs: list[LeafSpec], input_example: Any) -> dict[str, np.
     return out
 
 
-def validated_by_model(signature: Any) -> Any:
-    """Mark ``signature`` as checked by the model's own ``predict`` (the input contract).
+def served_signature(signature: Any) -> Any:
+    """The signature MLflow stores: ``signature`` without its input schema.
 
-    ``PyFuncModel.predict`` then hands inputs over unchanged instead of running MLflow's tensor
-    schema enforcement first (which refuses int64 for int32, lists, feature-column DataFrames, and
-    repeats the whole input in its message). This is MLflow's convention for models that
-    validate their inputs themselves (``is_signature_from_type_hint`` in the MLmodel, set by
-    MLflow for type-hinted ``PythonModel``s); the signature still documents the inputs for the
-    UI, ``spark_udf`` and serving. See docs/serving.md, "The input contract".
+    MLflow enforces a signature's inputs itself before ``predict`` sees them, at every door:
+    ``PyFuncModel.predict`` runs its schema enforcement (exact tensor dtypes only: int64 refused
+    for int32, float64 for float32; no lists; no feature-column DataFrames; a message that starts
+    with the whole input), and its scoring server casts JSON with ``np.array(v, dtype)`` (1.5 into
+    an int32 input becomes 1) and cannot read CSV for a tensor schema. A signature that declares
+    no inputs is MLflow's documented way to hand the input over as it is ("If the pyfunc model
+    does not include model schema, the input is passed to the model implementation as is",
+    ``PyFuncModel._predict``): then every door parses the request the plain way (JSON to numpy
+    arrays or DataFrames, CSV and parquet to DataFrames) and the model's input contract
+    (``flavors/inputs.py``) is the one check, the same in-process and served. The inputs stay
+    declared in the flavor section (``jaxexp.io``) and in the logged model's ``jax.in_avals``
+    param, which the MLflow UI shows; outputs and params are kept (``spark_udf`` reads its
+    ``result_type`` from the outputs). See docs/serving.md, "The input contract".
     """
-    from jaxexp_mlflow.internals.mlflow_private import mark_signature_validated
+    from mlflow.models import ModelSignature
 
-    mark_signature_validated(signature)
-    return signature
+    params = getattr(signature, "params", None)
+    if signature.outputs is None and params is None:
+        return None
+    return ModelSignature(inputs=None, outputs=signature.outputs, params=params)
 
 
 _COLUMN_TYPES = {

@@ -145,11 +145,6 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
         "input_example.json, serving_input_example.json and the MLmodel saved_input_example_info",
         "reimplemented for {name: ndarray} (what the flavor passes): the same two files",
     ),
-    "mlflow.models.signature:ModelSignature._is_signature_from_type_hint": PrivateName(
-        "flavors/signature.py (validated_by_model, through mark_signature_validated)",
-        "mark the signature as checked by the model, so predict hands inputs over unchanged",
-        "none: MLflow's schema enforcement runs first (stricter dtypes, longer messages)",
-    ),
 }
 
 #: Private names the package used to touch and now replaces outright by public API.
@@ -170,6 +165,10 @@ REPLACED_BY_PUBLIC: dict[str, str] = {
     ),
     "mlflow.utils.mime_type_utils:_guess_mime_type": (
         "nothing: it served the upload of params chunk files from memory, removed by issue 26"
+    ),
+    "mlflow.models.signature:ModelSignature._is_signature_from_type_hint": (
+        "nothing: the stored signature declares no inputs (flavors/signature.served_signature), "
+        "MLflow's public way to hand a model its input unchanged at every door (issue 35)"
     ),
 }
 
@@ -690,17 +689,3 @@ def save_input_example(mlflow_model: Any, example: Any, path: str | os.PathLike)
         "type": "ndarray",
         "serving_input_path": "serving_input_example.json",
     }
-
-
-# ============================================================================================
-# serving (for flavors/signature.py)
-
-
-def mark_signature_validated(signature: Any) -> bool:
-    """Set ``ModelSignature._is_signature_from_type_hint`` where it exists; returns whether it
-    did (False: MLflow's schema enforcement runs before ``predict``)."""
-    if hasattr(signature, "_is_signature_from_type_hint"):
-        signature._is_signature_from_type_hint = True
-        return True
-    _fallback("mlflow.models.signature:ModelSignature._is_signature_from_type_hint")
-    return False

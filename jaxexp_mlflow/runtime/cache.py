@@ -29,6 +29,8 @@ from typing import Any
 _logger = logging.getLogger(__name__)
 
 ENV_VAR = "JAXEXP_COMPILATION_CACHE"
+ENV_MAX_BYTES = "JAXEXP_COMPILATION_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 2 << 30
 _OFF = {"0", "off", "false", "no", "none", ""}
 _ON = {"1", "on", "true", "yes"}
 
@@ -86,12 +88,30 @@ def configure(setting: Any = None) -> str | None:
         _configured = ""
         return None
     jax.config.update("jax_compilation_cache_dir", str(directory))
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ and _max_size(jax) < 0:
+        # JAX's default is no limit: a model compiled for every new shape would fill the disk;
+        # JAX evicts its least recently used entries past this size, with `filelock` only
+        # (jax 0.10.2 without it fails every cache read and write once a size is set)
+        import importlib.util
+
+        if importlib.util.find_spec("filelock") is not None:
+            jax.config.update("jax_compilation_cache_max_size", max_cache_bytes())
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         # JAX only caches compilations over 1 s by default; ours take ~0.1 s each
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     _reset()
     _configured = str(directory)
     return _configured
+
+
+def max_cache_bytes() -> int:
+    """The size past which JAX evicts entries of the cache we set up
+    (``JAXEXP_COMPILATION_CACHE_MAX_BYTES``, default 2 GiB)."""
+    return int(os.environ.get(ENV_MAX_BYTES, DEFAULT_MAX_BYTES))
+
+
+def _max_size(jax: Any) -> int:
+    return int(jax.config.values.get("jax_compilation_cache_max_size", -1))
 
 
 def _reset() -> None:

@@ -1,0 +1,280 @@
+"""Bounded work per request in ``jaxexp serve`` (issue 35), against a real server on 127.0.0.1.
+
+* parquet is bounded before decoding: a body of constant columns (parquet's run-length and
+  dictionary encodings) whose decoded size passes the limit is a 413 read off the footer, with
+  the server's RSS watched while it answers;
+* a body that stalls is dropped (408) after ``JAXEXP_BODY_TIMEOUT_S`` and leaves the in-flight
+  budget, so other clients are served again;
+* a CSV cell nested 5000 deep is a 400;
+* a request past its deadline stops its work at the next checkpoint (in-process, the real
+  ``invocations`` of the server: no timing asserted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import socket
+import time
+
+import mlflow
+import numpy as np
+import pandas as pd
+import psutil
+import pytest
+import requests
+
+import jaxexp_mlflow  # noqa: F401
+from jaxexp_mlflow.flavors import serving_guard
+from tests.models import batch, export_mlp, mlp_params
+from tests.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
+
+MAX_BODY = 256 * 1024
+RSS_BOUND_MB = 64
+BODY_TIMEOUT_S = 2
+PARQUET = "application/vnd.apache.parquet"
+FEATURES = [f"f{i}" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bounds")
+    params = mlp_params()
+    mlflow.jaxexp.save_model(
+        export_mlp(params),
+        tmp / "mlp",
+        params=params,
+        input_example=batch(2),
+        serving_config={"buckets": [1, 8], "max_request_bytes": MAX_BODY},
+    )
+    return tmp / "mlp"
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bounds-server")
+    env = {**server_env(tmp), serving_guard.ENV_BODY_TIMEOUT: str(BODY_TIMEOUT_S)}
+    proc, url = start_jaxexp_server(str(model_dir), env, tmp / "server.log")
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    local = mlflow.pyfunc.load_model(str(model_dir))
+    try:
+        yield url, proc, local
+    finally:
+        stop_server(proc)
+        for child in tree:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+
+
+def _constant_parquet(rows_per_group: int, groups: int) -> bytes:
+    """Eight constant float64 feature columns, written a row group at a time (the test process
+    never holds more than one group)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({c: np.zeros(rows_per_group) for c in FEATURES})
+    buf = io.BytesIO()
+    options = {"data_page_size": 1 << 26, "write_statistics": False}
+    with pq.ParquetWriter(buf, table.schema, **options) as writer:
+        for _ in range(groups):
+            writer.write_table(table)
+    return buf.getvalue()
+
+
+def test_parquet_bounded_before_decoding(served):
+    url, proc, local = served
+    body = _constant_parquet(1_000_000, 10)  # 10M rows: 640 MB of float64 once decoded
+    assert len(body) < MAX_BODY
+    before = _tree_rss(proc.pid)
+    r = requests.post(
+        f"{url}/invocations", data=body, headers={"Content-Type": PARQUET}, timeout=120
+    )
+    grown_mb = (_tree_rss(proc.pid) - before) / 2**20
+    assert r.status_code == 413, (r.status_code, r.text[:500])
+    assert len(r.content) < 2048 and "x: float32[-1,8]" in r.json()["message"]
+    assert "10000000 rows" in r.json()["message"]
+    assert grown_mb < RSS_BOUND_MB, f"server RSS grew by {grown_mb:.0f} MB"
+    # a parquet body within the bound is answered as in-process predict
+    x = batch(5, seed=2)
+    frame = pd.DataFrame(x.astype(np.float64), columns=FEATURES)
+    good = io.BytesIO()
+    frame.to_parquet(good)
+    r = requests.post(
+        f"{url}/invocations", data=good.getvalue(), headers={"Content-Type": PARQUET}, timeout=60
+    )
+    assert r.status_code == 200, r.text[:500]
+    np.testing.assert_allclose(
+        np.asarray(r.json()["predictions"], np.float32), local.predict(x), rtol=1e-6, atol=1e-6
+    )
+    text = io.BytesIO()
+    pd.DataFrame({"name": ["a", "b"]}).to_parquet(text)
+    r = requests.post(
+        f"{url}/invocations", data=text.getvalue(), headers={"Content-Type": PARQUET}, timeout=60
+    )
+    assert r.status_code == 400 and "BYTE_ARRAY" in r.json()["message"], r.text[:500]
+
+
+def test_csv_cell_nested_deep_is_400(served):
+    url, proc, _ = served
+    body = 'x\n"' + "[" * 5000 + "]" * 5000 + '"\n'
+    r = requests.post(
+        f"{url}/invocations", data=body, headers={"Content-Type": "text/csv"}, timeout=60
+    )
+    assert r.status_code == 400, (r.status_code, r.text[:500])
+    assert "nests too deeply" in r.json()["message"] and len(r.content) < 2048
+    assert proc.poll() is None
+
+
+def _held(port: int, length: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(
+        b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % length
+    )
+    s.sendall(b" " * (length - 1))  # all but the last byte, then nothing
+    return s
+
+
+def _status(s: socket.socket) -> int:
+    head = b""
+    while b"\r\n" not in head:
+        part = s.recv(4096)
+        if not part:
+            break
+        head += part
+    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+
+
+def test_stalled_bodies_are_dropped_and_free_the_budget(served):
+    url, _, _ = served
+    port = int(url.rsplit(":", 1)[1])
+    held = [_held(port, MAX_BODY - 10) for _ in range(4)]  # 4x the limit: the whole budget
+    time.sleep(0.5)
+    filler = json.dumps({"inputs": batch(2).tolist()}) + " " * 150_000
+    busy = requests.post(
+        f"{url}/invocations", data=filler, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert busy.status_code == 503, busy.text[:300]  # the stalled bodies hold the budget
+    statuses = [_status(h) for h in held]  # answered once their time is up
+    for h in held:
+        h.close()
+    assert statuses == [408] * 4
+    ok = requests.post(
+        f"{url}/invocations", data=filler, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert ok.status_code == 200, ok.text[:300]
+
+
+_DEADLINE_CHILD = """
+import json, sys, time
+from jaxexp_mlflow.flavors import server, serving_guard
+_, impl = server.load(sys.argv[1], {"buckets": [1, 2], "precompile": False})
+body = json.dumps({"inputs": [[0.5] * 8] * 64}).encode()
+calls = []
+run = impl.run
+impl.run = lambda leaves: calls.append(leaves[0].shape[0]) or run(leaves)
+with serving_guard.deadline(time.monotonic() - 1):
+    late = server.invocations(impl, body, "application/json")
+calls_late = len(calls)
+with serving_guard.deadline(time.monotonic() + 600):
+    text, status, _ = server.invocations(impl, body, "application/json")
+print("RESULT " + json.dumps({"late": late[:2], "calls_late": calls_late, "calls": len(calls),
+                              "status": status, "rows": len(json.loads(text)["predictions"])}))
+"""
+
+
+def test_request_past_its_deadline_stops_its_work(model_dir, tmp_path):
+    """The server's own ``invocations`` under a deadline already passed: no chunk runs. In a
+    child process: importing the server module makes a process a scoring server (buckets
+    compiled at load), which the other tests of this process must not become."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(tmp_path / "xla")}
+    done = subprocess.run(
+        [sys.executable, "-c", _DEADLINE_CHILD, str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["late"][1] == 504 and "exceeded" in out["late"][0]
+    assert out["calls_late"] == 0  # stopped before any work: the checkpoint after parsing
+    assert out["status"] == 200 and out["rows"] == 64  # in time: answered in chunks of 2
+    assert out["calls"] > 1  # the run that counts chunks did run (the count could fail)
+
+
+# -- compiled shapes: least recently used evicted past JAXEXP_MAX_SHAPES --------------------------
+
+
+def _bt_fn(params, x):
+    import jax.numpy as jnp
+
+    return jnp.tanh(x * params["w"]).sum(axis=1)
+
+
+@pytest.fixture(scope="module")
+def bt_model_dir(tmp_path_factory):
+    """A ``[b, t]`` model: every new ``t`` is a new compiled shape."""
+    import jax
+    import jax.numpy as jnp
+
+    b, t = jax.export.symbolic_shape("b, t")
+    exported = jax.export.export(jax.jit(_bt_fn))(
+        {"w": jax.ShapeDtypeStruct((), jnp.float32)}, jax.ShapeDtypeStruct((b, t), jnp.float32)
+    )
+    path = tmp_path_factory.mktemp("bt") / "bt"
+    mlflow.jaxexp.save_model(
+        exported, path, params={"w": np.float32(0.5)}, serving_config={"buckets": [1, 2]}
+    )
+    return path
+
+
+def test_compiled_shapes_are_bounded_lru(bt_model_dir, tmp_path, monkeypatch):
+    from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
+    from jaxexp_mlflow.runtime import executables
+
+    monkeypatch.setenv(executables.ENV_MAX_SHAPES, "4")
+    monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
+    monkeypatch.setenv("JAXEXP_COMPILATION_CACHE", str(tmp_path / "xla"))
+    impl = load_pyfunc(bt_model_dir)
+    assert impl._flat.capacity == 4
+    for t in range(1, 11):
+        x = np.linspace(-1, 1, 2 * t, dtype=np.float32).reshape(2, t)
+        np.testing.assert_allclose(impl.predict(x), np.tanh(x * 0.5).sum(axis=1), rtol=1e-5)
+        assert impl._flat._cache_size() <= 4
+    assert impl._flat.compiles + impl._flat.loaded == 10
+    x = np.ones((2, 1), np.float32)  # t=1 was evicted: compiled (or loaded) again, same answer
+    np.testing.assert_allclose(impl.predict(x), np.tanh(x * 0.5).sum(axis=1), rtol=1e-5)
+    assert impl._flat.compiles + impl._flat.loaded == 11
+
+
+@pytest.mark.slow  # 90 compiles in a real server: ~21 s here
+def test_served_new_shapes_plateau_in_memory(bt_model_dir, tmp_path):
+    """``jaxexp serve``: one-row requests of ever new ``t``; past the bound of kept shapes the
+    server's RSS stops growing (each new shape still costs a compile)."""
+    env = {**server_env(tmp_path), "JAXEXP_MAX_SHAPES": "16"}
+    proc, url = start_jaxexp_server(str(bt_model_dir), env, tmp_path / "server.log")
+    session = requests.Session()
+
+    def ask(t: int) -> None:
+        x = np.full((1, t), 0.25, np.float32)
+        r = session.post(f"{url}/invocations", json={"inputs": x.tolist()}, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+        np.testing.assert_allclose(r.json()["predictions"], np.tanh(x * 0.5).sum(1), rtol=1e-5)
+
+    try:
+        for t in range(1, 31):  # past the 16 kept shapes
+            ask(t)
+        before = _tree_rss(proc.pid)
+        for t in range(31, 91):  # 60 new shapes: ~100 MB when every executable was kept
+            ask(t)
+        grown_mb = (_tree_rss(proc.pid) - before) / 2**20
+        assert grown_mb < 40, f"server RSS grew by {grown_mb:.0f} MB over 60 new shapes"
+    finally:
+        stop_server(proc)
