@@ -63,6 +63,7 @@ _WRITTEN_WHEN_SET = frozenset(
         "serving",
         "reference",
         "reference_synthetic",
+        "route",
     }
 )
 
@@ -112,6 +113,7 @@ class FlavorSection:
     reference: dict[str, Any] | None = None
     reference_synthetic: dict[str, Any] | None = None
     iree: dict[str, Any] | None = None
+    route: dict[str, Any] | None = None  # the route a refused blob was saved through
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -504,6 +506,7 @@ def _validate(conf: Any) -> None:
         "serving",
         "classifier",
         "iree",
+        "route",
     ):
         value = conf.get(key)
         if value is not None and not isinstance(value, dict):
