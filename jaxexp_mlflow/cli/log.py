@@ -167,8 +167,13 @@ def _route_text(taken: dict[str, Any]) -> str:
     """``Route        expired-flag (jax 0.12.0.1), closes 2026-10-04; recorded in MLmodel``."""
     who = f" (jax {taken['jax_version']})" if taken.get("jax_version") else ""
     closes = f", closes {taken['closes_on']}" if taken.get("closes_on") else ""
+    name = taken.get("name")
+    later = (
+        "`jaxexp verify`/`predict` take it; `jaxexp refresh` makes a current copy."
+        if name in ("expired-flag", "bridge")
+        else f"`jaxexp verify`/`predict` take it with --route {name}."
+    )
     return (
-        f"Route        {taken.get('name')}{who}{closes}: this jax refuses the blob as it is; "
-        "it was read back through this route (recorded in MLmodel, jaxexp.route). "
-        "`jaxexp verify`/`refresh` take it; `jaxexp refresh` makes a current copy."
+        f"Route        {name}{who}{closes}: this jax refuses the blob as it is; it was read "
+        f"back through this route (recorded in MLmodel, jaxexp.route). {later}"
     )
