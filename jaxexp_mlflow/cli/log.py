@@ -101,13 +101,14 @@ def log(
     if experiment and run_id:
         raise click.UsageError("give --experiment or --run-id, not both")
     data = blob.read_bytes()
+    _check_route(data, blob, route, runs=input_example is not None, has_params=bool(params_dir))
     example = None
     if input_example is not None:
         from jaxexp_mlflow.cli.arrays_io import call_args, input_leaves, input_specs, read_payload
 
         payload = read_payload(input_example)
         with step("Reading the blob"):
-            exported = _structure(data, blob, route, has_params=params_dir is not None)
+            exported = _structure(data, blob, route)
         n_params = 0
         if params_dir is not None:
             args_tree, _ = exported.in_tree.children()
@@ -147,9 +148,22 @@ def log(
         print_model_info(d, register)
 
 
-def _structure(data: bytes, blob: Path, route: str | None, *, has_params: bool) -> Any:
+def _check_route(
+    data: bytes, blob: Path, route: str | None, *, runs: bool, has_params: bool
+) -> None:
+    """Refuse, before any run is started, a blob that no route the save would take loads here
+    (``flavors.save_route.choose``: the refusal names the routes and how to ask)."""
+    from jaxexp_mlflow.codec.blob import describe
+    from jaxexp_mlflow.flavors import save_route
+
+    save_route.choose(
+        describe(data, source=str(blob)), route=route, runs=runs, has_params=has_params
+    )
+
+
+def _structure(data: bytes, blob: Path, route: str | None) -> Any:
     """An ``Exported`` of the blob for its input structure: read here (with JAX's flag where
-    needed), else through the bridge when asked; else the save's refusal naming the routes."""
+    needed), else through the bridge when asked (the save then reuses that re-export)."""
     from jaxexp_mlflow.codec.blob import describe
     from jaxexp_mlflow.errors import IncompatibleError
     from jaxexp_mlflow.flavors import save_route
@@ -157,9 +171,9 @@ def _structure(data: bytes, blob: Path, route: str | None, *, has_params: bool) 
     try:
         return save_route.readable(data)
     except IncompatibleError:
+        if route not in ("bridge", "auto"):
+            raise
         desc = describe(data, source=str(blob))
-        if route not in ("bridge", "auto"):  # raises the refusal that names the routes
-            save_route.take(data, desc, route=route, runs=True, has_params=has_params)
         return save_route.readable(save_route.bridged(data, int(desc.nr_devices)))
 
 

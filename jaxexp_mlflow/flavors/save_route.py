@@ -120,30 +120,25 @@ def plan(description: Any, *, runs: bool) -> tuple[compat.Verdict, list[routes.R
     return verdict, available, needs
 
 
-def take(
-    data: bytes, description: Any, *, route: str | None, runs: bool, has_params: bool
-) -> Taken:
-    """Plan the route that loads the blob ``data`` here and take it (see the module doc).
-
-    ``runs``: an input example was given (the read-back runs the model); ``has_params``: params
-    are stored beside it (``recorded-env`` runs bare blobs only). ``IncompatibleError`` naming
-    the working routes and how to ask for them where none is taken.
-    """
-    from jaxexp_mlflow.codec import blob as blob_codec
-
+def choose(
+    description: Any, *, route: str | None, runs: bool, has_params: bool
+) -> routes.Route | None:
+    """The route a save of the described blob takes (None: ``direct``), without reading the
+    blob: ``IncompatibleError`` naming the working routes and how to ask for them where none is
+    taken. ``runs``: an input example was given (the read-back runs the model); ``has_params``:
+    params are stored beside it (``recorded-env`` runs bare blobs only)."""
     if route is not None and route not in CHOICES:
         raise IncompatibleError(
             f"route={route!r}: expected one of {', '.join(CHOICES)} (or None: direct, else "
             f"{routes.EXPIRED_FLAG} where it applies)."
         )
     verdict, available, needs = plan(description, runs=runs)
-    here = (verdict.environment or {}).get("jax_version")
     if not needs and route in (None, routes.DIRECT, "auto"):
-        return Taken(None, blob_codec.deserialize_checked(data, source="the given blob"))
-    unreadable = _refused(_UNREADABLE, verdict)
+        return None
+    here = (verdict.environment or {}).get("jax_version")
     why = (
         f"jax {here} cannot read the given blob, so it cannot be saved from here as it is"
-        if unreadable
+        if _refused(_UNREADABLE, verdict)
         else f"jax {here} cannot run the given blob to compute its reference outputs (save it "
         "without input_example, or through a route)"
     )
@@ -172,12 +167,26 @@ def take(
             [r for r in available if r.name != routes.RECORDED_ENV],
             asked=route,
         )
+    return chosen
+
+
+def take(
+    data: bytes, description: Any, *, route: str | None, runs: bool, has_params: bool
+) -> Taken:
+    """Plan the route that loads the blob ``data`` here (:func:`choose`) and take it: the
+    ``Exported`` read through it, the route named in a logged warning."""
+    from jaxexp_mlflow.codec import blob as blob_codec
+
+    chosen = choose(description, route=route, runs=runs, has_params=has_params)
+    if chosen is None:
+        return Taken(None, blob_codec.deserialize_checked(data, source="the given blob"))
+    import jax
+
     taken = _enter(chosen, data, description)
     _logger.warning(
-        "jaxexp: jax %s refuses the given blob (%s); it is saved unchanged and loads here "
+        "jaxexp: jax %s refuses the given blob as it is; it is saved unchanged and loads here "
         "through route %s. %s",
-        here,
-        ", ".join(sorted({r.code for r in blocking})),
+        jax.__version__,
         chosen,
         "The route is recorded in MLmodel (jaxexp.route); `jaxexp refresh` makes a current copy.",
     )
@@ -364,6 +373,7 @@ __all__ = [
     "Taken",
     "bridged",
     "check_runs",
+    "choose",
     "load_for_readback",
     "plan",
     "readable",
