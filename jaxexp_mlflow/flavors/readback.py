@@ -7,7 +7,8 @@ temporary directory of ``flavors.atomic``), :func:`read_back`:
 2. loads the directory with ``runtime.loader.load_directory`` (checksum, format, verdict,
    deserialization, device placement, params restored into the export's avals and shardings)
    when the model can run here, else the part that does not depend on this machine (blob
-   deserialized, params restored to the export's avals on the host);
+   deserialized, params restored to the export's avals on the host); a blob this JAX refuses
+   is loaded through the route MLmodel records (``jaxexp.route``, ``flavors.save_route``);
 3. checks the deserialized export against the one saved (trees, avals, platforms, devices);
 4. with an input example, computes the reference outputs **with the restored params** and with
    the params given to ``save_model``, through the same compiled function (one compilation, two
