@@ -32,8 +32,6 @@ _logger = logging.getLogger(__name__)
 
 #: What ``route=`` accepts at save time.
 CHOICES = ("auto", routes.DIRECT, routes.EXPIRED_FLAG, routes.BRIDGE, routes.RECORDED_ENV)
-#: Taken without being asked: in this process, nothing installed.
-_UNASKED = (routes.DIRECT, routes.EXPIRED_FLAG)
 #: Verdict codes meaning this JAX cannot deserialize the blob at all.
 _UNREADABLE = {"expired", "hlo_sharding", "schema"}
 #: The bridge's re-export of the last blob bridged (sha256 -> bytes): a save bridges once, and
@@ -94,7 +92,7 @@ def _how_to_ask(available: list[routes.Route]) -> str:
     return (
         f"\nAsk for one: log_model(blob, ..., route={first!r}) or save_model(..., "
         f"route={first!r}); `jaxexp log BLOB --route {first}`; route='auto' takes the first "
-        "that works (the venv routes build a cached venv once: minutes)."
+        "that works (bridge and recorded-env build a cached venv once, then reuse it)."
     )
 
 
