@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
-from jaxexp_mlflow.runtime import compat, devices
+from jaxexp_mlflow.runtime import compat, devices, routes
 
 _logger = logging.getLogger(__name__)
 
@@ -79,12 +79,16 @@ def reexport(exported: Any, placement: Any = None) -> Any:
     )
 
 
-def _judge(meta: dict, description: Any, model_uri: str, options: dict) -> compat.Verdict:
-    verdict = compat.assess(
-        meta,
-        description=description,
-        allow_other_platform=bool(options.get("allow_other_platform", False)),
-    )
+def _judge(
+    meta: dict, description: Any, model_uri: str, options: dict, *, flag: bool = False
+) -> compat.Verdict:
+    from jaxexp_mlflow.runtime import routes
+
+    other = bool(options.get("allow_other_platform", False))
+    if flag:  # the expired-flag route: judged as this jax reads it with the flag set
+        verdict = routes.judged_with_flag(meta, description, allow_other_platform=other)
+    else:
+        verdict = compat.assess(meta, description=description, allow_other_platform=other)
     blocking = [
         r
         for r in verdict.reasons
@@ -96,8 +100,10 @@ def _judge(meta: dict, description: Any, model_uri: str, options: dict) -> compa
         codes = {r.code for r in blocking}
         if "expired" in codes and not codes & {"hlo_sharding", "custom_calls", "kernel_abi"}:
             extra += (
-                f"\nSet {compat.EXPIRED_ENV}=1 and run the refresh again: the refreshed model is "
-                "of this jax's schema and loads without the flag."
+                f"\nSet {compat.EXPIRED_ENV}=1 and run the refresh again, or take the route that "
+                f"sets it around the deserialization only (`jaxexp refresh --route "
+                f"{routes.EXPIRED_FLAG}`, refresh(uri, route={routes.EXPIRED_FLAG!r})): the "
+                "refreshed model is of this jax's schema and loads without the flag."
             )
         if "hlo_sharding" in codes:
             extra += (
@@ -206,6 +212,24 @@ def _bridge(
     return new, source, blob.describe(new, source=source), routes.BRIDGE_JAX
 
 
+def _route(route: str | None, bridge: bool, meta: dict, description: Any, options: dict) -> str:
+    """The route a refresh reads the source through (see :func:`refresh`)."""
+    from jaxexp_mlflow.flavors.save_route import recorded_route_here
+
+    if bridge:
+        return routes.BRIDGE
+    if route is None:
+        other = bool(options.get("allow_other_platform", False))
+        recorded = recorded_route_here(meta, description, allow_other_platform=other)
+        return recorded.name if recorded is not None else routes.DIRECT
+    if route not in (routes.DIRECT, routes.EXPIRED_FLAG, routes.BRIDGE):
+        raise RefreshError(
+            f"route={route!r}: expected one of {routes.DIRECT}, {routes.EXPIRED_FLAG}, "
+            f"{routes.BRIDGE} (a refresh re-exports the blob here, so it reads it here)."
+        )
+    return route
+
+
 def refresh(
     model_uri: str,
     *,
@@ -215,9 +239,15 @@ def refresh(
     rtol: float | None = None,
     atol: float | None = None,
     bridge: bool = False,
+    route: str | None = None,
     **options: Any,
 ) -> Any:
     """Re-export the jaxexp model at ``model_uri`` with the running JAX; log it as a new model.
+
+    ``route``: ``direct``, ``expired-flag`` (JAX's flag set around the deserialization only, for
+    a blob of schema < 5 under jax >= 0.11.1) or ``bridge`` (as ``bridge=True``); None takes the
+    route the model was logged through (MLmodel ``jaxexp.route``, ``flavors.save_route``) where
+    this jax still refuses it as it is, else ``direct``.
 
     ``bridge=True`` (the ``bridge`` route, ``runtime/routes.py``) has jax ``routes.BRIDGE_JAX``
     read the blob in a cached venv and re-export it first: for a blob this jax cannot read at all
@@ -295,14 +325,19 @@ def _refresh(
     source = str(Path(local, meta.get("exported_file", artifact.EXPORTED_FILE)))
     description = blob.describe(data, source=source)
     synthetic = bool(meta.get("reference_synthetic")) or not meta.get("reference")
+    route = _route(route, bridge, meta, description, options)
     bridged_from = None
-    if bridge:
+    if route == routes.BRIDGE:
         data, source, description, bridged_from = _bridge(data, description, model_uri, synthetic)
-    verdict = _judge(meta, description, model_uri, options)
+    flag = route == routes.EXPIRED_FLAG
+    verdict = _judge(meta, description, model_uri, options, flag=flag)
 
-    exported = blob.deserialize_checked(
-        data, source=source, node_types=meta.get("pytree_node_types"), description=description
-    )
+    with routes.expired_flag() if flag else contextlib.nullcontext():
+        exported = blob.deserialize_checked(
+            data, source=source, node_types=meta.get("pytree_node_types"), description=description
+        )
+    if flag:  # its VJP is read lazily, at the new export's serialization: with the flag too
+        exported = routes.with_scoped_vjp(exported)
     plan_opts = {k: options[k] for k in ("allow_other_platform", "devices") if k in options}
     placement = devices.plan(exported, **plan_opts)
     try:
@@ -367,6 +402,8 @@ def _refresh(
     }
     if bridged_from:
         tags[TAG_PREFIX + "route"] = f"bridge (jax {bridged_from})"
+    elif flag:
+        tags[TAG_PREFIX + "route"] = f"{routes.EXPIRED_FLAG} (jax {jax.__version__})"
     if getattr(source_model, "model_id", None):
         tags[TAG_PREFIX + "source_model_id"] = source_model.model_id
     metadata = dict(source_model.metadata or {})

@@ -138,12 +138,13 @@ def plan_routes(target: Target, *, allow_other_platform: bool = False) -> list[A
 def pick_route(target: Target, route: str | None, **options: Any) -> Any:
     """The :class:`~jaxexp_mlflow.runtime.routes.Route` to take: the one named by ``route``
     (refused naming the working ones if it does not work here), the first that works for
-    ``auto``, None for no ``--route`` (the plain load, refused naming the routes)."""
+    ``auto``; for no ``--route``, the route the model was logged through where it still is
+    needed (:func:`recorded_route`), else None (the plain load, refused naming the routes)."""
     from jaxexp_mlflow.cli._common import Failure
     from jaxexp_mlflow.runtime import routes
 
     if route is None:
-        return None
+        return recorded_route(target, **options)
     available = plan_routes(target, allow_other_platform=bool(options.get("allow_other_platform")))
     chosen = available[0] if route == "auto" and available else routes.find(available, route)
     if chosen is None:
@@ -153,6 +154,21 @@ def pick_route(target: Target, route: str | None, **options: Any) -> Any:
             + f" for {target.uri}.\n{routes.describe(available)}"
         )
     return chosen
+
+
+def recorded_route(target: Target, **options: Any) -> Any:
+    """The route the model's MLmodel records (``jaxexp.route``: a blob this JAX refused when
+    it was logged) where it still is needed and works here: taken without ``--route`` for
+    ``expired-flag`` and ``bridge`` (``flavors.save_route.TAKEN_WHEN_RECORDED``); else None."""
+    if target.kind == "blob" or not isinstance(target.flavor.get("route"), dict):
+        return None
+    from jaxexp_mlflow.codec.blob import describe
+    from jaxexp_mlflow.flavors.save_route import recorded_route_here
+
+    desc = describe(blob_bytes(target), source=str(target.blob_path))
+    return recorded_route_here(
+        target.flavor, desc, allow_other_platform=bool(options.get("allow_other_platform"))
+    )
 
 
 def _load_bridged(target: Target, *, allow_incompatible: bool, **options: Any) -> Any:

@@ -68,6 +68,14 @@ Examples:
 @click.option("--run-id", help="Log into this existing run instead of a new one.")
 @click.option("--name", default="model", show_default=True, help="Model name in the run.")
 @click.option("--register", "register", help="Also register it under this model name.")
+@click.option(
+    "--route",
+    type=click.Choice(("auto", "direct", "expired-flag", "bridge", "recorded-env")),
+    default=None,
+    help="For a blob this JAX refuses: the route that loads it here, recorded in MLmodel "
+    "(default: direct, else expired-flag where it applies; bridge and recorded-env build a "
+    "cached venv and are taken when asked; auto: the first that works). The output names it.",
+)
 @common_options
 def log(
     blob: Path,
@@ -77,27 +85,30 @@ def log(
     run_id: str | None,
     name: str,
     register: str | None,
+    route: str | None,
     as_json: bool,
     debug: bool,
 ) -> None:
     """Log a serialized jax.export blob (and an Orbax checkpoint) as a jaxexp model.
 
     For artifacts produced outside Python training code. The blob is stored unchanged; the
-    checkpoint is copied (hardlinked when possible) without loading it. Prints the run, the
-    model URIs and the registered version.
+    checkpoint is copied (hardlinked when possible) without loading it. A blob this JAX refuses
+    (e.g. one of jax <= 0.7 under jax >= 0.11.1) is read back through a route, named here and
+    recorded in MLmodel (see --route). Prints the run, the route, the model URIs and the
+    registered version.
     """
     setup_logging(debug)
     if experiment and run_id:
         raise click.UsageError("give --experiment or --run-id, not both")
     data = blob.read_bytes()
+    _check_route(data, blob, route, runs=input_example is not None, has_params=bool(params_dir))
     example = None
     if input_example is not None:
         from jaxexp_mlflow.cli.arrays_io import call_args, input_leaves, input_specs, read_payload
-        from jaxexp_mlflow.codec.blob import deserialize_checked
 
         payload = read_payload(input_example)
         with step("Reading the blob"):
-            exported = deserialize_checked(data, source=str(blob))
+            exported = _structure(data, blob, route)
         n_params = 0
         if params_dir is not None:
             args_tree, _ = exported.in_tree.children()
@@ -124,10 +135,59 @@ def log(
             params=None if params_dir is None else str(params_dir),
             input_example=example,
             registered_model_name=register,
+            route=route,
         )
     d = model_info_dict(info)
     d["run_id"] = d["run_id"] or run.info.run_id
+    taken = ((getattr(info, "flavors", None) or {}).get("jaxexp") or {}).get("route")
     if as_json:
-        emit_json({"ok": True, **d})
+        emit_json({"ok": True, **d, "route": taken or {"name": "direct"}})
     else:
+        if taken:
+            click.echo(_route_text(taken))
         print_model_info(d, register)
+
+
+def _check_route(
+    data: bytes, blob: Path, route: str | None, *, runs: bool, has_params: bool
+) -> None:
+    """Refuse, before any run is started, a blob that no route the save would take loads here
+    (``flavors.save_route.choose``: the refusal names the routes and how to ask)."""
+    from jaxexp_mlflow.codec.blob import describe
+    from jaxexp_mlflow.flavors import save_route
+
+    save_route.choose(
+        describe(data, source=str(blob)), route=route, runs=runs, has_params=has_params
+    )
+
+
+def _structure(data: bytes, blob: Path, route: str | None) -> Any:
+    """An ``Exported`` of the blob for its input structure: read here (with JAX's flag where
+    needed), else through the bridge when asked (the save then reuses that re-export)."""
+    from jaxexp_mlflow.codec.blob import describe
+    from jaxexp_mlflow.errors import IncompatibleError
+    from jaxexp_mlflow.flavors import save_route
+
+    try:
+        return save_route.readable(data)
+    except IncompatibleError:
+        if route not in ("bridge", "auto"):
+            raise
+        desc = describe(data, source=str(blob))
+        return save_route.readable(save_route.bridged(data, int(desc.nr_devices)))
+
+
+def _route_text(taken: dict[str, Any]) -> str:
+    """``Route        expired-flag (jax 0.12.0.1), closes 2026-10-04; recorded in MLmodel``."""
+    who = f" (jax {taken['jax_version']})" if taken.get("jax_version") else ""
+    closes = f", closes {taken['closes_on']}" if taken.get("closes_on") else ""
+    name = taken.get("name")
+    later = (
+        "`jaxexp verify`/`predict` take it; `jaxexp refresh` makes a current copy."
+        if name in ("expired-flag", "bridge")
+        else f"`jaxexp verify`/`predict` take it with --route {name}."
+    )
+    return (
+        f"Route        {name}{who}{closes}: this jax refuses the blob as it is; it was read "
+        f"back through this route (recorded in MLmodel, jaxexp.route). {later}"
+    )

@@ -36,11 +36,13 @@ Examples:
 @click.option("--atol", type=float, default=None, help="Tolerance of the before/after check.")
 @click.option(
     "--route",
-    type=click.Choice(("direct", "bridge")),
-    default="direct",
-    show_default=True,
-    help="bridge: have jax 0.10.2 (a cached venv) read the blob and re-export it first, for a "
-    "model this jax cannot read (old-style HLO shardings); checked against the stored reference.",
+    type=click.Choice(("direct", "expired-flag", "bridge")),
+    default=None,
+    help="How this jax reads the source (default: the route it was logged through where it "
+    "still is needed, else direct). expired-flag: JAX's flag around the deserialization only "
+    "(a blob of jax <= 0.7 under jax >= 0.11.1); bridge: jax 0.10.2 (a cached venv) reads the "
+    "blob and re-exports it first (old-style HLO shardings); checked against the stored "
+    "reference.",
 )
 @common_options
 def refresh(
@@ -52,7 +54,7 @@ def refresh(
     allow_other_platform: bool,
     rtol: float | None,
     atol: float | None,
-    route: str,
+    route: str | None,
     as_json: bool,
     debug: bool,
 ) -> None:
@@ -61,8 +63,9 @@ def refresh(
     The new export is checked against the old one on the stored reference input (within
     --rtol/--atol) before it is logged; the original model is left untouched. Prints the new
     model's URIs and, with --register, its registered version. A model of jax <= 0.7 that
-    jax >= 0.11.1 refuses as expired is read with JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS=1 set;
-    one it cannot read at all (old-style HLO shardings) is refreshed with --route bridge.
+    jax >= 0.11.1 refuses as expired is read with --route expired-flag (or
+    JAX_EXPORT_DESERIALIZE_EXPIRED_VERSIONS=1 set); one it cannot read at all (old-style HLO
+    shardings) with --route bridge. A model logged through a route takes it by default.
     """
     setup_logging(debug)
     from jaxexp_mlflow.reexport import refresh as do_refresh
@@ -82,7 +85,7 @@ def refresh(
             run_id=run_id,
             rtol=rtol,
             atol=atol,
-            bridge=route == "bridge",
+            route=route,
             **options,
         )
     d = model_info_dict(info)

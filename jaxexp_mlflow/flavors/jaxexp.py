@@ -142,11 +142,18 @@ def save_model(
     The save is atomic and checked (docs/saving.md): the model is built in a temporary sibling
     of ``path``, read back the way ``load_model`` reads it (and run on ``input_example``), and
     only then renamed to ``path``; on any failure nothing is left at ``path``.
+
+    Bytes this JAX refuses (a blob of jax <= 0.7 under jax >= 0.11.1, old-style HLO shardings,
+    kernels this jaxlib lacks) are saved unchanged through a route (``flavors.save_route``),
+    read back through it and recorded in MLmodel (``jaxexp.route``): ``route=None`` takes
+    ``direct``, else ``expired-flag`` where it applies, and names it in a logged warning;
+    ``route="bridge"``/``"recorded-env"`` (cached venvs) or ``"auto"`` are taken when asked.
+    Without a route that works, ``IncompatibleError`` names the routes and how to ask for them.
     """
     from jaxexp_mlflow.flavors import atomic
 
     load_options = {"allow_incompatible", "allow_other_platform", "data_parallel", "devices"}
-    if load_only := sorted(set(kwargs) & (load_options | {"route"})):
+    if load_only := sorted(set(kwargs) & load_options):
         from jaxexp_mlflow.errors import UnsupportedModelError
 
         raise UnsupportedModelError(

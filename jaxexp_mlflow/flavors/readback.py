@@ -7,7 +7,8 @@ temporary directory of ``flavors.atomic``), :func:`read_back`:
 2. loads the directory with ``runtime.loader.load_directory`` (checksum, format, verdict,
    deserialization, device placement, params restored into the export's avals and shardings)
    when the model can run here, else the part that does not depend on this machine (blob
-   deserialized, params restored to the export's avals on the host);
+   deserialized, params restored to the export's avals on the host); a blob this JAX refuses
+   is loaded through the route MLmodel records (``jaxexp.route``, ``flavors.save_route``);
 3. checks the deserialized export against the one saved (trees, avals, platforms, devices);
 4. with an input example, computes the reference outputs **with the restored params** and with
    the params given to ``save_model``, through the same compiled function (one compilation, two
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,7 +168,8 @@ def read_back(
     """
     import jax
 
-    from jaxexp_mlflow.runtime import compat
+    from jaxexp_mlflow.flavors import save_route
+    from jaxexp_mlflow.runtime import compat, routes
     from jaxexp_mlflow.runtime.loader import load_directory
 
     path = Path(path)
@@ -174,16 +177,23 @@ def read_back(
     t0 = time.perf_counter()
     conf = _flavor_conf(path, flavor_name)
     _bind_params(path, conf)
-    verdict = compat.assess(conf)
+    route = save_route.recorded_name(conf)  # a blob this jax refuses: read through its route
+    verdict = save_route.verdict_for(conf)
     result = ReadBack(loaded_here=verdict.status != compat.INCOMPATIBLE)
     bind = params if binds(params) else None
     try:
-        if result.loaded_here:
-            model = load_directory(path, conf, bind=bind)
+        if route in (routes.BRIDGE, routes.RECORDED_ENV):
+            model = save_route.load_for_readback(path, conf, bind)
+            loaded_exp, restored = model.exported, model.params
+            result.loaded_here = route == routes.BRIDGE
+        elif result.loaded_here:
+            model = load_directory(path, conf, bind=bind, route=route)
             loaded_exp, restored = model.exported, model.params
         else:
             model = None
-            loaded_exp, restored = _portable_load(path, conf, bind)
+            scope = routes.expired_flag if route == routes.EXPIRED_FLAG else nullcontext
+            with scope():
+                loaded_exp, restored = _portable_load(path, conf, bind)
     except JaxExpError as err:
         raise type(err)(
             f"The model saved to {where} does not load back, so it was not saved: {err.message}"
@@ -194,7 +204,7 @@ def read_back(
             f"{type(err).__name__}: {err}. Check that params are arrays of the export's avals; "
             "report the issue with this message if they are."
         ) from err
-    result.model = model
+    result.model = model if route != routes.RECORDED_ENV else None  # no synthetic probes there
     _same_export(exported, loaded_exp)
     result.seconds["load"] = time.perf_counter() - t0
     if inputs is not None and model is not None:

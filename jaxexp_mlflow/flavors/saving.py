@@ -48,17 +48,31 @@ def resolve_exported(
     batch_polymorphic: bool,
     platforms: Any,
     polymorphic_shapes: Any = None,
+    route: str | None = None,
+    taken: list | None = None,
 ) -> tuple[Any, bytes, tuple[str | None, str | None], Any]:
     """Normalise what the user passed into (Exported, blob bytes, exporter versions, description).
 
-    Bytes are stored unchanged (a blob from an older JAX may not re-serialize under this one).
+    Bytes are stored unchanged (a blob from an older JAX may not re-serialize under this one);
+    one this JAX refuses is read through a route (``flavors.save_route``; ``route`` as asked),
+    appended to ``taken``.
     """
     here = (jax.__version__, package_version("jaxlib"))
     if isinstance(exported, bytes | bytearray | memoryview):
+        from jaxexp_mlflow.flavors import save_route
+
         data = bytes(exported)
         description = blob_codec.describe(data, source="the given blob")
-        _refuse_if_this_jax_cannot_read(description)
-        exp = blob_codec.deserialize_checked(data, source="the given blob", description=description)
+        way = save_route.take(
+            data,
+            description,
+            route=route,
+            runs=input_example is not None,
+            has_params=params is not None,
+        )
+        if taken is not None:
+            taken.append(way)
+        exp = way.exported
         depth = description.vjp_order
         if vjp_order > depth:
             raise UnsupportedModelError(
@@ -73,6 +87,11 @@ def resolve_exported(
         raise UnsupportedModelError(
             "polymorphic_shapes= applies only to a function the flavor exports; an Exported "
             "or its bytes already has its shapes."
+        )
+    if route not in (None, "direct", "auto"):
+        raise UnsupportedModelError(
+            f"route={route!r} applies to a blob given as bytes only (a function or an Exported "
+            "is exported or serialized by this jax, which reads it directly)."
         )
     if isinstance(exported, jax.export.Exported):
         exp = exported
@@ -140,25 +159,6 @@ def _host_reference(fn: Any, params: Any, input_example: Any, batch_polymorphic:
     return jax.block_until_ready(outputs)
 
 
-def _refuse_if_this_jax_cannot_read(description: Any) -> None:
-    """A blob this jax refuses to deserialize (expired schema, HLO shardings, newer schema):
-    the verdict's reasons and what to do, instead of JAX's bare ValueError."""
-    from jaxexp_mlflow.runtime import compat
-
-    verdict = compat.assess({}, description=description)
-    unreadable = [
-        r
-        for r in verdict.reasons
-        if r.code in {"expired", "hlo_sharding", "schema"} and r.severity == compat.INCOMPATIBLE
-    ]
-    if unreadable:
-        raise IncompatibleError(
-            f"jax {verdict.environment.get('jax_version')} cannot read the given blob, so it "
-            "cannot be saved from here (a saved model is one this environment loads):\n- "
-            + "\n- ".join(str(r) for r in unreadable)
-        )
-
-
 def _refuse_if_it_cannot_run_here(conf: dict[str, Any], description: Any) -> None:
     """The reference outputs are computed here: judge first, rather than fail inside XLA."""
     from jaxexp_mlflow.runtime import compat
@@ -194,7 +194,8 @@ def write_model_files(
     compression: Any = "default",
     durable: bool = True,
     polymorphic_shapes: Any = None,
-) -> tuple[FlavorSection, Any, Any]:
+    route: str | None = None,
+) -> tuple[FlavorSection, Any, Any, Any]:
     """Write blob and params into ``path``.
 
     ``durable=False`` (``log_model``'s staging directory, uploaded then deleted) skips the
@@ -209,6 +210,7 @@ def write_model_files(
     """
     from jaxexp_mlflow import params as params_codec
 
+    taken: list = []  # the route a blob given as bytes is read through (flavors.save_route)
     exp, data, versions, description = resolve_exported(
         exported,
         params=params,
@@ -217,6 +219,8 @@ def write_model_files(
         batch_polymorphic=batch_polymorphic,
         platforms=platforms,
         polymorphic_shapes=polymorphic_shapes,
+        route=route,
+        taken=taken,
     )
     artifact.check_free_space(path, artifact.model_bytes(data, params, input_example))
     n_params = 0
@@ -282,6 +286,8 @@ def write_model_files(
         section,
         params_format=params_conf,
         iree=_prepare_for_iree(exp, data, path, n_params),
+        route=taken[0].record() if taken else None,
+        **(taken[0].stored_facts(description) if taken else {}),
         **names_conf,
     )
     host_outputs = None
@@ -292,6 +298,10 @@ def write_model_files(
         if function and not set(exp.platforms) & set(available_platforms()):
             # exported for a platform this machine lacks: reference from a host lowering
             host_outputs = _host_reference(exported, params, input_example, batch_polymorphic)
+        elif taken and taken[0].route is not None:  # through the route: flavors.save_route
+            from jaxexp_mlflow.flavors.save_route import check_runs
+
+            check_runs(taken[0], section.to_dict(), description)
         else:  # the reference result is computed by the read-back
             _refuse_if_it_cannot_run_here(section.to_dict(), description)
     return section, exp, arrays, host_outputs

@@ -64,6 +64,7 @@ _WRITTEN_WHEN_SET = frozenset(
         "reference",
         "reference_synthetic",
         "padding",
+        "route",
     }
 )
 
@@ -116,6 +117,7 @@ class FlavorSection:
     #: whether pyfunc may pad batches to buckets: ``rows_independent`` (bool, proven at save
     #: by ``runtime.rows.prove``) and ``proof`` (how); absent: not proven, never padded
     padding: dict[str, Any] | None = None
+    route: dict[str, Any] | None = None  # the route a refused blob was saved through
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -509,6 +511,7 @@ def _validate(conf: Any) -> None:
         "classifier",
         "iree",
         "padding",
+        "route",
     ):
         value = conf.get(key)
         if value is not None and not isinstance(value, dict):
