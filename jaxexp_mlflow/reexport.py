@@ -276,6 +276,7 @@ def refresh(
             rtol=rtol,
             atol=atol,
             bridge=bridge,
+            route=route,
             **options,
         )
 
@@ -306,6 +307,7 @@ def _refresh(
     rtol: float | None,
     atol: float | None,
     bridge: bool,
+    route: str | None,
     **options: Any,
 ) -> Any:
     """:func:`refresh` of the source model at ``local``."""
