@@ -19,10 +19,10 @@ from jaxexp_mlflow.codec.reader import (
     BlobDescription,
     BlobFormatError,
     TreeNode,
-    hlo_sharding_str,
     read_blob,
     read_blob_file,
 )
+from jaxexp_mlflow.codec.shardings import hlo_sharding_str
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))

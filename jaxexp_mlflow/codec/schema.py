@@ -472,3 +472,22 @@ SERIALIZATION_FIELD_WRITTEN_FROM = {3: "0.8.0"}
 #: plans a minimum schema after 2027-01).
 ENFORCING_JAX = (0, 11, 1)
 OLDEST_SCHEMA_READ_BY_ENFORCING_JAX = SCHEMA_NR_DEVICES_32
+
+
+class GenerationEvidence:
+    """Evidence of the writer's schema generation, collected while reading."""
+
+    __slots__ = ("level",)
+
+    def __init__(self) -> None:
+        self.level = 0
+
+    def saw(self, level: int) -> None:
+        """A field or value first written by schema generation ``level`` was read."""
+        if level > self.level:
+            self.level = level
+
+    def generation(self, written: int) -> int:
+        """The writer's generation: the newest one seen, at least what ``written`` implies."""
+        base = 1 if written == 1 else 2
+        return max(base, self.level)
