@@ -34,12 +34,22 @@ import logging
 import os
 import posixpath
 import shutil
-import sys
 import tempfile
 import threading
 import urllib.parse
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from jaxexp_mlflow.internals.mlflow_fallbacks import (
+    deduplicate,
+    installed_version,
+    is_mlflow_requirement,
+    jsonable,
+    mlflow_pin,
+    parse_pip_requirements,
+    python_version,
+    strip_local,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -387,31 +397,6 @@ def env_file_names() -> EnvFiles:
     return EnvFiles(*names)
 
 
-def _installed_version(package: str) -> str | None:
-    import importlib.metadata
-
-    if package == "mlflow":
-        import mlflow
-
-        return mlflow.__version__
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        try:
-            return importlib.import_module(package.replace("-", "_")).__version__
-        except (ImportError, AttributeError):
-            return None
-
-
-def _strip_local(version: str) -> str:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).public
-    except InvalidVersion:
-        return version
-
-
 def pinned_requirement(package: str) -> str:
     """``package==<installed version>`` (local version label dropped), as MLflow pins."""
     fn = _private("mlflow.utils.requirements_utils:_get_pinned_requirement")
@@ -420,39 +405,11 @@ def pinned_requirement(package: str) -> str:
     from packaging.requirements import Requirement
 
     req = Requirement(package)
-    version = _installed_version(req.name)
+    version = installed_version(req.name)
     if version is None:
         raise ModuleNotFoundError(f"{req.name} is not installed: cannot pin it")
     extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
-    return f"{req.name}{extras}=={_strip_local(version)}"
-
-
-def _python_version() -> str:
-    return ".".join(str(v) for v in sys.version_info[:3])
-
-
-def _is_mlflow_requirement(line: str) -> bool:
-    from packaging.requirements import InvalidRequirement, Requirement
-
-    try:
-        return Requirement(line).name.lower() in ("mlflow", "mlflow-skinny", "mlflow-tracing")
-    except InvalidRequirement:
-        spec = line.split(" -", 1)[0]
-        try:
-            return Requirement(spec).name.lower() == "mlflow"
-        except InvalidRequirement:
-            squashed = line.replace(" ", "").lower()
-            return "/mlflow" in squashed or "mlflow@git" in squashed
-
-
-def _mlflow_pin() -> str:
-    import mlflow
-    from packaging.version import Version
-
-    version = Version(mlflow.__version__)
-    if not version.is_devrelease:
-        return f"mlflow=={mlflow.__version__}"
-    return f"mlflow=={version.major}.{version.minor}.{version.micro - 1}"
+    return f"{req.name}{extras}=={strip_local(version)}"
 
 
 def mlflow_conda_env(
@@ -463,18 +420,18 @@ def mlflow_conda_env(
     if fn is not None:
         return fn(additional_pip_deps=additional_pip_deps, install_mlflow=install_mlflow)
     pip_deps = list(additional_pip_deps or [])
-    if install_mlflow and not any(map(_is_mlflow_requirement, pip_deps)):
+    if install_mlflow and not any(map(is_mlflow_requirement, pip_deps)):
         import mlflow
 
         pip_deps.insert(0, f"mlflow=={mlflow.__version__}")
     conda_deps: list[Any] = []
     if pip_deps:
-        pip_version = _installed_version("pip")
+        pip_version = installed_version("pip")
         conda_deps.append(f"pip<={pip_version}" if pip_version else "pip")
     return {
         "name": "mlflow-env",
         "channels": ["conda-forge"],
-        "dependencies": [f"python={_python_version()}", *conda_deps, {"pip": pip_deps}],
+        "dependencies": [f"python={python_version()}", *conda_deps, {"pip": pip_deps}],
     }
 
 
@@ -491,78 +448,6 @@ def validate_env_arguments(conda_env: Any, pip_requirements: Any, extra: Any) ->
         )
 
 
-def _parse_lines(lines: list[str], base_dir: str, constraint: bool) -> list[tuple[str, bool]]:
-    """pip requirement lines -> ``(requirement, is_constraint)``; ``-r``/``-c`` files read."""
-    out: list[tuple[str, bool]] = []
-    joined: list[str] = []
-    pending = ""
-    for raw in lines:
-        line = raw.strip()
-        line = line[: line.find(" #")].rstrip() if " #" in line else line
-        if line.endswith("\\"):
-            pending += line[:-1]
-            continue
-        joined.append(pending + line)
-        pending = ""
-    if pending:
-        joined.append(pending)
-    for line in joined:
-        if not line or line.startswith("#"):
-            continue
-        flag, _, rest = line.partition(" ")
-        if flag in ("-r", "--requirement", "-c", "--constraint"):
-            path = os.path.join(base_dir, rest.strip())
-            with open(path) as f:
-                sub = f.read().splitlines()
-            is_c = flag in ("-c", "--constraint")
-            out += _parse_lines(sub, os.path.dirname(path), is_c)
-        else:
-            out.append((line, constraint))
-    return out
-
-
-def _parse_pip_requirements(reqs: Any) -> tuple[list[str], list[str]]:
-    if reqs is None:
-        return [], []
-    if isinstance(reqs, str):
-        with open(reqs) as f:
-            parsed = _parse_lines(f.read().splitlines(), os.path.dirname(reqs), False)
-    else:
-        reqs = list(reqs)
-        if not all(isinstance(r, str) for r in reqs):
-            raise TypeError(
-                "`pip_requirements` must be either a string path to a pip requirements file on "
-                f"the local filesystem or an iterable of pip requirement strings, got {reqs!r}"
-            )
-        parsed = _parse_lines(reqs, os.getcwd(), False)
-    return [r for r, c in parsed if not c], [r for r, c in parsed if c]
-
-
-def _deduplicate(requirements: list[str]) -> list[str]:
-    """One line per (package, marker): specifiers and extras merged, first position kept."""
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.specifiers import SpecifierSet
-
-    merged: dict[Any, Any] = {}
-    for line in requirements:
-        try:
-            req = Requirement(line)
-        except InvalidRequirement:
-            merged.setdefault(line, line)
-            continue
-        key = (req.name, str(req.marker) if req.marker else "")
-        old = merged.get(key)
-        if old is not None:
-            if old.specifier and req.specifier and old.specifier != req.specifier:
-                req.specifier = SpecifierSet(f"{old.specifier},{req.specifier}")
-            elif old.specifier and not req.specifier:
-                req.specifier = old.specifier
-            if old.extras:
-                req.extras = set(old.extras) | set(req.extras)
-        merged[key] = req
-    return [str(r) for r in merged.values()]
-
-
 def process_pip_requirements(
     default: list[str] | None, pip_requirements: Any = None, extra: Any = None
 ) -> tuple[dict[str, Any], list[str], list[str]]:
@@ -573,15 +458,15 @@ def process_pip_requirements(
         return fn(default, pip_requirements, extra)
     constraints: list[str] = []
     if pip_requirements is not None:
-        reqs, constraints = _parse_pip_requirements(pip_requirements)
+        reqs, constraints = parse_pip_requirements(pip_requirements)
     elif extra is not None:
-        extra_reqs, constraints = _parse_pip_requirements(extra)
+        extra_reqs, constraints = parse_pip_requirements(extra)
         reqs = list(default or []) + extra_reqs
     else:
         reqs = list(default or [])
-    if not any(map(_is_mlflow_requirement, reqs)):
-        reqs.insert(0, _mlflow_pin())
-    reqs = _deduplicate(reqs)
+    if not any(map(is_mlflow_requirement, reqs)):
+        reqs.insert(0, mlflow_pin())
+    reqs = deduplicate(reqs)
     if constraints:
         reqs.append(f"-c {env_file_names().constraints}")
     return mlflow_conda_env(reqs, install_mlflow=False), reqs, constraints
@@ -604,9 +489,9 @@ def process_conda_env(conda_env: Any) -> tuple[dict[str, Any], list[str], list[s
         )
     deps = conda_env.get("dependencies", [])
     pip = next((d["pip"] for d in deps if isinstance(d, dict) and "pip" in d), [])
-    reqs, constraints = _parse_pip_requirements(pip)
-    if not any(map(_is_mlflow_requirement, reqs)):
-        reqs.insert(0, _mlflow_pin())
+    reqs, constraints = parse_pip_requirements(pip)
+    if not any(map(is_mlflow_requirement, reqs)):
+        reqs.insert(0, mlflow_pin())
     if constraints:
         reqs.append(f"-c {env_file_names().constraints}")
     new_deps = [{"pip": reqs} if isinstance(d, dict) and "pip" in d else d for d in deps]
@@ -625,10 +510,10 @@ def write_python_env(path: str | os.PathLike) -> None:
 
     build = []
     for package in ("pip", "setuptools", "wheel"):
-        version = _installed_version(package)
+        version = installed_version(package)
         build.append(f"{package}=={version}" if version else package)
     data = {
-        "python": _python_version(),
+        "python": python_version(),
         "build_dependencies": build,
         "dependencies": [f"-r {env_file_names().requirements}"],
     }
@@ -655,16 +540,6 @@ def copy_code_paths(code_paths: list[str] | None, path: str) -> str | None:
     return "code"
 
 
-def _jsonable(arr: Any) -> Any:
-    """An array as nested lists, NaN as None (MLflow's ``_handle_ndarray_input``)."""
-    import numpy as np
-
-    arr = np.asarray(arr)
-    if np.issubdtype(arr.dtype, np.number):
-        arr = np.where(np.isnan(arr), None, arr)
-    return arr.tolist()
-
-
 def save_input_example(mlflow_model: Any, example: Any, path: str | os.PathLike) -> None:
     """Save ``example`` (``{input name: ndarray}``) as the model's MLflow input example
     (``input_example.json``, ``serving_input_example.json``, ``saved_input_example_info``)."""
@@ -675,9 +550,9 @@ def save_input_example(mlflow_model: Any, example: Any, path: str | os.PathLike)
     import numpy as np
 
     if isinstance(example, dict) and all(isinstance(v, np.ndarray) for v in example.values()):
-        data: Any = {k: _jsonable(v) for k, v in example.items()}
+        data: Any = {k: jsonable(v) for k, v in example.items()}
     elif isinstance(example, np.ndarray):
-        data = _jsonable(example)
+        data = jsonable(example)
     else:  # only what the flavor passes is reimplemented: no example (a nicety) otherwise
         return
     with open(os.path.join(path, "input_example.json"), "w") as f:
