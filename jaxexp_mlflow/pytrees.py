@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.export  # jax < 0.8 does not import the submodule by itself
 
+from jaxexp_mlflow.codec.mlmodel import check_node_type_names
 from jaxexp_mlflow.errors import ArtifactError, UnsupportedModelError
 
 # Modules whose pytree node types we register automatically (their aux data is JSON-able).
@@ -116,8 +117,6 @@ def register_for_load(names: list[str]) -> None:
     Only names under ``AUTO_REGISTER_PREFIXES`` are imported (from the installed packages, never
     from the model); a name that is not a dotted import path, or names something other than a
     class JAX can register, is an ``ArtifactError``."""
-    from jaxexp_mlflow.flavors.section import check_node_type_names
-
     check_node_type_names(names)
     for name in names or ():
         if not name or not name.startswith(AUTO_REGISTER_PREFIXES) or name in _registered:

@@ -5,7 +5,9 @@ MLmodel is YAML written by MLflow. From an untrusted directory it is read with b
 ``MAX_DEPTH`` deep and at most ``MAX_NODES`` values once aliases are expanded (an "alias bomb"
 of a few kB otherwise expands to gigabytes in whoever walks the result: ``json.dumps``,
 ``copy.deepcopy``). This is the package's only MLmodel reader; its ``jaxexp`` section is then
-checked by ``flavors.section``. A save reads its MLmodel back four times and a load twice, so
+checked by ``flavors.section``, but for the bound on its ``pytree_node_types``
+(:func:`check_node_type_names`), which is here because ``pytrees`` checks it too, and this
+module imports no JAX. A save reads its MLmodel back four times and a load twice, so
 :func:`read_mlmodel` keeps the last few parses by the file's exact bytes and hands out deep
 copies (a changed byte parses again; nothing is cached by path). The parse is libyaml's where
 PyYAML has it (:func:`load_yaml`), with the budgets checked on its event stream first.
@@ -23,12 +25,15 @@ from typing import Any
 from jaxexp_mlflow.codec import files
 from jaxexp_mlflow.codec.files import fail
 
-__all__ = ["MLMODEL", "load_yaml", "read_mlmodel"]
+__all__ = ["MLMODEL", "check_node_type_names", "load_yaml", "read_mlmodel"]
 
 MLMODEL = "MLmodel"
 MAX_ALIASES = 100
 MAX_DEPTH = 64
 MAX_NODES = 200_000
+#: Bounds of ``pytree_node_types``: names are import paths (``flax.core.frozen_dict.FrozenDict``).
+MAX_NODE_TYPES = 1024
+MAX_NODE_TYPE_NAME = 512
 
 
 def load_yaml(text: bytes | str, *, source: str = MLMODEL) -> Any:
@@ -156,3 +161,37 @@ def read_mlmodel(model_dir: str | os.PathLike) -> dict[str, Any]:
 _PARSED: OrderedDict[bytes, dict[str, Any]] = OrderedDict()
 _PARSED_SIZE = 4
 _PARSED_LOCK = threading.Lock()
+
+
+def _bad_names(expected: str, value: Any) -> Exception:
+    found = type(value).__name__ if not isinstance(value, int | float | str) else repr(value)
+    return fail(
+        f"The model's {MLMODEL} jaxexp.pytree_node_types: expected {expected}, found {found:.80}. "
+        "The file is damaged or was altered; download the model again."
+    )
+
+
+def check_node_type_names(names: Any) -> list[Any]:
+    """``pytree_node_types`` as written by ``save_model``: a list of at most ``MAX_NODE_TYPES``
+    printable names without spaces, each at most ``MAX_NODE_TYPE_NAME`` characters (or null);
+    ``ArtifactError`` naming the field otherwise."""
+    if names is None:
+        return []
+    if not isinstance(names, list) or len(names) > MAX_NODE_TYPES:
+        raise _bad_names(f"a list of at most {MAX_NODE_TYPES} node type names", names)
+    for name in names:
+        if name is None:
+            continue
+        if (
+            not isinstance(name, str)
+            or not 0 < len(name) <= MAX_NODE_TYPE_NAME
+            or not name.isprintable()
+            or any(c.isspace() for c in name)
+        ):
+            shown = name if not isinstance(name, str) else f"{name[:60]!r} ({len(name)} chars)"
+            raise _bad_names(
+                f"import paths of node types (at most {MAX_NODE_TYPE_NAME} printable "
+                "characters, no spaces)",
+                shown,
+            )
+    return names

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxexp_mlflow.codec.files import MAX_BLOB_BYTES, check_relative, fail
-from jaxexp_mlflow.codec.mlmodel import MLMODEL, read_mlmodel
+from jaxexp_mlflow.codec.mlmodel import MLMODEL, check_node_type_names, read_mlmodel
 
 __all__ = [
     "FLAVOR_NAME",
@@ -48,9 +48,6 @@ MAX_LEAVES = 100_000
 MAX_DEVICES = 1 << 16
 MAX_REQUEST_BYTES = 1 << 34
 MAX_VJP_ORDER = 64
-#: Bounds of ``pytree_node_types``: names are import paths (``flax.core.frozen_dict.FrozenDict``).
-MAX_NODE_TYPES = 1024
-MAX_NODE_TYPE_NAME = 512
 
 #: Fields written only when set (absent from MLmodel rather than null), as ``save_model`` always
 #: did: an unset one is left out by :meth:`FlavorSection.to_dict`.
@@ -414,34 +411,6 @@ def _io(io: Any) -> None:
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def check_node_type_names(names: Any) -> list[Any]:
-    """``pytree_node_types`` as written by ``save_model``: a list of at most ``MAX_NODE_TYPES``
-    printable names without spaces, each at most ``MAX_NODE_TYPE_NAME`` characters (or null);
-    ``ArtifactError`` naming the field otherwise."""
-    field = "pytree_node_types"
-    if names is None:
-        return []
-    if not isinstance(names, list) or len(names) > MAX_NODE_TYPES:
-        raise _bad(field, f"a list of at most {MAX_NODE_TYPES} node type names", names)
-    for name in names:
-        if name is None:
-            continue
-        if (
-            not isinstance(name, str)
-            or not 0 < len(name) <= MAX_NODE_TYPE_NAME
-            or not name.isprintable()
-            or any(c.isspace() for c in name)
-        ):
-            shown = name if not isinstance(name, str) else f"{name[:60]!r} ({len(name)} chars)"
-            raise _bad(
-                field,
-                f"import paths of node types (at most {MAX_NODE_TYPE_NAME} printable "
-                "characters, no spaces)",
-                shown,
-            )
-    return names
 
 
 def _relative(conf: dict, key: str, expected: str, what: str) -> None:

@@ -90,7 +90,7 @@ def probe(
     timeout = float(timeout_s or DEFAULT_TIMEOUT_S)
     names = list(node_types or [])
     if names:  # typed errors (ArtifactError) here, before a child is started
-        from jaxexp_mlflow.flavors.section import check_node_type_names
+        from jaxexp_mlflow.codec.mlmodel import check_node_type_names
         from jaxexp_mlflow.pytrees import register_for_load
 
         check_node_type_names(names)
