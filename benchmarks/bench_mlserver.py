@@ -1,7 +1,7 @@
 """MLServer (V2 inference protocol) latency for a jaxexp model, against ``mlflow models serve``.
 
 Serves the same model directory with ``mlserver start`` (runtime
-``jaxexp_mlflow.mlserver_runtime.JaxExpRuntime``, from ``.venv-mlserver``: see
+``jaxexp_mlflow.serving.mlserver_runtime.JaxExpRuntime``, from ``.venv-mlserver``: see
 scripts/mlserver_env.sh) and with ``mlflow models serve`` (the project's venv), both on
 127.0.0.1, and reports the median request latency at batch 1 and 256 of each, requests of the two
 servers interleaved. Skipped (exit 0, no rows) without ``.venv-mlserver``.
@@ -32,7 +32,7 @@ from bench_rest import free_port, start, stop  # noqa: E402
 WIDTHS = (64, 256, 256, 10)
 MLSERVER_BIN = Path(__file__).resolve().parents[1] / ".venv-mlserver" / "bin"
 NAME = "jaxexp-model"
-RUNTIME = "jaxexp_mlflow.mlserver_runtime.JaxExpRuntime"
+RUNTIME = "jaxexp_mlflow.serving.mlserver_runtime.JaxExpRuntime"
 
 
 def start_mlserver(

@@ -210,7 +210,7 @@ def hook_loads(text: str) -> object:
 
 def parse_figures(model_dir: Path, rounds: int) -> dict:
     """Request parse and server-side request at batch 256 against the JSON floor, in process."""
-    from jaxexp_mlflow.flavors import pyfunc, server
+    from jaxexp_mlflow.serving import pyfunc, server
 
     _, impl = server.load(str(model_dir), {"precompile": [256]})
     x = np.random.default_rng(256).standard_normal((256, BIG[0])).astype(np.float32)

@@ -4,7 +4,7 @@ In one run, interleaved round by round on the same cached DataFrame (``--rows`` 
 ``--quick``: 40k, of 8 float features in ``--partitions`` partitions, Arrow batches of 10k), each
 job written to Spark's ``noop`` sink so that every output row is produced and none is collected:
 
-- ``spark.predict``: ``jaxexp_mlflow.spark.predict(df, model_dir, keep_columns=False)``;
+- ``spark.predict``: ``jaxexp_mlflow.serving.spark.predict(df, model_dir, keep_columns=False)``;
 - the floor: ``DataFrame.mapInArrow`` with a hand-written function, ``jax.jit`` of the model's
   function with its params closed over, on the Arrow values buffer (no checks, no buckets), the
   params shipped the same way (``SparkContext.addFile``, loaded once per Python worker): what
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from pyspark.sql import functions as F  # noqa: N812
 
     import jaxexp_mlflow  # noqa: F401
-    from jaxexp_mlflow import spark as jspark
+    from jaxexp_mlflow.serving import spark as jspark
 
     cloudpickle.register_pickle_by_value(bench_pyfunc)  # `apply` reaches the workers by value
     tmp = Path(tempfile.mkdtemp(prefix="jaxexp-bench-spark-"))

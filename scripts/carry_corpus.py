@@ -6,8 +6,8 @@ blob as a bare blob (its bytes, nothing else, as someone archived it) into a tem
 store, run ``jaxexp predict runs:/<run>/<case> --route auto`` on its stored inputs (the product
 judges the blob, names the routes that work here and takes the first: ``direct``,
 ``expired-flag``, ``bridge`` or ``recorded-env``), and compare with the stored outputs within
-the per-dtype tolerance (``jaxexp_mlflow.reproduce.compare_outputs``). Prints one row per case:
-writer jax, route taken (and the jax that read the blob), result, seconds.
+the per-dtype tolerance (``jaxexp_mlflow.archive.reproduce.compare_outputs``). Prints one row per
+case: writer jax, route taken (and the jax that read the blob), result, seconds.
 
 Usage: ``python scripts/carry_corpus.py [--corpus DIR] [--cases jax-0.4.35/linalg ...]``. The
 venvs the ``bridge`` and ``recorded-env`` routes build go to ``$JAXEXP_ENVS_DIR`` (default
@@ -71,7 +71,7 @@ def main() -> int:
     import jax
     import mlflow
 
-    from jaxexp_mlflow.reproduce import compare_outputs
+    from jaxexp_mlflow.archive.reproduce import compare_outputs
 
     here = f"Python {sys.version.split()[0]}, jax {jax.__version__}"
     rows, ok = [], 0

@@ -293,7 +293,7 @@ def test_check_across_the_version_line(tmp_path):
     against this environment with the other jax's measured facts."""
     from jaxexp_mlflow.cli.check import blob_meta
     from jaxexp_mlflow.codec.reader import read_blob_file
-    from jaxexp_mlflow.flavors.section import package_version
+    from jaxexp_mlflow.store.section import package_version
 
     here = compat.Environment.current()
     jax_0102 = here.replace(  # measured with jax/jaxlib 0.10.2

@@ -103,7 +103,7 @@ def test_verify_env_refuses_requirements_beyond_the_index_unless_trusted(saved, 
 
 
 def test_verify_env_prints_what_it_installs_for_a_plain_model(saved, tmp_path, fake_uv):
-    from jaxexp_mlflow.recorded_env import check_requirements
+    from jaxexp_mlflow.archive.recorded_env import check_requirements
 
     plan = check_requirements(saved)  # what MLflow writes passes without the flag
     assert plan.python and any(r.startswith("jax==") for r in plan.requirements)

@@ -244,7 +244,7 @@ def test_load_refuses_linalg_before_calling_and_override(tmp_path, caplog, expir
     # a "warn" verdict loads and logs each reason
     mlp = CORPUS / "jax-0.4.35" / "mlp"
     mlflow.jaxexp.save_model((mlp / "exported.bin").read_bytes(), tmp_path / "mlp")
-    with caplog.at_level(logging.WARNING, logger="jaxexp_mlflow.runtime.loader"):
+    with caplog.at_level(logging.WARNING, logger="jaxexp_mlflow.runtime.routes"):
         model = mlflow.jaxexp.load_model(str(tmp_path / "mlp"))
     assert model.verdict.status == "warn"
     assert any("[window_backward]" in r.getMessage() for r in caplog.records)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
-from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
 from jaxexp_mlflow.runtime import executables
+from jaxexp_mlflow.serving.pyfunc import load_pyfunc
 from tests.models import batch, export_mlp, mlp_params
 
 BUCKETS = [1, 2, 4, 8]

@@ -422,7 +422,7 @@ def _old_model_inputs() -> tuple[dict, np.ndarray]:
 
 
 def test_model_saved_before_the_section_schema_loads(tmp_path):
-    """A model directory written by 0.1.0 (before ``flavors.section``) still loads and runs."""
+    """A model directory written by 0.1.0 (before ``store.section``) still loads and runs."""
     model_dir = tmp_path / "m"
     shutil.copytree(OLD_MODEL, model_dir)
     if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 7):
@@ -441,7 +441,7 @@ def test_model_saved_before_the_section_schema_loads(tmp_path):
 def test_section_written_today_equals_the_old_one(tmp_path):
     """The same model saved now has the same MLmodel ``jaxexp`` section, field for field (the
     blob aside: the export records source locations, which differ)."""
-    from jaxexp_mlflow.flavors.section import FlavorSection
+    from jaxexp_mlflow.store.section import FlavorSection
 
     params, x = _old_model_inputs()
 
@@ -479,7 +479,7 @@ def test_section_written_today_equals_the_old_one(tmp_path):
 
 
 def test_section_keeps_fields_of_newer_writers_and_refuses_bad_types():
-    from jaxexp_mlflow.flavors.section import FlavorSection
+    from jaxexp_mlflow.store.section import FlavorSection
 
     old = _flavor_conf(OLD_MODEL)
     newer = {**old, "added_by_a_newer_writer": {"x": 1}}

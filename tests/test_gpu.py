@@ -208,7 +208,7 @@ def test_model_logged_on_cpu_verifies_here(tmp_path):
 
 
 def test_real_models_bf16_and_equinox_run_here(tmp_path):
-    from jaxexp_mlflow.reproduce import verify_directory
+    from jaxexp_mlflow.archive.reproduce import verify_directory
     from tests.models_real import eqx_mlp, nnx_transformer
 
     for name, (fn, params, x) in {

@@ -24,12 +24,12 @@ import jax.numpy as jnp  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
 import jaxexp_mlflow.flavors.jaxexp as flavor  # noqa: E402
+from jaxexp_mlflow.archive.reproduce import compare_outputs  # noqa: E402
 from jaxexp_mlflow.cli import main as cli_main  # noqa: E402
 from jaxexp_mlflow.codec import blob, reader  # noqa: E402
 from jaxexp_mlflow.errors import IncompatibleError, InputError  # noqa: E402
 from jaxexp_mlflow.iree import compiler, loader, shapes  # noqa: E402
 from jaxexp_mlflow.iree import model as iree_model  # noqa: E402
-from jaxexp_mlflow.reproduce import compare_outputs  # noqa: E402
 from tests import models  # noqa: E402
 from tests.conftest import REPO, case_id, corpus_cases, load_case  # noqa: E402
 

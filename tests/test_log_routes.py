@@ -191,7 +191,7 @@ def test_hlo_sharded_blob_is_refused_until_the_bridge_is_asked(tracking_uri):
 
 
 def test_a_route_entry_that_is_no_mapping_is_refused(tmp_path):
-    from jaxexp_mlflow.flavors.section import validate_flavor
+    from jaxexp_mlflow.store.section import validate_flavor
 
     conf = {"exported_sha256": "0" * 64, "route": "bridge"}
     with pytest.raises(ArtifactError, match="route"):

@@ -2,7 +2,7 @@
 predict`` take every format MLflow documents and answer what in-process ``pyfunc.predict``
 answers.
 
-The stored MLflow signature declares no inputs (``flavors/signature.served_signature``), so
+The stored MLflow signature declares no inputs (``serving/signature.served_signature``), so
 MLflow's server parses each format the plain way and hands the result to ``predict`` unchanged,
 where the input contract applies (docs/serving.md, "Which MLflow behaviour each door relies
 on"). A refusal raised by ``predict`` keeps its own short message: MLflow's prefix quoting the

@@ -37,7 +37,7 @@ MODEL_NAME = "jaxexp-model"
 
 
 STOCK = "mlserver_mlflow.MLflowRuntime"
-OURS = "jaxexp_mlflow.mlserver_runtime.JaxExpRuntime"
+OURS = "jaxexp_mlflow.serving.mlserver_runtime.JaxExpRuntime"
 
 
 def start_mlserver(model_dir: Path, workdir: Path, runtime: str) -> tuple[subprocess.Popen, str]:

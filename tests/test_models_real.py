@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
+from jaxexp_mlflow.archive.reproduce import DEFAULT_TOLERANCES
 from jaxexp_mlflow.codec import reader
 from jaxexp_mlflow.errors import IncompatibleError, UnsupportedModelError
-from jaxexp_mlflow.reproduce import DEFAULT_TOLERANCES
 from tests import models_real
 from tests.conftest import REPO
 

@@ -179,7 +179,7 @@ def test_a_model_without_the_record_is_not_padded(tmp_path):
 
 def test_a_damaged_record_is_refused(tmp_path):
     from jaxexp_mlflow.errors import ArtifactError
-    from jaxexp_mlflow.flavors.section import FlavorSection
+    from jaxexp_mlflow.store.section import FlavorSection
 
     with pytest.raises(ArtifactError, match="padding.rows_independent"):
         FlavorSection.from_dict({"exported_sha256": "0" * 64, "padding": {"rows_independent": 1}})
@@ -213,9 +213,9 @@ def test_server_compiles_buckets_in_the_background(tmp_path):
     """Inside a server (``serving=True``) the load starts a thread for the buckets and returns:
     the first request runs meanwhile; ``precompile: true`` still compiles them during the load."""
     from jaxexp_mlflow.codec.mlmodel import read_mlmodel
-    from jaxexp_mlflow.flavors import signature as sig
-    from jaxexp_mlflow.flavors.pyfunc import JaxExpPyfunc
-    from jaxexp_mlflow.flavors.section import flavor_section
+    from jaxexp_mlflow.serving import signature as sig
+    from jaxexp_mlflow.serving.pyfunc import JaxExpPyfunc
+    from jaxexp_mlflow.store.section import flavor_section
 
     params = mlp_params()
     path = tmp_path / "mlp"

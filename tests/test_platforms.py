@@ -148,7 +148,7 @@ def test_shapes_only_input_example(tmp_path):
 
 
 def test_cross_platform_tolerances():
-    from jaxexp_mlflow.reproduce import compare_outputs, reference_platform
+    from jaxexp_mlflow.archive.reproduce import compare_outputs, reference_platform
 
     want = [np.linspace(1, 2, 50, dtype=np.float32)]
     tf32_like = [want[0] * np.float32(1 + 2e-3)]  # what TF32 matmuls differ by

@@ -14,11 +14,10 @@ import yaml
 from click.testing import CliRunner
 
 import jaxexp_mlflow
-from jaxexp_mlflow import probes
+from jaxexp_mlflow.archive.reexport import _bind, _check_on_probes
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.errors import IncompatibleError
-from jaxexp_mlflow.reexport import _bind, _check_on_probes
-from jaxexp_mlflow.runtime import compat, devices
+from jaxexp_mlflow.runtime import compat, devices, probes
 from tests.conftest import CORPUS, corpus_refusals
 from tests.models import export_mlp, mlp_params
 

@@ -15,8 +15,8 @@ import jax
 import pytest
 from click.testing import CliRunner
 
+from jaxexp_mlflow.archive.recorded_env import RecordedEnvError, requirements, run_recorded
 from jaxexp_mlflow.cli import main
-from jaxexp_mlflow.recorded_env import RecordedEnvError, requirements, run_recorded
 from tests.conftest import result_of
 
 REPO = Path(__file__).resolve().parents[1]

@@ -108,7 +108,7 @@ def test_log_and_load_through_a_remote_server(server, tmp_path, monkeypatch):
         # a fresh process that only knows the server URI reproduces the result
         code = (
             "import sys, mlflow\n"
-            "from jaxexp_mlflow.reproduce import verify_directory\n"
+            "from jaxexp_mlflow.archive.reproduce import verify_directory\n"
             "from mlflow.artifacts import download_artifacts\n"
             "d = download_artifacts(sys.argv[1])\n"
             "m = mlflow.jaxexp.load_model(d)\n"

@@ -203,7 +203,7 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
     from mlflow.artifacts import download_artifacts
     from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
 
-    from jaxexp_mlflow import transfer
+    from jaxexp_mlflow.store import transfer
 
     with mlflow_server(tmp_path / "server") as (url, _):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
@@ -264,7 +264,7 @@ def test_early_upload_sends_the_checkpoint_and_its_manifest_last(server, tmp_pat
 
     from jaxexp_mlflow.params import restore_params
     from jaxexp_mlflow.params.manifest import MANIFEST_FILE
-    from jaxexp_mlflow.transfer import EarlyUpload
+    from jaxexp_mlflow.store.transfer import EarlyUpload
 
     mlflow.set_tracking_uri(server)
     try:

@@ -70,7 +70,7 @@ def _said(result) -> str:  # noqa: ANN001
 
 
 def _matches(got: list, want: list) -> bool:
-    from jaxexp_mlflow.reproduce import compare_outputs
+    from jaxexp_mlflow.archive.reproduce import compare_outputs
 
     checks = compare_outputs([np.asarray(g) for g in got], want)
     return len(got) == len(want) and all(c.passed for c in checks)
@@ -308,7 +308,7 @@ sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from jaxexp_mlflow.cli.loading import load
 from jaxexp_mlflow.cli.uri import resolve
-from jaxexp_mlflow.reproduce import compare_outputs
+from jaxexp_mlflow.archive.reproduce import compare_outputs
 from tests.conftest import load_case
 
 case = Path(sys.argv[2])
@@ -368,7 +368,7 @@ sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 import jaxexp_mlflow
 from jaxexp_mlflow.errors import JaxExpError
-from jaxexp_mlflow.reproduce import compare_outputs
+from jaxexp_mlflow.archive.reproduce import compare_outputs
 from tests.conftest import load_case
 
 model_dir, case, store = sys.argv[2], Path(sys.argv[3]), sys.argv[4]

@@ -19,7 +19,7 @@ from mlflow.exceptions import MlflowException
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.errors import IncompatibleError, JaxExpError, ParamsMismatchError
 from jaxexp_mlflow.flavors import readback
-from jaxexp_mlflow.flavors.atomic import TMP_MARKER
+from jaxexp_mlflow.store.atomic import TMP_MARKER
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Real servers answering for a jaxexp model over HTTP on 127.0.0.1 (issues 4, 11, 26, 27).
 
-``jaxexp serve`` (MLflow's scoring protocol with the request limits: ``flavors/server.py``) is
+``jaxexp serve`` (MLflow's scoring protocol with the request limits: ``serving/server.py``) is
 the guarded server; ``mlflow models serve`` runs as MLflow made it (nothing patched), with the
 input contract applied by ``predict`` on the arrays MLflow hands over (every format of it:
 tests/test_mlflow_serve.py).

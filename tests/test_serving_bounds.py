@@ -26,7 +26,7 @@ import pytest
 import requests
 
 import jaxexp_mlflow  # noqa: F401
-from jaxexp_mlflow.flavors import serving_guard
+from jaxexp_mlflow.serving import serving_guard
 from tests.models import batch, export_mlp, mlp_params
 from tests.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
 
@@ -236,8 +236,8 @@ def bt_model_dir(tmp_path_factory):
 
 
 def test_compiled_shapes_are_bounded_lru(bt_model_dir, tmp_path, monkeypatch):
-    from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
     from jaxexp_mlflow.runtime import executables
+    from jaxexp_mlflow.serving.pyfunc import load_pyfunc
 
     monkeypatch.setenv(executables.ENV_MAX_SHAPES, "4")
     monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")

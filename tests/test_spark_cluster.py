@@ -1,4 +1,4 @@
-"""``jaxexp_mlflow.spark.predict`` and ``spark_udf`` on a real Spark standalone cluster.
+"""``jaxexp_mlflow.serving.spark.predict`` and ``spark_udf`` on a real Spark standalone cluster.
 
 Slow; needs the ``spark`` extra (pyspark) and Java 17. A master and one worker (2 cores) are
 started from the pyspark package's ``spark-class`` on 127.0.0.1, each in its own process group
@@ -197,7 +197,7 @@ def _rows_df(spark, x: np.ndarray):
 def test_predict_and_spark_udf_match_pyfunc(spark, cluster, models):
     import mlflow
 
-    from jaxexp_mlflow import spark as jspark
+    from jaxexp_mlflow.serving import spark as jspark
 
     x = batch(ROWS, seed=7)
     want = mlflow.pyfunc.load_model(models["mlp"]).predict(x)
@@ -231,8 +231,8 @@ def test_bad_rows_fail_with_the_input_contract(spark, models):
     import mlflow
     from pyspark.errors import PythonException
 
-    from jaxexp_mlflow import spark as jspark
     from jaxexp_mlflow.errors import InputError
+    from jaxexp_mlflow.serving import spark as jspark
 
     n = 40
     narrow = np.ones((n, 3), np.float32)  # 3 features for an input of 8
@@ -257,7 +257,7 @@ def test_bad_rows_fail_with_the_input_contract(spark, models):
 def test_two_inputs_by_column_name(spark, models):
     import mlflow
 
-    from jaxexp_mlflow import spark as jspark
+    from jaxexp_mlflow.serving import spark as jspark
 
     inp = two_input_example(500)
     want = mlflow.pyfunc.load_model(models["two"]).predict(inp)

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401
-from jaxexp_mlflow import transfer
 from jaxexp_mlflow.errors import ArtifactError
+from jaxexp_mlflow.store import transfer
 from tests.servers import mlflow_server
 
 ENDPOINT = "/api/2.0/mlflow-artifacts/artifacts"

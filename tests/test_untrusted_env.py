@@ -19,8 +19,8 @@ import yaml
 from click.testing import CliRunner
 
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
+from jaxexp_mlflow.archive.recorded_env import UntrustedRequirementsError, check_requirements
 from jaxexp_mlflow.cli import main
-from jaxexp_mlflow.recorded_env import UntrustedRequirementsError, check_requirements
 from tests.models import batch, export_mlp, mlp_params
 
 

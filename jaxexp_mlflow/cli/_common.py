@@ -289,7 +289,7 @@ def setup_logging(debug: bool) -> None:
 
 def progress_enabled() -> bool:
     """Progress lines go to stderr, and only when stderr is a terminal (see ``transfer``)."""
-    from jaxexp_mlflow.transfer import progress_enabled as enabled
+    from jaxexp_mlflow.store.transfer import progress_enabled as enabled
 
     return enabled()
 

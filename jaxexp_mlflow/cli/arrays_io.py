@@ -1,7 +1,7 @@
 """Read model inputs from ``.npz``/``.npy``/``.json`` files and write outputs to them.
 
 A file holds the model's inputs *after* its params in any form of the input contract
-(``flavors/inputs.py``, the table in docs/serving.md), the same as ``pyfunc.predict`` and
+(``serving/inputs.py``, the table in docs/serving.md), the same as ``pyfunc.predict`` and
 serving take: ``.npz`` keyed by the signature's input names (or ``in_0``, ``in_1``, ... by
 position), ``.npy`` for a single input, ``.json`` as an object keyed by names, a list, or the
 model's own ``input_example.json`` / ``serving_input_example.json`` (``{"inputs": ...}``,
@@ -63,7 +63,7 @@ def _raw_bits(value: Any, dtype: np.dtype) -> Any:
 
 def input_leaves(payload: Any, specs: list) -> list[np.ndarray]:
     """The model's input leaves from a file's content, by the input contract."""
-    from jaxexp_mlflow.flavors.inputs import InputContract
+    from jaxexp_mlflow.serving.inputs import InputContract
 
     contract = InputContract(specs)
     named = contract.named(payload)
@@ -78,7 +78,7 @@ def iree_input_specs(model: Any, flavor: dict | None) -> list:
     """The input ``LeafSpec`` list of an ``IreeModel``, without JAX: the names stored in the
     MLmodel, else (a bare blob) the blob's avals named by position (``in_0``, ...)."""
     from jaxexp_mlflow.codec.arrays import resolve_dtype
-    from jaxexp_mlflow.flavors.signature import LeafSpec, specs_from_conf, wire_dtype
+    from jaxexp_mlflow.serving.signature import LeafSpec, specs_from_conf, wire_dtype
 
     stored = specs_from_conf(flavor or {})
     if stored is not None:
@@ -94,7 +94,7 @@ def iree_input_specs(model: Any, flavor: dict | None) -> list:
 
 def call_args(exported: Any, has_params: bool, leaves: list[np.ndarray]) -> tuple[tuple, dict]:
     """``(args, kwargs)`` to call the model with (params excluded) from its input leaves."""
-    from jaxexp_mlflow.flavors.signature import input_structure
+    from jaxexp_mlflow.serving.signature import input_structure
 
     treedef, _, _ = input_structure(exported, has_params)
     args, kwargs = treedef.unflatten(leaves)
@@ -103,7 +103,7 @@ def call_args(exported: Any, has_params: bool, leaves: list[np.ndarray]) -> tupl
 
 def input_specs(exported: Any, has_params: bool, flavor: dict | None) -> list:
     """The input ``LeafSpec`` list: the names stored in the MLmodel, else inferred."""
-    from jaxexp_mlflow.flavors.signature import leaf_specs, specs_from_conf
+    from jaxexp_mlflow.serving.signature import leaf_specs, specs_from_conf
 
     stored = specs_from_conf(flavor or {})
     if stored is not None:

@@ -109,7 +109,7 @@ def _pages(search: Any, **kwargs: Any) -> list:
     """Every result of an MLflow ``search_*`` call (they return one page at a time), at most
     ``JAXEXP_MAX_LIST_ENTRIES`` of them and no page token twice: a tracking server that pages
     without end is refused (``InputProblem``), not followed."""
-    from jaxexp_mlflow.transfer import list_limits
+    from jaxexp_mlflow.store.transfer import list_limits
 
     limit = list_limits()[1]
     out, token, seen = [], None, set()

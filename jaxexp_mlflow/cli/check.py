@@ -196,7 +196,7 @@ def check(uri: str, allow_other_platform: bool, as_json: bool, debug: bool) -> N
 
         with step("Deserializing in an isolated process"):
             probe_file(target.blob_path, node_types=target.flavor.get("pytree_node_types"))
-    from jaxexp_mlflow.cli.loading import environment, environment_line
+    from jaxexp_mlflow.cli.environment import environment, environment_line
 
     env = environment()
     carried = model_python(target)

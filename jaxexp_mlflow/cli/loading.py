@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from jaxexp_mlflow.cli._common import step
@@ -118,7 +117,7 @@ def blob_bytes(target: Target) -> bytes:
         return files.read_file(
             target.blob_path, what="serialized function", max_bytes=files.MAX_BLOB_BYTES
         )
-    from jaxexp_mlflow import artifact
+    from jaxexp_mlflow.store import artifact
 
     return artifact.read_blob(target.path, target.flavor)
 
@@ -174,12 +173,12 @@ def recorded_route(target: Target, **options: Any) -> Any:
 def _load_bridged(target: Target, *, allow_incompatible: bool, **options: Any) -> Any:
     """The bridge route: the blob re-exported by jax ``routes.BRIDGE_JAX`` in a cached venv,
     checked like any blob, loaded here (params, if any, bound from the model's checkpoint)."""
-    from jaxexp_mlflow import env_routes
+    from jaxexp_mlflow.archive import env_routes
     from jaxexp_mlflow.cli.check import blob_meta
     from jaxexp_mlflow.codec.blob import describe, deserialize_checked
     from jaxexp_mlflow.runtime import compat, devices, routes
-    from jaxexp_mlflow.runtime.loader import enforce
     from jaxexp_mlflow.runtime.model import JaxExpModel
+    from jaxexp_mlflow.runtime.routes import enforce
 
     data = blob_bytes(target)
     desc = describe(data, source=str(target.blob_path))
@@ -201,7 +200,7 @@ def _load_bridged(target: Target, *, allow_incompatible: bool, **options: Any) -
         if target.kind == "blob":
             model = JaxExpModel(placement.exported, None, {}, placement=placement)
         else:
-            from jaxexp_mlflow.reexport import _bind
+            from jaxexp_mlflow.archive.reexport import _bind
 
             model = _bind(placement.exported, target.path, target.flavor, placement)
     model.route = routes.BRIDGE
@@ -231,48 +230,6 @@ def _load_iree(target: Target, *, allow_incompatible: bool, **options: Any) -> A
         return loader.load_directory(
             target.path, target.flavor, allow_incompatible=allow_incompatible, **options
         )
-
-
-def environment(backend: str = "jax") -> dict[str, Any]:
-    """The environment running the model here (JAX's, or IREE's for ``backend="iree"``)."""
-    if backend == "iree":
-        from jaxexp_mlflow.iree.compiler import TARGET, versions
-        from jaxexp_mlflow.iree.model import DEFAULT_DRIVER, ENV_DRIVER
-
-        v = versions()
-        return {
-            "jax_version": None,
-            "jaxlib_version": None,
-            "iree_compiler_version": v["iree-base-compiler"],
-            "iree_runtime_version": v["iree-base-runtime"],
-            "backend": f"iree/{TARGET}",
-            "device_kind": os.environ.get(ENV_DRIVER) or DEFAULT_DRIVER,
-            "device_count": 1,
-        }
-    import jax
-    import jaxlib
-
-    from jaxexp_mlflow.runtime.platforms import running_platform
-
-    devices = jax.devices()
-    return {
-        "jax_version": jax.__version__,
-        "jaxlib_version": jaxlib.__version__,
-        "backend": running_platform(),  # jax.export's name (cuda), not default_backend()'s gpu
-        "device_kind": devices[0].device_kind if devices else None,
-        "device_count": len(devices),
-    }
-
-
-def environment_line(env: dict[str, Any]) -> str:
-    """``jax 0.10.2 / jaxlib 0.10.2 on cpu (1 device: cpu)``."""
-    n = env["device_count"]
-    if env.get("iree_runtime_version"):
-        return f"IREE {env['iree_runtime_version']} on {env['backend']} (no JAX)"
-    return (
-        f"jax {env['jax_version']} / jaxlib {env['jaxlib_version']} on {env['backend']} "
-        f"({n} device{'s' if n != 1 else ''}: {env['device_kind']})"
-    )
 
 
 ROUTE_CHOICES = ("auto", "direct", "expired-flag", "bridge", "recorded-env", "iree")
@@ -324,7 +281,7 @@ def run_recorded_env(target: Target, chosen: Any, leaves: list[Any]) -> list[Any
     """The recorded-env route: the blob run by jax ``chosen.jax_version`` in a cached venv on
     the flat input ``leaves``; a model with params is refused (its params need the model's own
     recorded environment: `jaxexp verify --env-manager uv`)."""
-    from jaxexp_mlflow import env_routes
+    from jaxexp_mlflow.archive import env_routes
     from jaxexp_mlflow.cli._common import Failure
     from jaxexp_mlflow.codec.blob import describe
 

@@ -111,7 +111,7 @@ def predict(
     else:
         leaves = _run_here(target, payload, name, backend, allow_incompatible, allow_other_platform)
     from jaxexp_mlflow.codec.reader import read_blob_file
-    from jaxexp_mlflow.flavors.signature import specs_from_conf
+    from jaxexp_mlflow.serving.signature import specs_from_conf
 
     stored = specs_from_conf(target.flavor or {}) if target.kind != "blob" else None
     if stored is not None:  # the signature's output names

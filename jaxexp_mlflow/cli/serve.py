@@ -37,7 +37,7 @@ def serve(model_uri: str, host: str, port: int, workers: int, model_config: str 
     """Serve a jaxexp model over HTTP (MLflow's scoring protocol, with request limits)."""
     import uvicorn
 
-    from jaxexp_mlflow.flavors import server
+    from jaxexp_mlflow.serving import server
 
     config = json.loads(model_config) if model_config else {}
     if not isinstance(config, dict):

@@ -18,25 +18,10 @@ from jaxexp_mlflow.cli._common import (
     step,
     table,
 )
-from jaxexp_mlflow.cli.loading import (
-    environment,
-    environment_line,
-    load_judged,
-    route_line,
-    route_option,
-)
+from jaxexp_mlflow.cli.environment import environment, environment_line
+from jaxexp_mlflow.cli.loading import load_judged, route_line, route_option
 from jaxexp_mlflow.cli.uri import resolve
-
-
-def _output_paths(target: Any, n: int) -> list[str]:
-    from jaxexp_mlflow.cli.inspect import leaf_paths
-    from jaxexp_mlflow.codec.reader import read_blob_file
-
-    try:
-        paths = leaf_paths(read_blob_file(target.blob_path).out_tree, "out")
-    except Exception:  # noqa: BLE001 - labels only
-        paths = []
-    return paths if len(paths) == n else [f"out[{i}]" for i in range(n)]
+from jaxexp_mlflow.cli.verify_env import _output_paths
 
 
 @click.command(
@@ -107,8 +92,8 @@ def verify(
             allow_incompatible=allow_incompatible,
             allow_other_platform=allow_other_platform,
         )
+    from jaxexp_mlflow.archive.reproduce import verify_directory
     from jaxexp_mlflow.cli.loading import pick_route
-    from jaxexp_mlflow.reproduce import verify_directory
 
     chosen = pick_route(target, route, allow_other_platform=allow_other_platform)
     name = chosen.name if chosen is not None else None
@@ -146,7 +131,7 @@ def verify(
     if synthetic:
         dims = ", ".join(f"{k}={v}" for k, v in synthetic["dims"].items()) or "static shapes"
         reference = f"synthetic probe ({dims}; seed {synthetic['seed']}), stored at save time"
-    from jaxexp_mlflow.reproduce import reference_platform, running_platform_of
+    from jaxexp_mlflow.archive.reproduce import reference_platform, running_platform_of
 
     ref_platform = reference_platform(flavor)
     if model is not None and ref_platform != running_platform_of(model):
@@ -220,9 +205,9 @@ def _verify_recorded_env(
 ) -> tuple[list, dict[str, Any]]:
     """(checks, environment) of the stored reference run by ``chosen.jax_version`` in a cached
     venv (the recorded-env route; models without params, as ``jaxexp predict``'s)."""
-    from jaxexp_mlflow import artifact
+    from jaxexp_mlflow.archive.reproduce import compare_outputs
     from jaxexp_mlflow.cli.loading import run_recorded_env
-    from jaxexp_mlflow.reproduce import compare_outputs
+    from jaxexp_mlflow.store import artifact
 
     ref = artifact.read_reference(target.path, target.flavor)
     if ref is None:

@@ -22,7 +22,7 @@ from jaxexp_mlflow.cli._common import (
 def _here(target: Any, inputs: list, **load_options: Any) -> tuple[list | None, str | None]:
     """The model's outputs on the reference input in this environment, or why it cannot run."""
     from jaxexp_mlflow.cli.loading import load
-    from jaxexp_mlflow.probes import call_flat
+    from jaxexp_mlflow.runtime.probes import call_flat
 
     try:
         model = load(target, **load_options)
@@ -33,7 +33,7 @@ def _here(target: Any, inputs: list, **load_options: Any) -> tuple[list | None, 
 
 
 def _pair(got: list | None, want: list | None, rtol: Any, atol: Any) -> list | None:
-    from jaxexp_mlflow.reproduce import compare_outputs
+    from jaxexp_mlflow.archive.reproduce import compare_outputs
 
     if got is None or want is None:
         return None
@@ -66,10 +66,9 @@ def verify_in_recorded_env(
     exit 2). Exits 1 unless both the recorded environment and this one reproduce the stored
     outputs.
     """
-    from jaxexp_mlflow import artifact
-    from jaxexp_mlflow.cli.loading import environment, environment_line
-    from jaxexp_mlflow.cli.verify import _output_paths
-    from jaxexp_mlflow.recorded_env import check_requirements, run_recorded
+    from jaxexp_mlflow.archive.recorded_env import check_requirements, run_recorded
+    from jaxexp_mlflow.cli.environment import environment, environment_line
+    from jaxexp_mlflow.store import artifact
 
     if not logging.getLogger().isEnabledFor(logging.INFO):  # MLflow's env chatter: --debug
         for name in ("mlflow.utils.virtualenv", "mlflow.utils.environment"):
@@ -161,3 +160,14 @@ def verify_in_recorded_env(
         )
     if not (ok_rec and ok_here):
         click.get_current_context().exit(1)
+
+
+def _output_paths(target: Any, n: int) -> list[str]:
+    from jaxexp_mlflow.cli.inspect import leaf_paths
+    from jaxexp_mlflow.codec.reader import read_blob_file
+
+    try:
+        paths = leaf_paths(read_blob_file(target.blob_path).out_tree, "out")
+    except Exception:  # noqa: BLE001 - labels only
+        paths = []
+    return paths if len(paths) == n else [f"out[{i}]" for i in range(n)]

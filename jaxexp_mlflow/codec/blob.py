@@ -61,7 +61,7 @@ def deserialize_checked(
     import jax
     import jax.export
 
-    from jaxexp_mlflow.pytrees import register_for_load
+    from jaxexp_mlflow.codec.pytrees import register_for_load
 
     register_for_load(node_types or [])
     try:

@@ -5,7 +5,7 @@ MLmodel is YAML written by MLflow. From an untrusted directory it is read with b
 ``MAX_DEPTH`` deep and at most ``MAX_NODES`` values once aliases are expanded (an "alias bomb"
 of a few kB otherwise expands to gigabytes in whoever walks the result: ``json.dumps``,
 ``copy.deepcopy``). This is the package's only MLmodel reader; its ``jaxexp`` section is then
-checked by ``flavors.section``, but for the bound on its ``pytree_node_types``
+checked by ``store.section``, but for the bound on its ``pytree_node_types``
 (:func:`check_node_type_names`), which is here because ``pytrees`` checks it too, and this
 module imports no JAX. A save reads its MLmodel back four times and a load twice, so
 :func:`read_mlmodel` keeps the last few parses by the file's exact bytes and hands out deep

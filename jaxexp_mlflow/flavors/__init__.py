@@ -1,0 +1,8 @@
+"""The MLflow flavor API: ``mlflow.jaxexp`` (``jaxexp``), the save path and the logged facts.
+
+``jaxexp`` is the flavor module MLflow knows by name (``save_model``, ``log_model``,
+``load_model`` and the pyfunc ``loader_module`` saved models name); ``saving`` turns a function
+or a blob into a model directory, ``readback`` loads it back before it is published, ``facts``
+records the JAX facts as logged-model params. It stands on ``serving/``, ``runtime/``,
+``iree/`` and ``store/``; ``archive/``, ``cli/`` and ``hooks`` stand on it.
+"""

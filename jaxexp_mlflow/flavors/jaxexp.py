@@ -20,33 +20,11 @@ from mlflow.models import Model, ModelInputExample, ModelSignature
 from mlflow.models.model import MLMODEL_FILE_NAME, ModelInfo
 from mlflow.utils.file_utils import get_total_file_size, write_to
 
-from jaxexp_mlflow.flavors.section import FLAVOR_NAME, FlavorSection
 from jaxexp_mlflow.internals import mlflow_private
 from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
-
-#: Keys accepted in ``mlflow.pyfunc.load_model(..., model_config=...)`` (and ``mlflow models
-#: serve --model-config``); see docs/serving.md. MLflow only passes keys the MLmodel declares.
-PYFUNC_CONFIG_KEYS = (
-    "buckets",
-    "max_batch",
-    "precompile",
-    "compilation_cache",
-    "allow_nan",
-    "max_request_bytes",
-    "allow_incompatible",
-    "allow_other_platform",
-    "data_parallel",
-    "backend",
-    "iree_cache",
-    "iree_driver",
-    "route",
-)
-
-#: Backends ``load_model``/pyfunc can run a model on: JAX, or IREE without importing JAX
-#: (``pip install 'jaxexp-mlflow[iree]'``, see docs/longevity.md).
-BACKENDS = ("jax", "iree")
-#: Environment variable choosing the pyfunc backend when ``model_config`` does not.
-ENV_BACKEND = "JAXEXP_BACKEND"
+from jaxexp_mlflow.runtime.backend import _check_backend
+from jaxexp_mlflow.serving.model_config import PYFUNC_CONFIG_KEYS
+from jaxexp_mlflow.store.section import FLAVOR_NAME, FlavorSection
 
 install_mlflow_module()
 
@@ -126,7 +104,7 @@ def save_model(
     the outputs computed from it are stored as the model's reference result, and saved as
     MLflow's input example (``serving_input_example.json``) when JSON can carry it.
 
-    The MLflow signature is inferred from the export (see ``flavors.signature`` for the names;
+    The MLflow signature is inferred from the export (see ``serving.signature`` for the names;
     ``input_names``/``output_names`` rename the leaves); a ``signature`` given here must agree
     with the export, ``signature=False`` stores none. ``serving_config`` is stored in the flavor
     section as the pyfunc defaults (``buckets``, ``max_batch``, ``precompile``, ``allow_nan``,
@@ -137,7 +115,7 @@ def save_model(
     ``code/`` on ``sys.path`` and imports the copy; ``mlflow.jaxexp.load_model`` and the
     ``jaxexp`` CLI never do. ``classifier`` (``True`` or the list of labels) marks a logits
     classifier: pyfunc then returns labels, and probabilities with ``params={"predict_method":
-    "predict_proba"}`` (``flavors.classifier``).
+    "predict_proba"}`` (``serving.classifier``).
 
     The save is atomic and checked (docs/saving.md): the model is built in a temporary sibling
     of ``path``, read back the way ``load_model`` reads it (and run on ``input_example``), and
@@ -150,7 +128,7 @@ def save_model(
     ``route="bridge"``/``"recorded-env"`` (cached venvs) or ``"auto"`` are taken when asked.
     Without a route that works, ``IncompatibleError`` names the routes and how to ask for them.
     """
-    from jaxexp_mlflow.flavors import atomic
+    from jaxexp_mlflow.store import atomic
 
     load_options = {"allow_incompatible", "allow_other_platform", "data_parallel", "devices"}
     if load_only := sorted(set(kwargs) & load_options):
@@ -228,9 +206,9 @@ def _save_into(
     ``target`` is where the model will be published (``path`` is its temporary sibling).
     ``code_ready(code_dir, subpath)`` is told where the ``code/`` copy is as soon as it is made.
     """
-    from jaxexp_mlflow.flavors import classifier as classifier_mod
     from jaxexp_mlflow.flavors import saving
-    from jaxexp_mlflow.flavors import signature as sig
+    from jaxexp_mlflow.serving import classifier as classifier_mod
+    from jaxexp_mlflow.serving import signature as sig
 
     code_dir_subpath = mlflow_private.copy_code_paths(code_paths, path)
     if code_ready is not None and code_dir_subpath:
@@ -363,9 +341,10 @@ def _read_back(
     ``host_outputs``: for a function exported for platforms this machine lacks, the reference
     computed by a host lowering of it (the read-back then deserializes and restores only).
     """
-    from jaxexp_mlflow import artifact, probes
     from jaxexp_mlflow.export import as_args
     from jaxexp_mlflow.flavors import readback
+    from jaxexp_mlflow.runtime import probes
+    from jaxexp_mlflow.store import artifact
 
     inputs = None if input_example is None else as_args(input_example)
     found = readback.read_back(
@@ -396,8 +375,7 @@ def _prove_rows(model: Any, exp: Any, inputs: Any) -> dict[str, Any]:
     on the synthetic probe the reference was made of (a probe of the export's avals otherwise)."""
     import jax
 
-    from jaxexp_mlflow import probes
-    from jaxexp_mlflow.runtime import rows
+    from jaxexp_mlflow.runtime import probes, rows
 
     def call(leaves: list[Any]) -> list[Any]:
         return probes.call_flat(model, leaves)
@@ -529,17 +507,6 @@ def log_model(
     return info
 
 
-def _check_backend(backend: Any) -> str:
-    name = str(backend or "jax").lower()
-    if name not in BACKENDS:
-        from jaxexp_mlflow.errors import UnsupportedModelError
-
-        raise UnsupportedModelError(
-            f"backend={backend!r} is not supported: expected one of {list(BACKENDS)}."
-        )
-    return name
-
-
 class _StagedFlavor:
     """This flavor as ``Model.log`` sees it when the staging directory is only uploaded.
 
@@ -558,7 +525,7 @@ class _StagedFlavor:
 
     @staticmethod
     def save_model(*, path: str, mlflow_model: Model, **kwargs: Any) -> None:
-        from jaxexp_mlflow import artifact, transfer
+        from jaxexp_mlflow.store import artifact, transfer
 
         if not mlflow_model.artifact_path:
             save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
@@ -631,7 +598,7 @@ def load_model(
     this process. ``isolate=True`` has JAX deserialize it in a capped child process first
     (about a second more), as ``jaxexp check`` and ``jaxexp verify`` always do.
     """
-    from jaxexp_mlflow import transfer
+    from jaxexp_mlflow.store import transfer
 
     backend = _check_backend(backend)
     if route is not None:  # taken as asked, never chosen: runtime/routes.py
@@ -670,7 +637,7 @@ def _load_downloaded(
     options: dict[str, Any],
 ) -> Any:
     """``load_model`` once the model is on disk at ``local_path``."""
-    from jaxexp_mlflow.flavors.section import read_section
+    from jaxexp_mlflow.store.section import read_section
 
     # validated (``code`` relative and inside the model, or null); never put on sys.path
     flavor_conf = read_section(local_path)
@@ -690,7 +657,7 @@ def _load_downloaded(
         **options,
     )
     if private:  # the params are in memory (or mapped: unlinked files live while mapped)
-        from jaxexp_mlflow import artifact
+        from jaxexp_mlflow.store import artifact
 
         ckpt = artifact.params_dir(local_path, flavor_conf)
         if ckpt is not None and ckpt.resolve() != Path(local_path).resolve():
@@ -701,9 +668,9 @@ def _load_downloaded(
 def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
     """Load the pyfunc implementation; called by ``mlflow.pyfunc.load_model``.
 
-    ``flavors.pyfunc.load_pyfunc``: once per process per model identity, buckets compiled on
+    ``serving.pyfunc.load_pyfunc``: once per process per model identity, buckets compiled on
     first use (at load inside a scoring server), the compilation cache on.
     """
-    from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
+    from jaxexp_mlflow.serving.pyfunc import load_pyfunc
 
     return load_pyfunc(path, model_config)

@@ -1,7 +1,7 @@
 """Read a model directory back the way ``load_model`` does, before ``save_model`` publishes it.
 
 ``save_model`` never leaves behind a model that cannot load. Once every file is written (in the
-temporary directory of ``flavors.atomic``), :func:`read_back`:
+temporary directory of ``store.atomic``), :func:`read_back`:
 
 1. reads ``MLmodel`` from disk and takes its ``jaxexp`` section, as ``load_model`` does;
 2. loads the directory with ``runtime.loader.load_directory`` (checksum, format, verdict,
@@ -53,7 +53,7 @@ class ReadBack:
 
 def _flavor_conf(path: Path, flavor_name: str) -> dict[str, Any]:
     from jaxexp_mlflow.codec.mlmodel import read_mlmodel
-    from jaxexp_mlflow.flavors.section import flavor_section
+    from jaxexp_mlflow.store.section import flavor_section
 
     return flavor_section(read_mlmodel(path), flavor_name)  # as load_model reads it
 
@@ -103,9 +103,9 @@ def _bind_params(path: Path, conf: dict[str, Any]) -> None:
 def _portable_load(path: Path, conf: dict[str, Any], bind: Any = None) -> Any:
     """Deserialize the blob and restore the params to the export's avals (no placement);
     ``bind``: check the checkpoint against those avals and take these params instead."""
-    from jaxexp_mlflow import artifact
     from jaxexp_mlflow.codec import blob
     from jaxexp_mlflow.params import check_checkpoint, restore_params, verify_manifest
+    from jaxexp_mlflow.store import artifact
 
     data = artifact.read_blob(path, conf)
     source = str(Path(path, conf.get("exported_file", artifact.EXPORTED_FILE)))
@@ -257,7 +257,7 @@ def check_reference(path: str | os.PathLike, flavor_name: str, outputs: Any) -> 
     import jax
     import numpy as np
 
-    from jaxexp_mlflow import artifact
+    from jaxexp_mlflow.store import artifact
 
     conf = _flavor_conf(Path(path), flavor_name)
     stored = artifact.read_reference(path, conf)

@@ -233,7 +233,7 @@ def readable(data: bytes) -> Any:
 
 def bridged(data: bytes, nr_devices: int) -> bytes:
     """``data`` re-exported by jax ``routes.BRIDGE_JAX`` in its cached venv (once per blob)."""
-    from jaxexp_mlflow import env_routes
+    from jaxexp_mlflow.archive import env_routes
     from jaxexp_mlflow.codec import blob as blob_codec
 
     key = blob_codec.sha256(data)
@@ -292,7 +292,7 @@ class RecordedEnvModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import jax
 
-        from jaxexp_mlflow import env_routes
+        from jaxexp_mlflow.archive import env_routes
 
         leaves = jax.tree.leaves((args, kwargs))
         outs, _ = env_routes.run_in(
@@ -304,9 +304,9 @@ class RecordedEnvModel:
 def load_for_readback(path: Path, conf: dict[str, Any], bind: Any = None) -> Any:
     """The model directory at ``path`` loaded through the route its MLmodel records (bridge or
     recorded-env; the in-process ones go through ``runtime.loader.load_directory``)."""
-    from jaxexp_mlflow import artifact
     from jaxexp_mlflow.codec import blob as blob_codec
     from jaxexp_mlflow.runtime import devices
+    from jaxexp_mlflow.store import artifact
 
     name = recorded_name(conf)
     data = artifact.read_blob(path, conf)  # checked against exported_sha256
@@ -318,7 +318,7 @@ def load_for_readback(path: Path, conf: dict[str, Any], bind: Any = None) -> Any
             f"route {name!r} is not one a save reads back through here; expected "
             f"{routes.BRIDGE} or {routes.RECORDED_ENV}. Report the issue."
         )
-    from jaxexp_mlflow.reexport import _bind
+    from jaxexp_mlflow.archive.reexport import _bind
 
     desc = blob_codec.describe(data, source=str(path))
     new = bridged(data, int(desc.nr_devices))

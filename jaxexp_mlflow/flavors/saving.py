@@ -9,13 +9,13 @@ from typing import Any
 
 import jax
 
-from jaxexp_mlflow import artifact
 from jaxexp_mlflow.codec import blob as blob_codec
+from jaxexp_mlflow.codec.pytrees import register_for_save
 from jaxexp_mlflow.errors import IncompatibleError, ParamsMismatchError, UnsupportedModelError
 from jaxexp_mlflow.export import export_function
-from jaxexp_mlflow.flavors.section import FlavorSection, package_version
 from jaxexp_mlflow.params import names as named_params
-from jaxexp_mlflow.pytrees import register_for_save
+from jaxexp_mlflow.store import artifact
+from jaxexp_mlflow.store.section import FlavorSection, package_version
 
 
 def _serialize(exported: Any, vjp_order: int) -> bytes:
@@ -201,7 +201,7 @@ def write_model_files(
     ``durable=False`` (``log_model``'s staging directory, uploaded then deleted) skips the
     params' final fsync pass.
 
-    Returns the MLmodel ``jaxexp`` section (a ``flavors.section.FlavorSection``), the
+    Returns the MLmodel ``jaxexp`` section (a ``store.section.FlavorSection``), the
     ``Exported`` (to infer the signature from), the params as stored (``{name: array}``;
     None for none or an on-disk checkpoint) and, for a function exported for platforms this
     machine lacks, the reference outputs of a host lowering of it (else None). The reference

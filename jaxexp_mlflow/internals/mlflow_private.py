@@ -165,7 +165,7 @@ REPLACED_BY_PUBLIC: dict[str, str] = {
     ),
     "mlflow.utils.model_utils:_get_flavor_configuration": (
         "the package's own bounded MLmodel reader: codec.mlmodel.read_mlmodel, then "
-        "flavors.section.flavor_section (validated)"
+        "store.section.flavor_section (validated)"
     ),
     f"{_MODEL_UTILS}:_add_code_from_conf_to_system_path": (
         "nothing: no jaxexp path puts a model's code/ on sys.path (docs/security.md)"
@@ -177,7 +177,7 @@ REPLACED_BY_PUBLIC: dict[str, str] = {
         "nothing: it served the upload of params chunk files from memory, removed by issue 26"
     ),
     "mlflow.models.signature:ModelSignature._is_signature_from_type_hint": (
-        "nothing: the stored signature declares no inputs (flavors/signature.served_signature), "
+        "nothing: the stored signature declares no inputs (serving/signature.served_signature), "
         "MLflow's public way to hand a model its input unchanged at every door (issue 35)"
     ),
 }

@@ -223,8 +223,8 @@ def _param_leaf_names(exported: Any, n_param_leaves: int) -> list[str] | None:
         return None
     import jax
 
-    from jaxexp_mlflow.artifact import params_treedef
     from jaxexp_mlflow.params.layout import dir_name, key_token
+    from jaxexp_mlflow.store.artifact import params_treedef
 
     placeholder = jax.tree.unflatten(params_treedef(exported), [0] * n_param_leaves)
     paths = jax.tree_util.tree_flatten_with_path(placeholder)[0]
@@ -261,7 +261,7 @@ def prepare(
     """
     import jax
 
-    from jaxexp_mlflow.flavors.section import package_version
+    from jaxexp_mlflow.store.section import package_version
 
     description = reader.read_blob(data)
     module = reader.read_module(data)

@@ -289,9 +289,9 @@ class Environment:
         import jax
         from jax import export as jax_export
 
-        from jaxexp_mlflow.flavors.section import package_version
         from jaxexp_mlflow.internals.jax_private import stablehlo_version
         from jaxexp_mlflow.runtime import platforms as names
+        from jaxexp_mlflow.store.section import package_version
 
         available = names.available_platforms()
         platform = available[0]  # as jax.export names it: cuda, not jax.default_backend()'s gpu

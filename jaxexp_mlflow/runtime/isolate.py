@@ -41,7 +41,7 @@ node_types = json.loads(data[4 : 4 + n].decode("utf-8"))
 data = data[4 + n :]
 import jax
 import jax.export
-from jaxexp_mlflow.pytrees import register_for_load
+from jaxexp_mlflow.codec.pytrees import register_for_load
 register_for_load([t for t in node_types if t])
 try:
     exported = jax.export.deserialize(bytearray(data))
@@ -91,7 +91,7 @@ def probe(
     names = list(node_types or [])
     if names:  # typed errors (ArtifactError) here, before a child is started
         from jaxexp_mlflow.codec.mlmodel import check_node_type_names
-        from jaxexp_mlflow.pytrees import register_for_load
+        from jaxexp_mlflow.codec.pytrees import register_for_load
 
         check_node_type_names(names)
         register_for_load(names)

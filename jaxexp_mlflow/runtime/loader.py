@@ -7,32 +7,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jaxexp_mlflow import artifact
 from jaxexp_mlflow.codec import blob
-from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
-from jaxexp_mlflow.flavors.section import validate_flavor
-from jaxexp_mlflow.runtime import compat, devices
+from jaxexp_mlflow.errors import ArtifactError
+from jaxexp_mlflow.runtime import devices
 from jaxexp_mlflow.runtime.model import JaxExpModel
+from jaxexp_mlflow.store import artifact
+from jaxexp_mlflow.store.section import validate_flavor
 
 _logger = logging.getLogger(__name__)
-
-
-def enforce(verdict: compat.Verdict, *, allow_incompatible: bool, hint: str = "") -> None:
-    """Refuse an incompatible verdict (unless overridden) and log a warning verdict.
-
-    ``hint`` (the working routes, ``runtime.routes.describe``) is added to the refusal."""
-    if verdict.status == compat.INCOMPATIBLE and not allow_incompatible:
-        raise IncompatibleError(
-            "This model cannot run here:\n- "
-            + "\n- ".join(str(r) for r in verdict.reasons if r.severity == compat.INCOMPATIBLE)
-            + "".join(
-                f"\n- (warning) {r}" for r in verdict.reasons if r.severity != compat.INCOMPATIBLE
-            )
-            + (f"\n{hint}" if hint else "")
-            + "\nFix the above, take a route, or pass allow_incompatible=True to try anyway."
-        )
-    for reason in verdict.reasons:
-        _logger.warning("jaxexp: %s", reason)
 
 
 def load_directory(

@@ -151,7 +151,7 @@ class JaxExpModel:
 
     def _named(self, params: Any) -> dict[str, Any]:
         """The params as ``{name: array}`` in the export's leaf order (see params.names)."""
-        from jaxexp_mlflow import artifact
+        from jaxexp_mlflow.store import artifact
 
         treedef = artifact.params_treedef(self.exported)
         names = artifact.param_names(self.metadata, treedef.num_leaves)
@@ -170,8 +170,8 @@ class JaxExpModel:
         """The export's first argument from ``params`` shaped like ``model.params``."""
         if self._param_names is None:
             return params
-        from jaxexp_mlflow import artifact
         from jaxexp_mlflow.params.names import export_arg
+        from jaxexp_mlflow.store import artifact
 
         treedef = artifact.params_treedef(self.exported)
         avals = self.exported.in_avals[: treedef.num_leaves]

@@ -28,13 +28,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import logging
 import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import compat
+
+_logger = logging.getLogger(__name__)
 
 DIRECT, EXPIRED_FLAG, BRIDGE, RECORDED_ENV, IREE = (
     "direct",
@@ -397,7 +401,6 @@ def judge(
     set, and :func:`expired_flag` as the scope in which to deserialize.
     """
     from jaxexp_mlflow.errors import IncompatibleError
-    from jaxexp_mlflow.runtime.loader import enforce
 
     check_name(route)
     verdict = compat.assess(
@@ -426,3 +429,21 @@ def judge(
         return flagged, expired_flag
     enforce(verdict, allow_incompatible=allow_incompatible, hint=hint)
     return verdict, contextlib.nullcontext
+
+
+def enforce(verdict: compat.Verdict, *, allow_incompatible: bool, hint: str = "") -> None:
+    """Refuse an incompatible verdict (unless overridden) and log a warning verdict.
+
+    ``hint`` (the working routes, ``runtime.routes.describe``) is added to the refusal."""
+    if verdict.status == compat.INCOMPATIBLE and not allow_incompatible:
+        raise IncompatibleError(
+            "This model cannot run here:\n- "
+            + "\n- ".join(str(r) for r in verdict.reasons if r.severity == compat.INCOMPATIBLE)
+            + "".join(
+                f"\n- (warning) {r}" for r in verdict.reasons if r.severity != compat.INCOMPATIBLE
+            )
+            + (f"\n{hint}" if hint else "")
+            + "\nFix the above, take a route, or pass allow_incompatible=True to try anyway."
+        )
+    for reason in verdict.reasons:
+        _logger.warning("jaxexp: %s", reason)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxexp_mlflow.env_facts import EnvFacts, recorded_facts
+from jaxexp_mlflow.archive.env_facts import EnvFacts, recorded_facts
 from jaxexp_mlflow.errors import JaxExpError
 
 RUNNER = Path(__file__).with_name("_env_runner.py")
@@ -406,7 +406,9 @@ def _loader_dependencies() -> list[str]:
 def _loader_dir(into: Path) -> Path:
     """A directory holding only ``jaxexp_mlflow``, a link to the package running here."""
     into.mkdir()
-    (into / "jaxexp_mlflow").symlink_to(Path(__file__).resolve().parent, target_is_directory=True)
+    (into / "jaxexp_mlflow").symlink_to(
+        Path(__file__).resolve().parents[1], target_is_directory=True
+    )
     return into
 
 
@@ -427,7 +429,7 @@ def _build(
     package's dependencies instead (the package itself comes from :func:`_loader_dir`). Both
     lists are written from MLmodel's facts; no file of the model is read for either.
     """
-    from jaxexp_mlflow import env_build
+    from jaxexp_mlflow.archive import env_build
 
     facts = plan.facts or EnvFacts()
     trusted = [a for line in facts.added for a in _args(line)] if plan.trusted else []
@@ -484,7 +486,7 @@ def run_recorded(
     cannot be built (``uv`` missing, a pinned version not on the index); a model that fails to
     run inside the environment is returned with ``error`` set.
     """
-    from jaxexp_mlflow.reproduce import decode_outputs
+    from jaxexp_mlflow.archive.reproduce import decode_outputs
 
     if env_manager not in ENV_MANAGERS:
         raise RecordedEnvError(

@@ -18,7 +18,7 @@ answers:
 
 Use it as the ``implementation`` of the model settings::
 
-    {"name": "my-model", "implementation": "jaxexp_mlflow.mlserver_runtime.JaxExpRuntime",
+    {"name": "my-model", "implementation": "jaxexp_mlflow.serving.mlserver_runtime.JaxExpRuntime",
      "parameters": {"uri": "<model dir or URI>"}}
 
 Needs the ``mlserver`` extra (in its own venv: ``scripts/mlserver_env.sh``).
@@ -65,8 +65,8 @@ class JaxExpRuntime(MLflowRuntime):
         """
         from mlflow.models import ModelSignature
 
-        from jaxexp_mlflow.flavors.pyfunc import impl_for
-        from jaxexp_mlflow.flavors.signature import model_signature
+        from jaxexp_mlflow.serving.pyfunc import impl_for
+        from jaxexp_mlflow.serving.signature import model_signature
 
         signature = getattr(self, "_signature", None)
         impl = impl_for(getattr(getattr(self, "_model", None), "metadata", None))
@@ -78,7 +78,7 @@ class JaxExpRuntime(MLflowRuntime):
         super()._sync_metadata()
 
     def _expected(self) -> str:
-        from jaxexp_mlflow.flavors.pyfunc import impl_for
+        from jaxexp_mlflow.serving.pyfunc import impl_for
 
         impl = impl_for(getattr(getattr(self, "_model", None), "metadata", None))
         return f" Inputs: {impl.contract.expected()}." if impl is not None else ""

@@ -51,8 +51,8 @@ def main(model_dir: str, out_dir: str, loader_dir: str | None = None) -> int:
 
         result["backend"] = running_platform()
         import jaxexp_mlflow
-        from jaxexp_mlflow import artifact
         from jaxexp_mlflow.flavors import jaxexp as flavor
+        from jaxexp_mlflow.store import artifact
 
         result["jaxexp_mlflow"] = getattr(jaxexp_mlflow, "__version__", None)
         result["jaxexp_mlflow_path"] = getattr(jaxexp_mlflow, "__file__", None)

@@ -38,9 +38,9 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 
 from jaxexp_mlflow.errors import InputError, RequestLimitError, UnsupportedModelError
-from jaxexp_mlflow.flavors import serving_guard
-from jaxexp_mlflow.flavors.inputs import read_csv
-from jaxexp_mlflow.flavors.pyfunc import JaxExpPyfunc, impl_for, parse_request, short
+from jaxexp_mlflow.serving import serving_guard
+from jaxexp_mlflow.serving.inputs import read_csv
+from jaxexp_mlflow.serving.pyfunc import JaxExpPyfunc, impl_for, parse_request, short
 
 _logger = logging.getLogger(__name__)
 

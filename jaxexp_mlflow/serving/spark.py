@@ -5,7 +5,7 @@ public API only: the model directory is archived on the driver and shipped with
 ``SparkContext.addFile`` (Spark copies it to every executor; once per application and model
 content, however often ``predict`` is called), each executor unpacks it once
 into its own Spark files directory (removed with the application), each Python worker loads it
-once (``flavors.pyfunc.load_pyfunc``: checksums, verdict, params), and every Arrow
+once (``serving.pyfunc.load_pyfunc``: checksums, verdict, params), and every Arrow
 record batch goes Arrow list column -> numpy (one reshape of the values buffer, no per-row
 Python) -> the input contract (names, shapes, dtypes, lossless casts: the same ``InputError``\\ s
 as every other door) -> the model -> Arrow list arrays built on the output buffers.
@@ -97,9 +97,9 @@ def predict(
     """
     from pyspark.sql.types import StructField, StructType
 
-    from jaxexp_mlflow import transfer
-    from jaxexp_mlflow.flavors import signature as sig
-    from jaxexp_mlflow.flavors.section import read_section
+    from jaxexp_mlflow.serving import signature as sig
+    from jaxexp_mlflow.store import transfer
+    from jaxexp_mlflow.store.section import read_section
 
     spark = df.sparkSession
     download = transfer.download_model(model_uri, None, skip=("code",))
@@ -165,7 +165,7 @@ def predict(
 
 def _input_columns(specs: list[Any], found: list[str], columns: Any) -> list[str]:
     """The DataFrame column of each input, checked (the contract's by-name/by-position rule)."""
-    from jaxexp_mlflow.flavors.inputs import InputContract
+    from jaxexp_mlflow.serving.inputs import InputContract
 
     names = [s.name for s in specs]
     expected = InputContract(specs).expected()
@@ -202,7 +202,7 @@ def _check_column_types(specs: list[Any], cols: list[str], schema: Any) -> None:
     """Refuse, before any job runs, columns whose nesting or element type cannot fit."""
     from pyspark.sql.types import ArrayType, BooleanType, DecimalType, NumericType
 
-    from jaxexp_mlflow.flavors.signature import input_error
+    from jaxexp_mlflow.serving.signature import input_error
 
     for spec, col in zip(specs, cols, strict=True):
         dtype = schema[col].dataType
@@ -291,7 +291,7 @@ _SHIPPED_LOCK = threading.Lock()
 def _shipped(sc: Any, model_dir: Path) -> str:
     """The name of the archive of ``model_dir`` shipped to ``sc``'s executors (shipped now if
     this application has not received the same model content before)."""
-    from jaxexp_mlflow.flavors.pyfunc import model_identity
+    from jaxexp_mlflow.serving.pyfunc import model_identity
 
     # the sha256 of the MLmodel, of the blob and of the params manifest (which has the params'
     # checksums): not the path, a new temporary directory on every download
@@ -335,7 +335,7 @@ def _worker_model(plan: _Plan) -> Any:
     with _WORKER_LOCK:
         impl = _WORKER.get(key)
         if impl is None:
-            from jaxexp_mlflow.flavors.pyfunc import load_pyfunc
+            from jaxexp_mlflow.serving.pyfunc import load_pyfunc
 
             impl = load_pyfunc(_unpacked(plan.archive), dict(plan.model_config))
             _WORKER[key] = impl
@@ -407,7 +407,7 @@ def _score_batches(plan: _Plan, batches: Iterator[Any]) -> Iterator[Any]:
         outs = impl.run(impl.convert_inputs(data))
         arrays = [batch.column(c) for c in plan.keep]
         if plan.classifier:
-            from jaxexp_mlflow.flavors import classifier as classifier_mod
+            from jaxexp_mlflow.serving import classifier as classifier_mod
 
             arrays.append(pa.array(classifier_mod.apply(impl.classifier, outs[0], None)))
         else:
@@ -425,7 +425,7 @@ def arrow_to_numpy(column: Any, spec: Any, name: str = "") -> np.ndarray:
     """
     import pyarrow as pa
 
-    from jaxexp_mlflow.flavors.signature import input_error
+    from jaxexp_mlflow.serving.signature import input_error
 
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     shape = [len(arr)]

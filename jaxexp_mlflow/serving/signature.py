@@ -350,7 +350,7 @@ def served_signature(signature: Any) -> Any:
     does not include model schema, the input is passed to the model implementation as is",
     ``PyFuncModel._predict``): then every door parses the request the plain way (JSON to numpy
     arrays or DataFrames, CSV and parquet to DataFrames) and the model's input contract
-    (``flavors/inputs.py``) is the one check, the same in-process and served. The inputs stay
+    (``serving/inputs.py``) is the one check, the same in-process and served. The inputs stay
     declared in the flavor section (``jaxexp.io``) and in the logged model's ``jax.in_avals``
     param, which the MLflow UI shows; outputs and params are kept (``spark_udf`` reads its
     ``result_type`` from the outputs). See docs/serving.md, "The input contract".

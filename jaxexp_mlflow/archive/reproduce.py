@@ -86,7 +86,7 @@ def verify_directory(
     if iree:
         from jaxexp_mlflow.iree.files import read_reference
     else:
-        from jaxexp_mlflow.artifact import read_reference
+        from jaxexp_mlflow.store.artifact import read_reference
     ref = read_reference(path, model.metadata)
     if ref is None:
         raise ArtifactError(
@@ -101,7 +101,7 @@ def verify_directory(
     if iree:
         got = model.call_flat(inputs)
     else:
-        from jaxexp_mlflow.probes import call_flat
+        from jaxexp_mlflow.runtime.probes import call_flat
 
         got = call_flat(model, inputs)
     return compare_outputs(got, outputs, rtol=rtol, atol=atol, cross_platform=cross)

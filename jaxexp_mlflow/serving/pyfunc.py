@@ -1,6 +1,6 @@
 """The pyfunc face of a jaxexp model: numpy/pandas/JSON lists in, numpy out, no JAX for callers.
 
-``JaxExpPyfunc.predict`` takes every form of the input contract (``flavors/inputs.py``: by name
+``JaxExpPyfunc.predict`` takes every form of the input contract (``serving/inputs.py``: by name
 or position, dicts, DataFrames, lists, MLflow's JSON envelopes, lossless casts only) and returns
 a numpy array for a single output leaf, a dict ``{output name: array}`` otherwise.
 """
@@ -21,8 +21,11 @@ from typing import Any
 import numpy as np
 
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
-from jaxexp_mlflow.flavors import serving_guard
-from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public name it had here
+from jaxexp_mlflow.runtime import buckets as buckets_mod
+from jaxexp_mlflow.runtime import executables as executables_mod
+from jaxexp_mlflow.runtime import rows as rows_mod
+from jaxexp_mlflow.serving import serving_guard
+from jaxexp_mlflow.serving.inputs import (
     ENV_ALLOW_NAN,
     InputContract,
     convert,
@@ -30,10 +33,7 @@ from jaxexp_mlflow.flavors.inputs import (  # noqa: F401 - convert: the public n
     from_split,
     is_ml_float,
 )
-from jaxexp_mlflow.flavors.signature import LeafSpec
-from jaxexp_mlflow.runtime import buckets as buckets_mod
-from jaxexp_mlflow.runtime import executables as executables_mod
-from jaxexp_mlflow.runtime import rows as rows_mod
+from jaxexp_mlflow.serving.signature import LeafSpec
 
 _logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class JaxExpPyfunc:
         serving: bool = False,
         rows_independent: bool = False,
     ) -> None:
-        from jaxexp_mlflow.flavors import signature
+        from jaxexp_mlflow.serving import signature
 
         self.model = model
         self.classifier = classifier
@@ -178,7 +178,7 @@ class JaxExpPyfunc:
 
         convert_inputs, run, format_outputs = self.convert_inputs, self.run, self.format_outputs
         if self.classifier is not None:
-            from jaxexp_mlflow.flavors import classifier as classifier_mod
+            from jaxexp_mlflow.serving import classifier as classifier_mod
 
             conf = self.classifier
 
@@ -369,7 +369,7 @@ ENV_PYFUNC_CACHE = "JAXEXP_PYFUNC_CACHE"
 _CACHE_SIZE = 4
 _CACHE: OrderedDict[tuple, JaxExpPyfunc] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
-_SERVER_MODULES = ("mlflow.pyfunc.scoring_server.app", "jaxexp_mlflow.flavors.server")
+_SERVER_MODULES = ("mlflow.pyfunc.scoring_server.app", "jaxexp_mlflow.serving.server")
 
 
 def in_scoring_server() -> bool:
@@ -384,11 +384,11 @@ def model_identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tupl
 
 def _identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tuple[tuple, Any]:
     """``model_identity`` and the MLmodel it parsed (reused by the load: one YAML parse)."""
-    from jaxexp_mlflow import artifact
     from jaxexp_mlflow.codec import files
     from jaxexp_mlflow.codec.mlmodel import MLMODEL, load_yaml, read_mlmodel
-    from jaxexp_mlflow.flavors.section import flavor_section
     from jaxexp_mlflow.params.manifest import MANIFEST_FILE
+    from jaxexp_mlflow.store import artifact
+    from jaxexp_mlflow.store.section import flavor_section
 
     raw = files.read_bytes(
         model_dir, MLMODEL, what=f"{MLMODEL} file", max_bytes=files.MAX_MLMODEL_BYTES
@@ -449,9 +449,9 @@ def _load_uncached(
     """Read, judge and load the model at ``model_dir`` into a new ``JaxExpPyfunc``
     (``meta``: its MLmodel, when the caller has just parsed it)."""
     from jaxexp_mlflow.codec.mlmodel import read_mlmodel
-    from jaxexp_mlflow.flavors import signature as sig
-    from jaxexp_mlflow.flavors.jaxexp import ENV_BACKEND, _check_backend
-    from jaxexp_mlflow.flavors.section import flavor_section
+    from jaxexp_mlflow.runtime.backend import ENV_BACKEND, _check_backend
+    from jaxexp_mlflow.serving import signature as sig
+    from jaxexp_mlflow.store.section import flavor_section
 
     if meta is None:
         meta = read_mlmodel(model_dir)
@@ -503,7 +503,7 @@ def _load_uncached(
 
 # -- requests of the jaxexp scoring server ------------------------------------------------------
 #
-# ``jaxexp serve`` (``flavors/server.py``) parses ``/invocations`` bodies with ``parse_request``:
+# ``jaxexp serve`` (``serving/server.py``) parses ``/invocations`` bodies with ``parse_request``:
 # the four JSON formats of MLflow's scoring protocol, through the input contract (the same rules
 # as predict), at the cost of a plain ``json.loads`` + ``np.asarray``. ``mlflow models serve``
 # keeps MLflow's own parsing: with no input schema in the signature it turns every format into

@@ -1,7 +1,7 @@
 """Request limits of the jaxexp scoring server (``jaxexp serve``): body size, bytes in flight,
 slow bodies, decoded size, deadlines, JSON.
 
-* :class:`BodyLimit`, an ASGI middleware on the server's own app (``flavors/server.py``),
+* :class:`BodyLimit`, an ASGI middleware on the server's own app (``serving/server.py``),
   answers 413 as soon as ``Content-Length`` or the bytes received so far pass the model's
   ``max_request_bytes``: a chunked 1 GiB body is refused after the first 64 MiB, never
   buffered. It also bounds the bytes of all request bodies in flight together (default 4x the
@@ -13,7 +13,7 @@ slow bodies, decoded size, deadlines, JSON.
   (``sys.get_int_max_str_digits``, 4300 by default; where a process lifted that limit, a
   bounded ``parse_int`` takes over), nesting deeper than the recursion limit, invalid JSON or
   UTF-8. Non-finite numbers and integers beyond the input dtypes are refused on the converted
-  arrays, vectorised (``flavors/inputs.convert``).
+  arrays, vectorised (``serving/inputs.convert``).
 * A body must arrive whole within ``JAXEXP_BODY_TIMEOUT_S`` seconds (default 60) of the
   request's start: a client that sends all but the last byte and waits is answered 408 and its
   bytes leave the in-flight budget.

@@ -128,8 +128,8 @@ def _judge(
 
 def _bind(exported: Any, local: Path, meta: dict, placement: Any) -> Any:
     """A ``JaxExpModel`` of ``exported`` with the model's params restored for ``placement``."""
-    from jaxexp_mlflow import artifact
     from jaxexp_mlflow.runtime.model import JaxExpModel
+    from jaxexp_mlflow.store import artifact
 
     params = None
     ckpt = artifact.params_dir(local, meta)
@@ -150,7 +150,7 @@ def _check(
     rtol: float | None,
     atol: float | None,
 ) -> list[Any]:
-    from jaxexp_mlflow import reproduce
+    from jaxexp_mlflow.archive import reproduce
 
     model = _bind(new_exp, local, meta, placement)
     return reproduce.verify_directory(model, local, rtol=rtol, atol=atol)
@@ -160,7 +160,8 @@ def _check_on_probes(
     old: Any, new: Any, *, rtol: float | None, atol: float | None
 ) -> tuple[list[Any], list[Any]]:
     """Run the old and the refreshed model on synthetic probes; (checks, probes)."""
-    from jaxexp_mlflow import probes, reproduce
+    from jaxexp_mlflow.archive import reproduce
+    from jaxexp_mlflow.runtime import probes
 
     n = old._n_param_leaves
     avals = list(old.exported.in_avals)[n:]
@@ -190,7 +191,7 @@ def _bridge(
 ) -> tuple[bytes, str, Any, str]:
     """(the blob re-exported by jax ``routes.BRIDGE_JAX`` in a cached venv, its source label,
     its description, that jax version), for ``refresh(bridge=True)``."""
-    from jaxexp_mlflow import env_routes
+    from jaxexp_mlflow.archive import env_routes
     from jaxexp_mlflow.codec import blob
     from jaxexp_mlflow.runtime import routes
 
@@ -287,7 +288,7 @@ def _source_dir(model_uri: str, stack: contextlib.ExitStack) -> Path:
     into a temporary directory ``stack`` removes, on success or failure."""
     from urllib.parse import unquote, urlparse
 
-    from jaxexp_mlflow.transfer import download_model
+    from jaxexp_mlflow.store.transfer import download_model
 
     if os.path.isdir(model_uri):
         return Path(model_uri)
@@ -316,10 +317,10 @@ def _refresh(
     from mlflow.models import Model
     from mlflow.models.model import MLMODEL_FILE_NAME
 
-    from jaxexp_mlflow import artifact
     from jaxexp_mlflow.codec import blob
     from jaxexp_mlflow.flavors import jaxexp as flavor
-    from jaxexp_mlflow.flavors.section import package_version, read_section
+    from jaxexp_mlflow.store import artifact
+    from jaxexp_mlflow.store.section import package_version, read_section
 
     meta = read_section(local)
     source_model = Model.load(os.path.join(local, MLMODEL_FILE_NAME))

@@ -178,9 +178,9 @@ def store_reference(
     import shutil
     from pathlib import Path
 
-    from jaxexp_mlflow import artifact
     from jaxexp_mlflow.runtime import compat
     from jaxexp_mlflow.runtime.model import JaxExpModel
+    from jaxexp_mlflow.store import artifact
 
     verdict = compat.assess(conf, description=description)
     if verdict.status == compat.INCOMPATIBLE:

@@ -7,7 +7,7 @@ Layout (all paths relative to the model directory; no pickle anywhere)::
     reference/inputs.npz     the input example, flat leaves in_0, in_1, ... (inputs only)
     reference/outputs.npz    the outputs computed from it at save time, out_0, out_1, ...
 
-The MLmodel ``jaxexp`` section (see ``flavors.section``) records avals, trees, versions, checksum
+The MLmodel ``jaxexp`` section (see ``store.section``) records avals, trees, versions, checksum
 and the dtypes of the reference leaves. Importing this module imports no JAX (the IREE backend
 and pyfunc's model identity read the blob and the params directory through it); the functions
 that handle JAX values import it.
@@ -113,7 +113,7 @@ def check_params(exported: Any, params: Any) -> int:
     """Verify ``params`` fit the export's first argument; return its number of leaves."""
     import jax
 
-    from jaxexp_mlflow.flavors.section import aval_str
+    from jaxexp_mlflow.store.section import aval_str
 
     expected = params_treedef(exported)
     leaves, found = jax.tree.flatten(params)

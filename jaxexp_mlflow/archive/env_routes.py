@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxexp_mlflow import jax_envs
-from jaxexp_mlflow.recorded_env import RUNNER, RecordedEnvError
+from jaxexp_mlflow.archive import jax_envs
+from jaxexp_mlflow.archive.recorded_env import RUNNER, RecordedEnvError
 
 #: How long a child may run (environment already built): compile + run of a model.
 TIMEOUT = 900
@@ -91,7 +91,7 @@ def run_in(
 ) -> tuple[list[np.ndarray], dict]:
     """(the blob's flat outputs on the flat input ``leaves``, run by jax ``jax_version``; the
     child's report). Dtypes numpy lacks (bfloat16) travel as raw bits."""
-    from jaxexp_mlflow.reproduce import decode_outputs
+    from jaxexp_mlflow.archive.reproduce import decode_outputs
 
     with tempfile.TemporaryDirectory(prefix="jaxexp-era-") as tmp:
         arrays = [np.asarray(x) for x in leaves]

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from jaxexp_mlflow.errors import InputError
-from jaxexp_mlflow.flavors.signature import LeafSpec, input_error
+from jaxexp_mlflow.serving.signature import LeafSpec, input_error
 
 ENV_ALLOW_NAN = "JAXEXP_ALLOW_NAN"
 ENVELOPES = ("inputs", "instances", "dataframe_split", "dataframe_records")

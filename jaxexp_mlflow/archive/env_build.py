@@ -39,7 +39,7 @@ class EnvBuildError(JaxExpError):
 
 def cache_root() -> Path:
     """Where recorded environments are cached: ``<jax_envs cache>/recorded``."""
-    from jaxexp_mlflow import jax_envs
+    from jaxexp_mlflow.archive import jax_envs
 
     return jax_envs.cache_dir() / "recorded"
 

@@ -1,0 +1,26 @@
+"""The engines a model can run on: JAX (``runtime/``) or IREE without JAX (``iree/``).
+
+``load_model(..., backend=)`` and the pyfunc ``model_config`` key ``backend`` (or
+``$JAXEXP_BACKEND``) pick one; the name is checked here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Backends ``load_model``/pyfunc can run a model on: JAX, or IREE without importing JAX
+#: (``pip install 'jaxexp-mlflow[iree]'``, see docs/longevity.md).
+BACKENDS = ("jax", "iree")
+#: Environment variable choosing the pyfunc backend when ``model_config`` does not.
+ENV_BACKEND = "JAXEXP_BACKEND"
+
+
+def _check_backend(backend: Any) -> str:
+    name = str(backend or "jax").lower()
+    if name not in BACKENDS:
+        from jaxexp_mlflow.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"backend={backend!r} is not supported: expected one of {list(BACKENDS)}."
+        )
+    return name
