@@ -197,13 +197,14 @@ def test_big_params_through_the_server_in_bounded_memory(gib, tmp_path):
 
 
 def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkeypatch):
-    """``transfer.download_model`` lists and downloads on one pool; the files it brings back
+    """``download.download_model`` lists and downloads on one pool; the files it brings back
     are byte for byte those of MLflow's ``download_artifacts``, minus the skipped directory;
     a listing the server fails to give is raised, not a silently partial download."""
     from mlflow.artifacts import download_artifacts
     from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
 
     from jaxexp_mlflow.store import transfer
+    from jaxexp_mlflow.store.download import download_model
 
     with mlflow_server(tmp_path / "server") as (url, _):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
@@ -227,7 +228,7 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
                 return list_artifacts(self, path)
 
             monkeypatch.setattr(HttpArtifactRepository, "list_artifacts", counting)
-            ours = transfer.download_model(
+            ours = download_model(
                 "models:/dl/1", str(tmp_path / "ours"), skip=("code/jaxexp_mlflow",)
             )
             monkeypatch.setattr(HttpArtifactRepository, "list_artifacts", list_artifacts)
@@ -252,7 +253,7 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
             chunk.symlink_to(tmp_path / "nowhere")
             monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
             with pytest.raises(MlflowException):
-                transfer.download_model("models:/dl/1", str(tmp_path / "cut"))
+                download_model("models:/dl/1", str(tmp_path / "cut"))
         finally:
             mlflow.set_tracking_uri(None)
 
@@ -264,7 +265,7 @@ def test_early_upload_sends_the_checkpoint_and_its_manifest_last(server, tmp_pat
 
     from jaxexp_mlflow.params import restore_params
     from jaxexp_mlflow.params.manifest import MANIFEST_FILE
-    from jaxexp_mlflow.store.transfer import EarlyUpload
+    from jaxexp_mlflow.store.upload import EarlyUpload
 
     mlflow.set_tracking_uri(server)
     try:

@@ -27,6 +27,7 @@ import pytest
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.store import transfer
+from jaxexp_mlflow.store.download import download_model
 from tests.servers import mlflow_server
 
 ENDPOINT = "/api/2.0/mlflow-artifacts/artifacts"
@@ -102,12 +103,12 @@ def store(monkeypatch, tmp_path):
 
 
 def _download(uri: str, timeout: float = 15.0) -> BaseException | None:
-    """Run ``transfer.download_model(uri)`` with a time bound; returns what it raised."""
+    """Run ``download.download_model(uri)`` with a time bound; returns what it raised."""
     out: list[BaseException | None] = []
 
     def run():
         try:
-            transfer.download_model(uri)
+            download_model(uri)
             out.append(None)
         except BaseException as err:  # noqa: BLE001 - handed to the test
             out.append(err)

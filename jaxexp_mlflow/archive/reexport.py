@@ -264,7 +264,7 @@ def refresh(
     (source URI, source jax/jaxlib versions, max error), and registered as a new version of
     ``registered_model_name`` if given. ``options`` go to device placement
     (``allow_other_platform``, ``devices``). Returns the new model's ``ModelInfo``. A remote
-    source is downloaded into a temporary directory (bounded: ``transfer.download_model``)
+    source is downloaded into a temporary directory (bounded: ``download.download_model``)
     that is removed afterwards, on success or failure.
     """
     with contextlib.ExitStack() as stack:
@@ -284,11 +284,11 @@ def refresh(
 
 def _source_dir(model_uri: str, stack: contextlib.ExitStack) -> Path:
     """The source model as a local directory: a local path as it is; anything else downloaded
-    with ``transfer.download_model`` (listings bounded, each file stopped at its listed size)
+    with ``download.download_model`` (listings bounded, each file stopped at its listed size)
     into a temporary directory ``stack`` removes, on success or failure."""
     from urllib.parse import unquote, urlparse
 
-    from jaxexp_mlflow.store.transfer import download_model
+    from jaxexp_mlflow.store.download import download_model
 
     if os.path.isdir(model_uri):
         return Path(model_uri)

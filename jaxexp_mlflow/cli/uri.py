@@ -106,8 +106,8 @@ def _limit(name: str) -> int:
 
 def _fetch(repo: Any, info: Any, into: Path) -> Path:
     """Download the listed file ``info`` to ``into/<its name>``, stopping at its listed size
-    (``transfer.fetch_listed``: a partial file is removed)."""
-    from jaxexp_mlflow.store.transfer import fetch_listed
+    (``download.fetch_listed``: a partial file is removed)."""
+    from jaxexp_mlflow.store.download import fetch_listed
 
     name = os.path.basename(info.path.rstrip("/"))
     dest = into / name
@@ -118,12 +118,12 @@ def _fetch(repo: Any, info: Any, into: Path) -> Path:
 def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
     from mlflow.exceptions import MlflowException
 
-    from jaxexp_mlflow.store.transfer import list_top
+    from jaxexp_mlflow.store.download import list_top
 
     try:
         base = _underlying(uri)
         if parts is None:
-            from jaxexp_mlflow.store.transfer import download_model
+            from jaxexp_mlflow.store.download import download_model
 
             with step(f"Downloading {uri}"):
                 local = Path(download_model(base, dst)[0])  # in parallel, with progress

@@ -36,6 +36,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxexp_mlflow.codec.mlir_bytes import (
+    S_ATTRTYPE,
+    S_ATTRTYPE_OFFSET,
+    S_DIALECT,
+    S_DIALECT_VERSIONS,
+    S_IR,
+    S_PROPERTIES,
+    S_STRING,
+    VARINT_SIZE,
+    ByteReader,
+    MlirBytecodeError,
+    parse_textual_string,
+    read_long_varint,
+    read_varint,
+    skip_varints,
+)
+
 __all__ = ["MlirBytecodeError", "MlirModuleInfo", "scan_module", "read_header", "module_dialects"]
 
 MAGIC = b"ML\xefR"
@@ -43,9 +60,6 @@ MAX_REGION_DEPTH = 100  # 3 Python frames per level: stays far below the recursi
 _MAX_VERSION = 6  # the newest MLIR bytecode version whose layout this reader implements
 _NEWEST_STABLEHLO = "1.20.0"  # the newest VHLO op set checked against this reader
 
-# Section ids (mlir/Bytecode/Encoding.h)
-_S_STRING, _S_DIALECT, _S_ATTRTYPE, _S_ATTRTYPE_OFFSET, _S_IR = 0, 1, 2, 3, 4
-_S_DIALECT_VERSIONS, _S_PROPERTIES, _NUM_SECTIONS = 7, 8, 9
 # Op encoding mask bits
 _HAS_ATTRS, _HAS_RESULTS, _HAS_OPERANDS, _HAS_SUCCESSORS = 0x01, 0x02, 0x04, 0x08
 _HAS_INLINE_REGIONS, _HAS_USE_LIST_ORDERS, _HAS_PROPERTIES = 0x10, 0x20, 0x40
@@ -71,10 +85,6 @@ _VHLO_CUSTOM_CALL_PREFIX = "custom_call_v"  # any other vhlo.custom_call_vN: unk
 _CALL_TARGET_PROPERTY_INDEX = 2  # alphabetical position of call_target_name (v1 and v2)
 
 
-class MlirBytecodeError(ValueError):
-    """The module bytes are not MLIR bytecode this reader understands."""
-
-
 @dataclass(frozen=True)
 class MlirModuleInfo:
     """What the scan found: bytecode version, producer, and the custom-call targets (sorted,
@@ -93,77 +103,9 @@ class MlirModuleInfo:
     vhlo_ops: tuple[str, ...] | None = None
 
 
-class _Reader:
-    __slots__ = ("b", "p", "e")
-
-    def __init__(self, b: bytes, p: int = 0, e: int | None = None) -> None:
-        self.b = b
-        self.p = p
-        self.e = len(b) if e is None else e
-
-    def left(self) -> int:
-        return self.e - self.p
-
-    def empty(self) -> bool:
-        return self.p >= self.e
-
-    def byte(self) -> int:
-        if self.p >= self.e:
-            raise MlirBytecodeError("unexpected end of data reading a byte")
-        v = self.b[self.p]
-        self.p += 1
-        return v
-
-    def take(self, n: int) -> bytes:
-        if n > self.e - self.p:
-            raise MlirBytecodeError(f"need {n} bytes, only {self.e - self.p} left")
-        v = self.b[self.p : self.p + n]
-        self.p += n
-        return v
-
-    def sub(self, n: int) -> _Reader:
-        if n > self.e - self.p:
-            raise MlirBytecodeError(f"section of {n} bytes, only {self.e - self.p} left")
-        r = _Reader(self.b, self.p, self.p + n)
-        self.p += n
-        return r
-
-    def varint(self) -> int:
-        if self.p >= self.e:
-            raise MlirBytecodeError("unexpected end of data reading a varint")
-        value, p = _varint(self.b, self.p)
-        if p > self.e:
-            raise MlirBytecodeError("truncated varint")
-        self.p = p
-        return value
-
-    def count(self, what: str, min_bytes_each: int = 1) -> int:
-        """A varint element count, which must fit in the bytes left (each element >= 1 byte)."""
-        n = self.varint()
-        if n * min_bytes_each > self.left():
-            raise MlirBytecodeError(f"{what} count {n} exceeds the {self.left()} bytes left")
-        return n
-
-    def section(self) -> tuple[int, _Reader]:
-        head = self.byte()
-        length = self.varint()
-        sid = head & 0x7F
-        if sid >= _NUM_SECTIONS:
-            raise MlirBytecodeError(f"invalid section id {sid}")
-        if head & 0x80:
-            align = self.varint()
-            if align == 0 or align & (align - 1) or align > 4096:
-                raise MlirBytecodeError(f"section alignment {align} is not a power of two")
-            # Padding (0xCB) up to the alignment, relative to the module start.
-            while self.p % align:
-                if self.byte() != 0xCB:
-                    raise MlirBytecodeError("section padding byte is not 0xCB")
-        return sid, self.sub(length)
-
-
-def read_header(data: bytes) -> tuple[int, str, _Reader]:
+def read_header(data: bytes) -> tuple[int, str, ByteReader]:
     """(bytecode version, producer string, reader positioned at the first section)."""
-    r = _Reader(data)
+    r = ByteReader(data)
     if data[:4] != MAGIC:
         raise MlirBytecodeError("module does not start with the MLIR bytecode magic 'ML\\xefR'")
     r.p = 4
@@ -214,30 +156,30 @@ def module_dialects(data: bytes) -> tuple[str, ...] | None:
 
 
 class _Scanner:
-    def __init__(self, data: bytes, version: int, r: _Reader) -> None:
+    def __init__(self, data: bytes, version: int, r: ByteReader) -> None:
         if version > _MAX_VERSION:
             raise MlirBytecodeError(
                 f"bytecode version {version} is newer than {_MAX_VERSION}, the newest known here"
             )
         self.version = version
-        sections: dict[int, _Reader] = {}
+        sections: dict[int, ByteReader] = {}
         while not r.empty():
             sid, sec = r.section()
             if sid in sections:
                 raise MlirBytecodeError(f"duplicate section {sid}")
             sections[sid] = sec
-        required = [_S_STRING, _S_DIALECT, _S_ATTRTYPE, _S_ATTRTYPE_OFFSET, _S_IR]
+        required = [S_STRING, S_DIALECT, S_ATTRTYPE, S_ATTRTYPE_OFFSET, S_IR]
         if version >= _V_NATIVE_PROPERTIES:
-            required.append(_S_PROPERTIES)
+            required.append(S_PROPERTIES)
         for sid in required:
             if sid not in sections:
                 raise MlirBytecodeError(f"missing required section {sid}")
         self.data = data
-        self.strings = self._strings(sections[_S_STRING])
-        self.op_names = self._dialects(sections[_S_DIALECT])
-        self.attrs = self._attr_offsets(sections[_S_ATTRTYPE], sections[_S_ATTRTYPE_OFFSET])
-        self.props = self._properties(sections.get(_S_PROPERTIES))
-        self.ir = sections[_S_IR]
+        self.strings = self._strings(sections[S_STRING])
+        self.op_names = self._dialects(sections[S_DIALECT])
+        self.attrs = self._attr_offsets(sections[S_ATTRTYPE], sections[S_ATTRTYPE_OFFSET])
+        self.props = self._properties(sections.get(S_PROPERTIES))
+        self.ir = sections[S_IR]
         self.custom_call_ids = {
             i for i, (d, name, _) in enumerate(self.op_names) if (d, name) in _CUSTOM_CALL_OPS
         }
@@ -261,7 +203,7 @@ class _Scanner:
         return tuple(sorted({name for d, name, _ in self.op_names if d == "vhlo"}))
 
     # -- tables ---------------------------------------------------------------------------
-    def _strings(self, r: _Reader) -> list[bytes]:
+    def _strings(self, r: ByteReader) -> list[bytes]:
         n = r.count("string")
         sizes = [r.varint() for _ in range(n)]
         end = r.e
@@ -280,7 +222,7 @@ class _Scanner:
             raise MlirBytecodeError(f"string index {idx} out of range ({len(self.strings)})")
         return self.strings[idx]
 
-    def _dialects(self, r: _Reader) -> list[tuple[str, str, bool | None]]:
+    def _dialects(self, r: ByteReader) -> list[tuple[str, str, bool | None]]:
         nd = r.count("dialect")
         dialects: list[str] = []
         self.dialect_names = dialects
@@ -292,7 +234,7 @@ class _Scanner:
             dialects.append(self._string(v >> 1).decode("utf-8", "replace"))
             if v & 1:
                 sid, _ = r.section()
-                if sid != _S_DIALECT_VERSIONS:
+                if sid != S_DIALECT_VERSIONS:
                     raise MlirBytecodeError("expected a dialect version section")
         if self.version >= _V_ELIDE_UNKNOWN_BLOCK_ARG_LOC:
             r.varint()  # number of op names (a reservation hint)
@@ -310,12 +252,12 @@ class _Scanner:
                     ops.append((dialects[d], name, bool(v & 1)))
         return ops
 
-    def _attr_offsets(self, data: _Reader, r: _Reader) -> list[tuple[int, bool, int, int]]:
+    def _attr_offsets(self, data: ByteReader, r: ByteReader) -> list[tuple[int, bool, int, int]]:
         """(dialect index, has custom encoding, start, end) for every attribute. Types are not
         needed and not decoded."""
         b, p, e = r.b, r.p, r.e
-        num_attrs, p = _varint(b, p)
-        _num_types, p = _varint(b, p)
+        num_attrs, p = read_varint(b, p)
+        _num_types, p = read_varint(b, p)
         if num_attrs > e - p:
             raise MlirBytecodeError(f"{num_attrs} attributes declared in {e - p} bytes")
         nd = len(self.dialect_names)
@@ -323,8 +265,8 @@ class _Scanner:
         append = attrs.append
         cur, data_end = data.p, data.e
         while len(attrs) < num_attrs:
-            d, p = _varint(b, p)
-            n, p = _varint(b, p)
+            d, p = read_varint(b, p)
+            n, p = read_varint(b, p)
             if d >= nd:
                 raise MlirBytecodeError(f"attribute group refers to dialect {d} of {nd}")
             if n == 0 or len(attrs) + n > num_attrs:
@@ -334,7 +276,7 @@ class _Scanner:
                 if c & 1:
                     v, p = c >> 1, p + 1
                 else:
-                    v, p = _slow_varint(b, p)
+                    v, p = read_long_varint(b, p)
                 nxt = cur + (v >> 1)
                 if nxt > data_end:
                     raise MlirBytecodeError("attribute entry points past its section")
@@ -344,16 +286,16 @@ class _Scanner:
                 raise MlirBytecodeError("attribute offset section is truncated")
         return attrs
 
-    def _properties(self, r: _Reader | None) -> list[tuple[int, int]]:
+    def _properties(self, r: ByteReader | None) -> list[tuple[int, int]]:
         if r is None or r.empty():
             return []
         b, p, e = r.b, r.p, r.e
-        n, p = _varint(b, p)
+        n, p = read_varint(b, p)
         if n > e - p:
             raise MlirBytecodeError(f"{n} properties declared in {e - p} bytes")
         out = []
         for _ in range(n):
-            size, p = _varint(b, p)
+            size, p = read_varint(b, p)
             if size > e - p:
                 raise MlirBytecodeError("properties entry runs past its section")
             out.append((p, p + size))
@@ -363,7 +305,7 @@ class _Scanner:
         return out
 
     # -- IR walk ----------------------------------------------------------------------------
-    # The hot loop: plain ints and an inlined one-byte varint fast path instead of _Reader calls
+    # The hot loop: plain ints and an inlined one-byte varint fast path instead of ByteReader calls
     # (about 5x faster). An overrun past a section's end is caught by the bounds checks below or,
     # at the very end of the module, by IndexError, which scan_module reports as truncation.
 
@@ -372,14 +314,14 @@ class _Scanner:
         if c & 1:
             head, p = c >> 1, p + 1
         else:
-            head, p = _slow_varint(b, p)
+            head, p = read_long_varint(b, p)
         num_ops = head >> 1
         if head & 1:
             c = b[p]
             if c & 1:
                 nargs, p = c >> 1, p + 1
             else:
-                nargs, p = _slow_varint(b, p)
+                nargs, p = read_long_varint(b, p)
             if nargs > e - p:
                 raise MlirBytecodeError(f"block claims {nargs} arguments in {e - p} bytes")
             if self.version >= _V_ELIDE_UNKNOWN_BLOCK_ARG_LOC:
@@ -388,11 +330,11 @@ class _Scanner:
                     if c & 1:
                         v, p = c >> 1, p + 1
                     else:
-                        v, p = _slow_varint(b, p)
+                        v, p = read_long_varint(b, p)
                     if v & 1:
-                        p = _skip_varints(b, p, 1)
+                        p = skip_varints(b, p, 1)
             else:
-                p = _skip_varints(b, p, 2 * nargs)
+                p = skip_varints(b, p, 2 * nargs)
             if self.version >= _V_USE_LIST_ORDERING:
                 has_orders = b[p]
                 p += 1
@@ -407,26 +349,26 @@ class _Scanner:
     def _walk_use_list(self, b: bytes, p: int, e: int, range_size: int) -> int:
         n = 1
         if range_size > 1:
-            n, p = _varint(b, p)
+            n, p = read_varint(b, p)
         if n > e - p:
             raise MlirBytecodeError(f"use-list of {n} values exceeds the data")
         for _ in range(n):
             if range_size > 1:
-                p = _skip_varints(b, p, 1)
-            v, p = _varint(b, p)
+                p = skip_varints(b, p, 1)
+            v, p = read_varint(b, p)
             if v >> 1 > e - p:
                 raise MlirBytecodeError(f"use-list of {v >> 1} indices exceeds the data")
-            p = _skip_varints(b, p, v >> 1)
+            p = skip_varints(b, p, v >> 1)
         return p
 
     def _walk_regions(self, b: bytes, p: int, e: int, n: int, depth: int) -> int:
         for _ in range(n):
-            num_blocks, p = _varint(b, p)
+            num_blocks, p = read_varint(b, p)
             if num_blocks == 0:
                 continue
             if num_blocks > e - p:
                 raise MlirBytecodeError(f"region claims {num_blocks} blocks in {e - p} bytes")
-            p = _skip_varints(b, p, 1)  # number of values defined in the region
+            p = skip_varints(b, p, 1)  # number of values defined in the region
             for _ in range(num_blocks):
                 p = self._walk_block(b, p, e, depth)
             if p > e:
@@ -441,28 +383,28 @@ class _Scanner:
         if c & 1:
             name_idx, p = c >> 1, p + 1
         else:
-            name_idx, p = _slow_varint(b, p)
+            name_idx, p = read_long_varint(b, p)
         if name_idx >= len(self.op_names):
             raise MlirBytecodeError(f"op name index {name_idx} out of range")
         mask = b[p]
-        p += 1 + _VLEN[b[p + 1]]  # skip the location attribute
+        p += 1 + VARINT_SIZE[b[p + 1]]  # skip the location attribute
         attr_dict = props = None
         if mask & _HAS_ATTRS:
-            attr_dict, p = _varint(b, p)
+            attr_dict, p = read_varint(b, p)
         if mask & _HAS_PROPERTIES:
             if self.op_names[name_idx][2] is None:
                 raise MlirBytecodeError("op has properties in bytecode older than version 5")
-            props, p = _varint(b, p)
+            props, p = read_varint(b, p)
         num_results = 0
         if mask & _HAS_RESULTS:
             c = b[p]
             if c & 1:
                 num_results, p = c >> 1, p + 1
             else:
-                num_results, p = _slow_varint(b, p)
+                num_results, p = read_long_varint(b, p)
             if num_results > e - p:
                 raise MlirBytecodeError(f"op claims {num_results} results in {e - p} bytes")
-            p = _skip_varints(b, p, num_results)
+            p = skip_varints(b, p, num_results)
         num_operands = 0
         for bit in (_HAS_OPERANDS, _HAS_SUCCESSORS):
             if mask & bit:
@@ -470,10 +412,10 @@ class _Scanner:
                 if c & 1:
                     n, p = c >> 1, p + 1
                 else:
-                    n, p = _slow_varint(b, p)
+                    n, p = read_long_varint(b, p)
                 if n > e - p:
                     raise MlirBytecodeError(f"op claims {n} operands/successors in {e - p} bytes")
-                p = _skip_varints(b, p, n)
+                p = skip_varints(b, p, n)
                 if bit == _HAS_OPERANDS:
                     num_operands = n
         if self.version >= _V_USE_LIST_ORDERING and mask & _HAS_USE_LIST_ORDERS:
@@ -489,16 +431,16 @@ class _Scanner:
             registered = bool(self.op_names[name_idx][2])
             self.found.append((attr_dict, props, registered, num_operands, num_results))
         if mask & _HAS_INLINE_REGIONS:
-            v, p = _varint(b, p)
+            v, p = read_varint(b, p)
             num_regions, isolated = v >> 1, v & 1
             if num_regions > e - p + 1:
                 raise MlirBytecodeError(f"op claims {num_regions} regions in {e - p} bytes")
             if depth >= MAX_REGION_DEPTH:
                 raise MlirBytecodeError(f"regions nested deeper than {MAX_REGION_DEPTH}")
             if isolated and self.version >= _V_LAZY_LOADING:
-                r = _Reader(b, p, e)
+                r = ByteReader(b, p, e)
                 sid, sub = r.section()
-                if sid != _S_IR:
+                if sid != S_IR:
                     raise MlirBytecodeError("expected an IR section for an isolated region")
                 q = self._walk_regions(b, sub.p, sub.e, num_regions, depth + 1)
                 if q > sub.e:
@@ -511,17 +453,17 @@ class _Scanner:
         return p
 
     # -- attributes -------------------------------------------------------------------------
-    def _attr(self, idx: int) -> tuple[str, bool, _Reader]:
+    def _attr(self, idx: int) -> tuple[str, bool, ByteReader]:
         if idx >= len(self.attrs):
             raise MlirBytecodeError(f"attribute index {idx} out of range ({len(self.attrs)})")
         d, custom, start, end = self.attrs[idx]
-        return self.dialect_names[d], custom, _Reader(self.data, start, end)
+        return self.dialect_names[d], custom, ByteReader(self.data, start, end)
 
     def _string_attr(self, idx: int) -> str:
         """The value of a string attribute (builtin, VHLO or textual), else an error."""
         dialect, custom, r = self._attr(idx)
         if not custom:
-            return _parse_textual_string(r.take(r.left()))
+            return parse_textual_string(r.take(r.left()))
         code = r.varint()
         if (dialect == "vhlo" and code == _VHLO_STRING_V1) or (
             dialect == "builtin" and code in (_BUILTIN_STRING, _BUILTIN_STRING_WITH_TYPE)
@@ -547,7 +489,7 @@ class _Scanner:
         if idx >= len(self.props):
             raise MlirBytecodeError(f"properties index {idx} out of range ({len(self.props)})")
         start, end = self.props[idx]
-        r = _Reader(self.data, start, end)
+        r = ByteReader(self.data, start, end)
         values = []
         while not r.empty() and len(values) <= _CALL_TARGET_PROPERTY_INDEX:
             values.append(r.varint())
@@ -572,82 +514,3 @@ class _Scanner:
             targets.add(target)
             self.calls.append((target, n_operands, n_results))
         return tuple(sorted(targets))
-
-
-def _slow_varint(b: bytes, p: int) -> tuple[int, int]:
-    """A multi-byte varint starting at ``p`` (the first byte's low bit is 0).
-
-    MLIR's prefix varint: the number of trailing zero bits of the first byte is the number of
-    bytes that follow (8 when the first byte is 0), the value is the rest, little-endian. The
-    package's only decoder of it (``_Reader.varint`` and the hot loops use it)."""
-    first = b[p]
-    if first == 0:
-        if p + 9 > len(b):
-            raise MlirBytecodeError("truncated varint")
-        return int.from_bytes(b[p + 1 : p + 9], "little"), p + 9
-    extra = (first & -first).bit_length() - 1
-    if p + 1 + extra > len(b):
-        raise MlirBytecodeError("truncated varint")
-    return (int.from_bytes(b[p : p + 1 + extra], "little")) >> (extra + 1), p + 1 + extra
-
-
-def _varint(b: bytes, p: int) -> tuple[int, int]:
-    c = b[p]
-    if c & 1:
-        return c >> 1, p + 1
-    return _slow_varint(b, p)
-
-
-# Encoded size of a varint from its first byte: 1 + the number of trailing zero bits (9 for 0).
-_VLEN = bytes([9] + [(c & -c).bit_length() for c in range(1, 256)])
-
-
-def _skip_varints(b: bytes, p: int, n: int) -> int:
-    """Position after ``n`` varints starting at ``p`` (their values are not needed)."""
-    vlen = _VLEN
-    for _ in range(n):
-        p += vlen[b[p]]
-    return p
-
-
-def _parse_textual_string(text: bytes) -> str:
-    """The string value of an attribute stored in MLIR's textual form: ``"foo"`` (builtin) or
-    ``#vhlo.string_v1<"foo">``; escapes are ``\\\\``, ``\\"``, ``\\n``, ``\\t`` and ``\\XX``."""
-    if text.endswith(b"\0"):
-        text = text[:-1]
-    q = text.find(b'"')
-    if q < 0 or not (
-        text[:q] in (b"", b"#vhlo.string_v1<") and text.endswith(b'"' if not q else b'">')
-    ):
-        raise MlirBytecodeError("textual attribute is not a string")
-    body = text[q + 1 : len(text) - (1 if not q else 2)]
-    out = bytearray()
-    i = 0
-    while i < len(body):
-        c = body[i]
-        if c == 0x5C:  # backslash
-            nxt = body[i + 1 : i + 2]
-            if nxt in (b"\\", b'"'):
-                out += nxt
-                i += 2
-            elif nxt == b"n":
-                out += b"\n"
-                i += 2
-            elif nxt == b"t":
-                out += b"\t"
-                i += 2
-            else:
-                try:
-                    out.append(int(body[i + 1 : i + 3], 16))
-                except ValueError:
-                    raise MlirBytecodeError("bad escape in textual string attribute") from None
-                i += 3
-        elif c == 0x22:
-            raise MlirBytecodeError("unescaped quote in textual string attribute")
-        else:
-            out.append(c)
-            i += 1
-    try:
-        return out.decode("utf-8")
-    except UnicodeDecodeError:
-        raise MlirBytecodeError("textual string attribute is not valid UTF-8") from None

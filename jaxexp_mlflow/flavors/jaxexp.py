@@ -18,13 +18,14 @@ from typing import Any
 from mlflow import pyfunc
 from mlflow.models import Model, ModelInputExample, ModelSignature
 from mlflow.models.model import MLMODEL_FILE_NAME, ModelInfo
-from mlflow.utils.file_utils import get_total_file_size, write_to
+from mlflow.utils.file_utils import write_to
 
+from jaxexp_mlflow.flavors.readback import one_batch_axis, read_back_and_record, write_mlmodel
 from jaxexp_mlflow.internals import mlflow_private
 from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
 from jaxexp_mlflow.runtime.backend import _check_backend
 from jaxexp_mlflow.serving.model_config import PYFUNC_CONFIG_KEYS
-from jaxexp_mlflow.store.section import FLAVOR_NAME, FlavorSection
+from jaxexp_mlflow.store.section import FLAVOR_NAME
 
 install_mlflow_module()
 
@@ -289,11 +290,11 @@ def _save_into(
         code=code_dir_subpath,
     )
     mlflow_model.add_flavor(FLAVOR_NAME, **section.to_dict())
-    _write_mlmodel(mlflow_model, path)
+    write_mlmodel(mlflow_model, path)
     _write_environment(
         path, conda_env, pip_requirements, extra_pip_requirements, include_package=include_package
     )
-    _read_back(
+    read_back_and_record(
         path,
         target,
         exp,
@@ -302,109 +303,8 @@ def _save_into(
         params=stored,
         input_example=input_example,
         host_outputs=host_outputs,
-        batched=_one_batch_axis(in_specs, out_specs),
+        batched=one_batch_axis(in_specs, out_specs),
     )
-
-
-def _one_batch_axis(in_specs: list[Any], out_specs: list[Any]) -> bool:
-    """Whether every input and output leaf shares one symbolic leading dimension: the models
-    pyfunc could pad to buckets, whose rows the read-back then tries to prove independent."""
-    from jaxexp_mlflow.runtime.buckets import batch_symbol
-
-    if not in_specs:
-        return False
-    syms = batch_symbol([s.symbols for s in in_specs], [s.symbols for s in out_specs])
-    return syms is not None
-
-
-def _read_back(
-    path: str,
-    target: str,
-    exp: Any,
-    mlflow_model: Model,
-    section: FlavorSection,
-    *,
-    params: Any,
-    input_example: Any,
-    host_outputs: Any = None,
-    batched: bool = False,
-) -> None:
-    """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
-
-    ``batched`` (one symbolic batch axis everywhere): the loaded model's rows are also put to
-    the proof of ``runtime.rows`` on the same inputs, recorded as ``jaxexp.padding``.
-
-    With an input example its outputs (computed from the params as stored) become the reference;
-    without one, a synthetic probe's when the model runs here (``probes``), from the same
-    loaded model: the export is compiled once either way. ``params`` are the params as stored
-    (``{name: array}``, from ``saving.write_model_files``), None for none or a checkpoint path.
-    ``host_outputs``: for a function exported for platforms this machine lacks, the reference
-    computed by a host lowering of it (the read-back then deserializes and restores only).
-    """
-    from jaxexp_mlflow.export import as_args
-    from jaxexp_mlflow.flavors import readback
-    from jaxexp_mlflow.runtime import probes
-    from jaxexp_mlflow.store import artifact
-
-    inputs = None if input_example is None else as_args(input_example)
-    found = readback.read_back(
-        path, exp, flavor_name=FLAVOR_NAME, params=params, inputs=inputs, target=target
-    )
-    outputs, platform = found.outputs, None if found.model is None else found.model.platform
-    if outputs is None and host_outputs is not None:
-        from jaxexp_mlflow.runtime.platforms import running_platform
-
-        outputs, platform = host_outputs, running_platform()
-    if inputs is not None:
-        reference = {"reference": artifact.write_reference(path, inputs, outputs, platform)}
-    elif found.model is not None:
-        reference = probes.store_reference(path, exp, section.to_dict(), None, model=found.model)
-    else:
-        reference = {}
-    if batched and found.model is not None:
-        reference["padding"] = _prove_rows(found.model, exp, inputs)
-    if reference.get("reference") or reference.get("padding"):
-        mlflow_model.add_flavor(FLAVOR_NAME, **dataclasses.replace(section, **reference).to_dict())
-        _write_mlmodel(mlflow_model, path)
-    if inputs is not None:
-        readback.check_reference(path, FLAVOR_NAME, outputs)
-
-
-def _prove_rows(model: Any, exp: Any, inputs: Any) -> dict[str, Any]:
-    """The ``jaxexp.padding`` record: ``runtime.rows.prove`` on the input example's leaves, or
-    on the synthetic probe the reference was made of (a probe of the export's avals otherwise)."""
-    import jax
-
-    from jaxexp_mlflow.runtime import probes, rows
-
-    def call(leaves: list[Any]) -> list[Any]:
-        return probes.call_flat(model, leaves)
-
-    if inputs is not None:
-        return rows.prove(call, jax.tree.leaves(inputs), source="input example")
-    try:
-        avals = list(exp.in_avals)[model._n_param_leaves :]
-        leaves = probes.make(avals).leaves
-    except Exception as err:  # noqa: BLE001 - no probe: not proven, never a failed save
-        return {"rows_independent": False, "proof": f"no synthetic probe: {err}"[:300]}
-    return rows.prove(call, leaves, source="synthetic probe")
-
-
-def _write_mlmodel(mlflow_model: Model, path: str) -> None:
-    import yaml
-
-    from jaxexp_mlflow.errors import UnsupportedModelError
-
-    if size := get_total_file_size(path):
-        mlflow_model.model_size_bytes = size
-    try:
-        mlflow_model.save(os.path.join(path, MLMODEL_FILE_NAME))
-    except yaml.YAMLError as err:
-        raise UnsupportedModelError(
-            f"Cannot write MLmodel: expected metadata= (and the other MLmodel fields) to hold "
-            f"YAML-serializable values (str, numbers, bool, None, lists, dicts), found {err}. "
-            "Convert those values, e.g. with str()."
-        ) from err
 
 
 def _write_environment(
@@ -511,10 +411,10 @@ class _StagedFlavor:
     """This flavor as ``Model.log`` sees it when the staging directory is only uploaded.
 
     The params are written without the final fsync pass (the directory is deleted after the
-    upload). Everything goes up on one pool as soon as it exists (``transfer.EarlyUpload``):
+    upload). Everything goes up on one pool as soon as it exists (``upload.EarlyUpload``):
     the ``code/`` copy as soon as it is made, then ``params/`` as Orbax wrote it and the
     top-level files; with ``JAXEXP_EARLY_UPLOAD=0``,
-    ``params/`` and ``code/`` go up in parallel after ``save_model`` (``transfer.stage_upload``).
+    ``params/`` and ``code/`` go up in parallel after ``save_model`` (``upload.stage_upload``).
     ``Model.log`` then uploads what is left, ``MLmodel`` last. See docs/remote.md.
     """
 
@@ -525,12 +425,13 @@ class _StagedFlavor:
 
     @staticmethod
     def save_model(*, path: str, mlflow_model: Model, **kwargs: Any) -> None:
-        from jaxexp_mlflow.store import artifact, transfer
+        from jaxexp_mlflow.store import artifact
+        from jaxexp_mlflow.store.upload import EarlyUpload, stage_upload
 
         if not mlflow_model.artifact_path:
             save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
             return
-        early = transfer.EarlyUpload(mlflow_model.artifact_path, artifact.PARAMS_DIR)
+        early = EarlyUpload(mlflow_model.artifact_path, artifact.PARAMS_DIR)
         params_dir = Path(path, artifact.PARAMS_DIR)
         try:
             save_model(
@@ -552,7 +453,7 @@ class _StagedFlavor:
                 if Path(path, sub).is_dir():
                     early.send_tree(Path(path, sub), sub)
             skip = {sub: early.skipped(sub) for sub in subdirs}  # stage_upload: what is left
-            if transfer.stage_upload(path, mlflow_model.artifact_path, subdirs, skip=skip):
+            if stage_upload(path, mlflow_model.artifact_path, subdirs, skip=skip):
                 early.finish(params_dir)
                 # up: out of the way, so that Model.log uploads only what is left
                 sent = [Path(path, sub) for sub in subdirs if Path(path, sub).exists()]
@@ -598,7 +499,7 @@ def load_model(
     this process. ``isolate=True`` has JAX deserialize it in a capped child process first
     (about a second more), as ``jaxexp check`` and ``jaxexp verify`` always do.
     """
-    from jaxexp_mlflow.store import transfer
+    from jaxexp_mlflow.store.download import download_model
 
     backend = _check_backend(backend)
     if route is not None:  # taken as asked, never chosen: runtime/routes.py
@@ -614,7 +515,7 @@ def load_model(
     # jaxexp is the loader: nothing in a model's code/ is ever imported here, so into a private
     # temp dir (dst_path=None) it is not even downloaded.
     skip = ("code",) if dst_path is None else ()
-    download = transfer.download_model(model_uri, dst_path, skip=skip)
+    download = download_model(model_uri, dst_path, skip=skip)
     local_path = download.path
     # Our own private download (mkdtemp, 0700): params may be mapped from the page cache the
     # download filled instead of copied into new memory, their checksums taken as they landed

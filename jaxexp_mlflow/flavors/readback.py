@@ -22,6 +22,7 @@ what was expected, what was found and what to do.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from contextlib import nullcontext
@@ -29,7 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlflow.models import Model
+from mlflow.models.model import MLMODEL_FILE_NAME
+from mlflow.utils.file_utils import get_total_file_size
+
 from jaxexp_mlflow.errors import ArtifactError, JaxExpError
+from jaxexp_mlflow.store.section import FLAVOR_NAME, FlavorSection
 
 #: Params bigger than this (bytes; env ``JAXEXP_READBACK_RESTORE_MAX_BYTES``) are not restored
 #: into a second copy by the read-back: their checkpoint is verified whole (every file's
@@ -277,3 +283,106 @@ def check_reference(path: str | os.PathLike, flavor_name: str, outputs: Any) -> 
             f"The reference outputs stored in {path} do not read back as computed ({bad or 'count'}"
             "). Report the issue; save without input_example meanwhile."
         )
+
+
+def one_batch_axis(in_specs: list[Any], out_specs: list[Any]) -> bool:
+    """Whether every input and output leaf shares one symbolic leading dimension: the models
+    pyfunc could pad to buckets, whose rows the read-back then tries to prove independent."""
+    from jaxexp_mlflow.runtime.buckets import batch_symbol
+
+    if not in_specs:
+        return False
+    syms = batch_symbol([s.symbols for s in in_specs], [s.symbols for s in out_specs])
+    return syms is not None
+
+
+def read_back_and_record(
+    path: str,
+    target: str,
+    exp: Any,
+    mlflow_model: Model,
+    section: FlavorSection,
+    *,
+    params: Any,
+    input_example: Any,
+    host_outputs: Any = None,
+    batched: bool = False,
+) -> None:
+    """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
+
+    ``batched`` (one symbolic batch axis everywhere): the loaded model's rows are also put to
+    the proof of ``runtime.rows`` on the same inputs, recorded as ``jaxexp.padding``.
+
+    With an input example its outputs (computed from the params as stored) become the reference;
+    without one, a synthetic probe's when the model runs here (``probes``), from the same
+    loaded model: the export is compiled once either way. ``params`` are the params as stored
+    (``{name: array}``, from ``saving.write_model_files``), None for none or a checkpoint path.
+    ``host_outputs``: for a function exported for platforms this machine lacks, the reference
+    computed by a host lowering of it (the read-back then deserializes and restores only).
+    """
+    from jaxexp_mlflow.export import as_args
+    from jaxexp_mlflow.runtime import probes
+    from jaxexp_mlflow.store import artifact
+
+    inputs = None if input_example is None else as_args(input_example)
+    found = read_back(
+        path, exp, flavor_name=FLAVOR_NAME, params=params, inputs=inputs, target=target
+    )
+    outputs, platform = found.outputs, None if found.model is None else found.model.platform
+    if outputs is None and host_outputs is not None:
+        from jaxexp_mlflow.runtime.platforms import running_platform
+
+        outputs, platform = host_outputs, running_platform()
+    if inputs is not None:
+        reference = {"reference": artifact.write_reference(path, inputs, outputs, platform)}
+    elif found.model is not None:
+        reference = probes.store_reference(path, exp, section.to_dict(), None, model=found.model)
+    else:
+        reference = {}
+    if batched and found.model is not None:
+        reference["padding"] = _prove_rows(found.model, exp, inputs)
+    if reference.get("reference") or reference.get("padding"):
+        mlflow_model.add_flavor(FLAVOR_NAME, **dataclasses.replace(section, **reference).to_dict())
+        write_mlmodel(mlflow_model, path)
+    if inputs is not None:
+        check_reference(path, FLAVOR_NAME, outputs)
+
+
+def _prove_rows(model: Any, exp: Any, inputs: Any) -> dict[str, Any]:
+    """The ``jaxexp.padding`` record: ``runtime.rows.prove`` on the input example's leaves, or
+    on the synthetic probe the reference was made of (a probe of the export's avals otherwise)."""
+    import jax
+
+    from jaxexp_mlflow.runtime import probes, rows
+
+    def call(leaves: list[Any]) -> list[Any]:
+        return probes.call_flat(model, leaves)
+
+    if inputs is not None:
+        return rows.prove(call, jax.tree.leaves(inputs), source="input example")
+    try:
+        avals = list(exp.in_avals)[model._n_param_leaves :]
+        leaves = probes.make(avals).leaves
+    except Exception as err:  # noqa: BLE001 - no probe: not proven, never a failed save
+        return {"rows_independent": False, "proof": f"no synthetic probe: {err}"[:300]}
+    return rows.prove(call, leaves, source="synthetic probe")
+
+
+def write_mlmodel(mlflow_model: Model, path: str) -> None:
+    """Write ``MLmodel`` into ``path`` with the directory's size; a metadata value YAML cannot
+    hold is an ``UnsupportedModelError`` (``save_model`` writes it before the read-back,
+    which rewrites it with the reference)."""
+    import yaml
+
+    from jaxexp_mlflow.errors import UnsupportedModelError
+
+    if size := get_total_file_size(path):
+        mlflow_model.model_size_bytes = size
+    try:
+        mlflow_model.save(os.path.join(path, MLMODEL_FILE_NAME))
+    except yaml.YAMLError as err:
+        raise UnsupportedModelError(
+            f"Cannot write MLmodel: expected metadata= (and the other MLmodel fields) to hold "
+            f"YAML-serializable values (str, numbers, bool, None, lists, dicts), found {err}. "
+            "Convert those values, e.g. with str()."
+        ) from err

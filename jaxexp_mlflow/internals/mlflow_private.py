@@ -2,7 +2,7 @@
 
 MLflow does not promise anything about names that start with an underscore, and it does remove
 them: 3.18.0 dropped ``ModelsArtifactRepository._add_registered_model_meta_file``, which
-``transfer.download_model`` called after each ``models:/`` download from a remote store, so that
+``download.download_model`` called after each ``models:/`` download from a remote store, so that
 ``load_model`` through a tracking server or from S3 failed with ``AttributeError`` (GitHub issues
 23 and 26). This module is the only place in the package that uses such a name. Each function
 below uses the private name when the installed MLflow has it (same behaviour as MLflow's own
@@ -69,9 +69,9 @@ _HTTP_REPO = "mlflow.store.artifact.http_artifact_repo:HttpArtifactRepository"
 #: ``"module:qualified.name"`` -> :class:`PrivateName`, for every private MLflow name the package
 #: uses (all through this module). Iterated by tests/test_mlflow_private.py.
 PRIVATE_NAMES: dict[str, PrivateName] = {
-    # --- artifact transfer (transfer.py) ---
+    # --- artifact transfer (store/upload.py, store/download.py) ---
     "mlflow.store.artifact.artifact_repo:ArtifactRepository._download_file": PrivateName(
-        "transfer.py (_Tree._download)",
+        "download.py (_Tree._download)",
         "download one file of a listed model straight to its final path, on our own pool "
         "(MLflow's retries, auth, S3 multipart), without the per-file directory check of "
         "download_artifacts",
@@ -80,18 +80,18 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
     ),
     "mlflow.store.artifact.models_artifact_repo:ModelsArtifactRepository."
     "_add_registered_model_meta_file": PrivateName(
-        "transfer.py (download_model)",
+        "download.py (download_model)",
         "write registered_model_meta into a models:/ download, as MLflow <= 3.17 does",
         "nothing: MLflow 3.18 removed the file with the method, and no MLflow reads it",
     ),
     f"{_HTTP_REPO}._host_creds": PrivateName(
-        "transfer.py (EarlyUpload._put)",
+        "upload.py (EarlyUpload._put)",
         "auth of the PUT that sends a params chunk file from memory to `mlflow server`",
         "public mlflow.utils.credentials.get_default_host_creds(repo.artifact_uri) (what the "
         "property returns); if that is gone too, no upload from memory (files from disk)",
     ),
     "mlflow.tracking.artifact_utils:_get_root_uri_and_artifact_path": PrivateName(
-        "transfer.py (resolve_repository)",
+        "download.py (resolve_repository)",
         "split a model URI into the repository root and the path in it, as MLflow's download",
         "reimplemented with public ModelsArtifactRepository.is_models_uri/split_models_uri "
         "and urllib",
@@ -161,7 +161,7 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
 REPLACED_BY_PUBLIC: dict[str, str] = {
     "mlflow.tracking.artifact_utils:_download_artifact_from_uri": (
         "mlflow.artifacts.download_artifacts(artifact_uri=..., dst_path=...), which calls it "
-        "(transfer.py, reexport.py)"
+        "(download.py, reexport.py)"
     ),
     "mlflow.utils.model_utils:_get_flavor_configuration": (
         "the package's own bounded MLmodel reader: codec.mlmodel.read_mlmodel, then "

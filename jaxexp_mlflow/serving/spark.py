@@ -98,11 +98,11 @@ def predict(
     from pyspark.sql.types import StructField, StructType
 
     from jaxexp_mlflow.serving import signature as sig
-    from jaxexp_mlflow.store import transfer
+    from jaxexp_mlflow.store.download import download_model
     from jaxexp_mlflow.store.section import read_section
 
     spark = df.sparkSession
-    download = transfer.download_model(model_uri, None, skip=("code",))
+    download = download_model(model_uri, None, skip=("code",))
     local = Path(download.path)
     try:
         conf = read_section(local)
