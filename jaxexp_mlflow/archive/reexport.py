@@ -32,6 +32,7 @@ from typing import Any
 
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
 from jaxexp_mlflow.runtime import compat, devices, routes
+from jaxexp_mlflow.runtime.loader import bind_model
 
 _logger = logging.getLogger(__name__)
 
@@ -126,21 +127,6 @@ def _judge(
     return verdict
 
 
-def _bind(exported: Any, local: Path, meta: dict, placement: Any) -> Any:
-    """A ``JaxExpModel`` of ``exported`` with the model's params restored for ``placement``."""
-    from jaxexp_mlflow.runtime.model import JaxExpModel
-    from jaxexp_mlflow.store import artifact
-
-    params = None
-    ckpt = artifact.params_dir(local, meta)
-    if ckpt is not None:
-        from jaxexp_mlflow.params import restore_params
-
-        target = artifact.params_target(exported, placement.in_shardings, meta)
-        params = restore_params(ckpt, target=target)
-    return JaxExpModel(exported, params, meta, placement=placement)
-
-
 def _check(
     new_exp: Any,
     local: Path,
@@ -152,7 +138,7 @@ def _check(
 ) -> list[Any]:
     from jaxexp_mlflow.archive import reproduce
 
-    model = _bind(new_exp, local, meta, placement)
+    model = bind_model(new_exp, local, meta, placement)
     return reproduce.verify_directory(model, local, rtol=rtol, atol=atol)
 
 
@@ -357,8 +343,8 @@ def _refresh(
         if meta.get("reference"):
             checks = _check(new_exp, local, meta, new_placement, rtol=rtol, atol=atol)
         else:  # no reference: the old and the new blob on synthetic probes (probes.py)
-            old_model = _bind(exported, local, meta, placement)
-            new_model = _bind(new_exp, local, meta, new_placement)
+            old_model = bind_model(exported, local, meta, placement)
+            new_model = bind_model(new_exp, local, meta, new_placement)
             checks, probes_used = _check_on_probes(old_model, new_model, rtol=rtol, atol=atol)
     except ArtifactError:
         raise

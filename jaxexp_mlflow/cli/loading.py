@@ -200,9 +200,9 @@ def _load_bridged(target: Target, *, allow_incompatible: bool, **options: Any) -
         if target.kind == "blob":
             model = JaxExpModel(placement.exported, None, {}, placement=placement)
         else:
-            from jaxexp_mlflow.archive.reexport import _bind
+            from jaxexp_mlflow.runtime.loader import bind_model
 
-            model = _bind(placement.exported, target.path, target.flavor, placement)
+            model = bind_model(placement.exported, target.path, target.flavor, placement)
     model.route = routes.BRIDGE
     model.bridged_blob = new
     return model

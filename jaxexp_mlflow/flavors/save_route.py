@@ -318,7 +318,7 @@ def load_for_readback(path: Path, conf: dict[str, Any], bind: Any = None) -> Any
             f"route {name!r} is not one a save reads back through here; expected "
             f"{routes.BRIDGE} or {routes.RECORDED_ENV}. Report the issue."
         )
-    from jaxexp_mlflow.archive.reexport import _bind
+    from jaxexp_mlflow.runtime.loader import bind_model
 
     desc = blob_codec.describe(data, source=str(path))
     new = bridged(data, int(desc.nr_devices))
@@ -331,7 +331,7 @@ def load_for_readback(path: Path, conf: dict[str, Any], bind: Any = None) -> Any
 
         model = JaxExpModel(placement.exported, bind, conf, placement=placement)
     else:
-        model = _bind(placement.exported, path, conf, placement)
+        model = bind_model(placement.exported, path, conf, placement)
     model.route = routes.BRIDGE
     return model
 

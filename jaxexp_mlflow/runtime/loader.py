@@ -99,3 +99,16 @@ def load_directory(
     model.route = route or routes.DIRECT
     model.custom_call_targets = description.custom_call_targets  # read from the blob itself
     return model
+
+
+def bind_model(exported: Any, local: Path, meta: dict, placement: Any) -> JaxExpModel:
+    """A ``JaxExpModel`` of ``exported`` (the model's own blob, or a re-export of it) with the
+    params of the model directory ``local`` restored into ``placement``'s shardings."""
+    params = None
+    ckpt = artifact.params_dir(local, meta)
+    if ckpt is not None:
+        from jaxexp_mlflow.params import restore_params
+
+        target = artifact.params_target(exported, placement.in_shardings, meta)
+        params = restore_params(ckpt, target=target)
+    return JaxExpModel(exported, params, meta, placement=placement)
