@@ -14,10 +14,11 @@ import yaml
 from click.testing import CliRunner
 
 import jaxexp_mlflow
-from jaxexp_mlflow.archive.reexport import _bind, _check_on_probes
+from jaxexp_mlflow.archive.reexport import _check_on_probes
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import compat, devices, probes
+from jaxexp_mlflow.runtime.loader import bind_model
 from tests.conftest import CORPUS, corpus_refusals
 from tests.models import export_mlp, mlp_params
 
@@ -137,15 +138,15 @@ def test_probe_comparison_catches_a_different_function(tmp_path):
     other = export_mlp(mlp_params(seed=1))  # same avals, another function of them
     exp = export_mlp(params)
     same, _ = _check_on_probes(
-        _bind(exp, path, meta, devices.plan(exp)),
-        _bind(exp, path, meta, devices.plan(exp)),
+        bind_model(exp, path, meta, devices.plan(exp)),
+        bind_model(exp, path, meta, devices.plan(exp)),
         rtol=None,
         atol=None,
     )
     assert len(same) == 3 and all(c.passed for c in same)
     from jaxexp_mlflow.runtime.model import JaxExpModel
 
-    old = _bind(exp, path, meta, devices.plan(exp))
+    old = bind_model(exp, path, meta, devices.plan(exp))
     wrong = JaxExpModel(other, mlp_params(seed=1), meta)
     checks, used = _check_on_probes(old, wrong, rtol=None, atol=None)
     assert [p.dims["b"] for p in used] == [2, 3, 5] and not any(c.passed for c in checks)
