@@ -253,7 +253,7 @@ def test_load_refuses_linalg_before_calling_and_override(tmp_path, caplog, expir
 
 
 @needs_corpus
-def test_expired_blob_is_refused_before_deserializing_and_read_with_the_flag(tmp_path):
+def test_expired_blob_saved_through_the_flag_route_and_loaded_with_the_flag(tmp_path):
     case = CORPUS / "jax-0.6.2" / "mlp"
     _, inputs, outputs = load_case(case)
     blob = (case / "exported.bin").read_bytes()
@@ -264,10 +264,13 @@ def test_expired_blob_is_refused_before_deserializing_and_read_with_the_flag(tmp
         args, kwargs = jax.tree.unflatten(model.exported.in_tree, inputs)
         assert np.allclose(np.asarray(model(*args, **kwargs)), outputs[0], rtol=1e-5, atol=1e-5)
         return
-    # saving it here is refused with the verdict (never log what cannot load) ...
-    with pytest.raises(IncompatibleError, match=r"(?s)cannot read.*\[expired\].*VERSIONS=1"):
-        mlflow.jaxexp.save_model(blob, tmp_path / "refused")
-    assert not (tmp_path / "refused").exists()
+    # saving it here goes through the expired-flag route (JAX's flag around the read only),
+    # recorded in MLmodel: issue 41 (the route it loads through; never log what cannot load) ...
+    from jaxexp_mlflow.codec.mlmodel import read_mlmodel
+
+    mlflow.jaxexp.save_model(blob, tmp_path / "routed")
+    routed = read_mlmodel(tmp_path / "routed")["flavors"]["jaxexp"]["route"]
+    assert routed["name"] == "expired-flag"
     # ... and goes through with the flag; loading it without the flag is refused before JAX
     jax.config.update(compat.EXPIRED_FLAG, True)
     try:

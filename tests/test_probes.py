@@ -16,7 +16,6 @@ from click.testing import CliRunner
 import jaxexp_mlflow
 from jaxexp_mlflow.archive.reexport import _check_on_probes
 from jaxexp_mlflow.cli import main
-from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import compat, devices, probes
 from jaxexp_mlflow.runtime.loader import bind_model
 from tests.conftest import CORPUS, corpus_refusals
@@ -70,15 +69,14 @@ def test_bare_blob_saved_with_a_synthetic_reference_that_verify_reproduces(
     tmp_path, expired_flag, without_expired_flag
 ):
     # a jax 0.6.2 blob (schema 2): jax >= 0.11.1 reads it only with its expired-versions flag,
-    # set here by the fixture; without it, saving is refused with the verdict, naming the flag
+    # set here by the fixture; without it, saving goes through the expired-flag route
     case = CORPUS / "jax-0.6.2" / "mlp_poly"
     path = tmp_path / "m"
     blob = (case / "exported.bin").read_bytes()
     if "expired" in corpus_refusals(case):
-        with without_expired_flag(), pytest.raises(IncompatibleError) as err:
-            mlflow.jaxexp.save_model(blob, tmp_path / "refused")
-        assert "[expired]" in str(err.value) and f"{compat.EXPIRED_ENV}=1" in str(err.value)
-        assert not (tmp_path / "refused").exists()
+        with without_expired_flag():  # saved through the expired-flag route (issue 41)
+            mlflow.jaxexp.save_model(blob, tmp_path / "routed")
+        assert _flavor(tmp_path / "routed")["route"]["name"] == "expired-flag"
     mlflow.jaxexp.save_model(blob, path)
     conf = _flavor(path)
     assert conf["reference_synthetic"] == {"dims": {"b": 2}, "seed": probes.SEED}

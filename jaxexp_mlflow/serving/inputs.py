@@ -214,6 +214,22 @@ def _list_rank(value: Any) -> int:
     return rank
 
 
+#: Deepest list a CSV/DataFrame text cell may hold: XLA's arrays have far fewer dimensions.
+MAX_CELL_DEPTH = 64
+
+
+def _nesting(text: str) -> int:
+    """How deep the brackets of a text cell nest (its strings aside: cells hold numbers)."""
+    depth = deepest = 0
+    for ch in text:
+        if ch == "[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == "]":
+            depth -= 1
+    return deepest
+
+
 def list_cells(values: Any, name: Any = None) -> np.ndarray | None:
     """Text cells that are all JSON lists (``"[1, 2]"``, CSV's form of an array cell) decoded,
     or None where they are not all such text. A cell that starts like a list but is not JSON, or
@@ -227,6 +243,8 @@ def list_cells(values: Any, name: Any = None) -> np.ndarray | None:
     out = np.empty(len(values), dtype=object)  # one list per cell, never broadcast
     for row, text in enumerate(values):
         try:
+            if _nesting(text) > MAX_CELL_DEPTH:  # before the parser: Python 3.12+ parses deeper
+                raise RecursionError
             out[row] = json.loads(text)
         except (ValueError, RecursionError) as err:
             what = "nests too deeply" if isinstance(err, RecursionError) else "is not JSON"
