@@ -28,7 +28,7 @@ _LAZY = {
     "log_model": "jaxexp_mlflow.flavors.jaxexp",
     "load_model": "jaxexp_mlflow.flavors.jaxexp",
     "JaxExpModel": "jaxexp_mlflow.runtime.model",
-    "refresh": "jaxexp_mlflow.archive.reexport",
+    "refresh": "jaxexp_mlflow.flavors.refresh",
 }
 
 

@@ -38,7 +38,7 @@ MOVED = {
     "jaxexp_mlflow.env_routes": "jaxexp_mlflow.archive.env_routes",
     "jaxexp_mlflow._env_runner": "jaxexp_mlflow.archive._env_runner",
     "jaxexp_mlflow.recorded_env": "jaxexp_mlflow.archive.recorded_env",
-    "jaxexp_mlflow.reexport": "jaxexp_mlflow.archive.reexport",
+    "jaxexp_mlflow.reexport": "jaxexp_mlflow.flavors.refresh",
     "jaxexp_mlflow.reproduce": "jaxexp_mlflow.archive.reproduce",
     "jaxexp_mlflow.env_facts": "jaxexp_mlflow.archive.env_facts",
     "jaxexp_mlflow.env_build": "jaxexp_mlflow.archive.env_build",

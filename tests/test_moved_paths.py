@@ -67,7 +67,7 @@ def test_documented_paths_keep_working():
     code = (
         "import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
         "import jaxexp_mlflow, mlflow\n"
-        "from jaxexp_mlflow.archive.reexport import refresh\n"
+        "from jaxexp_mlflow.flavors.refresh import refresh\n"
         "assert jaxexp_mlflow.refresh is refresh\n"
         "import mlflow.jaxexp\n"
         "assert mlflow.jaxexp.load_model.__module__ == 'jaxexp_mlflow.flavors.jaxexp'\n"

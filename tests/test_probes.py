@@ -14,8 +14,8 @@ import yaml
 from click.testing import CliRunner
 
 import jaxexp_mlflow
-from jaxexp_mlflow.archive.reexport import _check_on_probes
 from jaxexp_mlflow.cli import main
+from jaxexp_mlflow.flavors.refresh import _check_on_probes
 from jaxexp_mlflow.runtime import compat, devices, probes
 from jaxexp_mlflow.runtime.loader import bind_model
 from tests.conftest import CORPUS, corpus_refusals

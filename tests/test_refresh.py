@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow
-from jaxexp_mlflow.archive.reexport import RefreshError
+from jaxexp_mlflow.flavors.refresh import RefreshError
 from jaxexp_mlflow.runtime import compat
 from tests.conftest import (
     CORPUS,
@@ -216,7 +216,7 @@ SHARDED_WORKER = textwrap.dedent(
     from pathlib import Path
     import numpy as np, jax, mlflow
     import jaxexp_mlflow
-    from jaxexp_mlflow.archive.reexport import RefreshError
+    from jaxexp_mlflow.flavors.refresh import RefreshError
     from tests.conftest import CORPUS, as_logged_by_older_jax, corpus_refusals, load_case
 
     flag = "jax_export_deserialize_expired_versions"

@@ -51,13 +51,16 @@ def main(model_dir: str, out_dir: str, loader_dir: str | None = None) -> int:
 
         result["backend"] = running_platform()
         import jaxexp_mlflow
-        from jaxexp_mlflow.flavors import jaxexp as flavor
+        from jaxexp_mlflow.runtime import cache
+        from jaxexp_mlflow.runtime.loader import load_directory
         from jaxexp_mlflow.store import artifact
+        from jaxexp_mlflow.store.section import read_section
 
         result["jaxexp_mlflow"] = getattr(jaxexp_mlflow, "__version__", None)
         result["jaxexp_mlflow_path"] = getattr(jaxexp_mlflow, "__file__", None)
         start = time.perf_counter()
-        model = flavor.load_model(model_dir, allow_incompatible=True)
+        cache.configure()  # as load_model does for a local directory
+        model = load_directory(model_dir, read_section(model_dir), allow_incompatible=True)
         ref = artifact.read_reference(model_dir, model.metadata)
         if ref is None:
             raise RuntimeError("the model carries no reference input")

@@ -68,7 +68,7 @@ def refresh(
     shardings) with --route bridge. A model logged through a route takes it by default.
     """
     setup_logging(debug)
-    from jaxexp_mlflow.archive.reexport import refresh as do_refresh
+    from jaxexp_mlflow.flavors.refresh import refresh as do_refresh
 
     if experiment and run_id:
         raise click.UsageError("give --experiment or --run-id, not both")

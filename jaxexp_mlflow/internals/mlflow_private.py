@@ -161,7 +161,7 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
 REPLACED_BY_PUBLIC: dict[str, str] = {
     "mlflow.tracking.artifact_utils:_download_artifact_from_uri": (
         "mlflow.artifacts.download_artifacts(artifact_uri=..., dst_path=...), which calls it "
-        "(download.py, reexport.py)"
+        "(download.py, refresh.py)"
     ),
     "mlflow.utils.model_utils:_get_flavor_configuration": (
         "the package's own bounded MLmodel reader: codec.mlmodel.read_mlmodel, then "
