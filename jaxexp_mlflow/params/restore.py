@@ -114,11 +114,13 @@ def restore_params(
     shardings: list[Any] = []
     placed: list[Any] = []  # the device arrays, in the order the fast path read them
     flush_at = int(os.environ.get("JAXEXP_RESTORE_FLUSH_BYTES", FLUSH_BYTES))
+    pending = [0]  # host bytes read and not yet placed
 
     def flush() -> None:
         if hosts:
             placed.extend(jax.device_put(hosts, shardings))  # one batched transfer
             hosts.clear()
+            pending[0] = 0
             shardings.clear()
 
     def fast(kp: Any, sds: Any) -> Any:
@@ -147,7 +149,8 @@ def restore_params(
         stats["fast"] += 1
         hosts.append(host)
         shardings.append(sharding)
-        if _on_accelerator(sharding) and sum(h.nbytes for h in hosts) >= flush_at:
+        pending[0] += host.nbytes
+        if pending[0] >= flush_at and _on_accelerator(sharding):
             flush()  # straight into device memory: no full host copy of the params
         return _HOST
 
