@@ -1,0 +1,287 @@
+"""The ONNX route beside ours (issue 38): the same three models both ways, in one interleaved run.
+
+The route a JAX user would most likely pick instead of this flavor: convert the function with
+jax2onnx, log it with MLflow's built-in ``mlflow.onnx``, run it with onnxruntime. The models
+(``onnx_models.py``: an MLP, a Flax NNX transformer encoder, a Flax NNX CNN) are built from the
+same seed on both sides; jax2onnx runs in a venv of its own (its pins clash with ours: it wants
+``orbax-checkpoint<0.11.37``), made once under ``~/.cache/jaxexp/bench-onnx-venv`` or named with
+``--onnx-python``; onnxruntime and onnx must be importable here (``pip install onnxruntime
+onnx``). The ONNX outputs are checked against the jitted function before anything is timed.
+
+Ratios are ours / peer (below 1: ours faster), medians of interleaved rounds, with the load
+average before and after:
+
+* ``call``: in-process ``mlflow.jaxexp.load_model(path)(x)`` (numpy in and out) against
+  ``InferenceSession.run``, batch 1 and 1024;
+* ``pyfunc``: ``mlflow.pyfunc.load_model(path).predict(x)`` of both models, batch 1 and 1024;
+* ``first``: a fresh process to its first ``pyfunc`` prediction (warm caches: JAX's persistent
+  compilation cache and the flavor's executable store, filled by an untimed child first);
+* ``ping``: ``mlflow models serve --env-manager local`` from spawn to the first ``/ping`` 200;
+* ``iree``: ``load_model(path, backend="iree")(x)`` against ``InferenceSession.run`` (a model
+  IREE refuses is listed with the refusal).
+
+    python benchmarks/bench_onnx.py                 # 5 rounds
+    python benchmarks/bench_onnx.py --quick         # 1 round, fewer calls
+    python benchmarks/bench_onnx.py --models mlp --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import onnx_models  # noqa: E402
+
+BATCHES = (1, 1024)
+ONNX_VENV = Path.home() / ".cache" / "jaxexp" / "bench-onnx-venv"
+JAX2ONNX = "jax2onnx==0.17.1"
+
+
+def onnx_python(given: str | None) -> str:
+    """A Python with jax2onnx, made once in its own venv unless given."""
+    if given:
+        return given
+    py = ONNX_VENV / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(ONNX_VENV)], check=True)
+        import flax
+        import jax
+
+        pins = [JAX2ONNX, f"jax=={jax.__version__}", f"flax=={flax.__version__}"]
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *pins], check=True)
+    return str(py)
+
+
+def convert(py: str, outdir: Path) -> None:
+    subprocess.run([py, str(HERE / "onnx_models.py"), "convert", str(outdir)], check=True)
+
+
+def save_both(name: str, root: Path, onnx_dir: Path) -> tuple[Path, Path]:
+    """Our model directory and an ``mlflow.onnx`` one, for model ``name``."""
+    import jax
+    import mlflow.jaxexp
+    import mlflow.onnx
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    f, params = onnx_models.build(name)
+    ours, peer = root / f"{name}-jaxexp", root / f"{name}-onnx"
+    x = onnx_models.example(name, 4)
+    mlflow.jaxexp.save_model(jax.jit(f), ours, params=params, input_example=x)
+    mlflow.onnx.save_model(onnx.load(str(onnx_dir / f"{name}.onnx")), peer)
+    sess = ort.InferenceSession(str(onnx_dir / f"{name}.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    want = np.asarray(jax.jit(f)(params, x))
+    if not np.allclose(got, want, rtol=1e-4, atol=1e-5):
+        raise SystemExit(f"{name}: the ONNX model differs from the jitted function")
+    return ours, peer
+
+
+def per_call(fn, x, target: float) -> float:
+    """Mean seconds of a call of ``fn(x)``, over as many calls as fill about ``target`` s."""
+    t = time.perf_counter()
+    fn(x)  # warm: a first call of a shape may compile
+    one = time.perf_counter() - t
+    calls = max(1, min(2000, int(target / max(one, 1e-6))))
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    return (time.perf_counter() - t) / calls
+
+
+def steady(pairs: dict, xs: dict, rounds: int, target: float) -> dict:
+    """Median per-call seconds of every ``(ours, peer)`` pair, rounds interleaved."""
+    times: dict = {k: ([], []) for k in pairs}
+    for _ in range(rounds):
+        for k, (ours, peer) in pairs.items():
+            b = k[-1]
+            times[k][0].append(per_call(ours, xs[b], target))
+            times[k][1].append(per_call(peer, xs[b], target))
+    return {k: (statistics.median(a), statistics.median(b)) for k, (a, b) in times.items()}
+
+
+CHILD = r"""
+import json, os, sys, time
+t0 = float(os.environ["BENCH_T0"])
+import numpy as np
+import mlflow.pyfunc
+sys.path.insert(0, sys.argv[3])
+model = mlflow.pyfunc.load_model(sys.argv[1])
+x = np.load(sys.argv[2])
+y = model.predict(x)
+print("BENCH " + json.dumps({"first_s": time.time() - t0}))
+"""
+
+
+def first_prediction(path: Path, x_file: Path, env: dict) -> float:
+    from bench_cold_start import spawn
+
+    return spawn(CHILD, [str(path), str(x_file), str(HERE)], env)["first_s"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ping_time(path: Path, env: dict, limit: float = 600.0) -> float:
+    """Seconds from spawning ``mlflow models serve`` to its first ``/ping`` 200."""
+    port = free_port()
+    mlflow = str(Path(sys.executable).parent / "mlflow")
+    cmd = [mlflow, "models", "serve", "-m", str(path), "-p", str(port), "--env-manager", "local"]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.time() - t0 < limit:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=1) as r:
+                    if r.status == 200:
+                        return time.time() - t0
+            except OSError:
+                time.sleep(0.05)
+            if proc.poll() is not None:
+                raise SystemExit(f"mlflow models serve -m {path} exited with {proc.returncode}")
+        raise SystemExit(f"no /ping from {path} in {limit} s")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def row(rows: list, model: str, figure: str, ours: float, peer: float) -> None:
+    """Record and print one figure, ours / peer."""
+    ratio = ours / peer
+    rows.append({"model": model, "figure": figure, "ours": ours, "peer": peer, "ratio": ratio})
+    print(
+        f"{model:12} {figure:34} ours {ours:10.6f} peer {peer:10.6f}  ratio {ratio:6.2f}",
+        flush=True,
+    )
+
+
+def measure(
+    name: str, tmp: Path, env: dict, rows: list, rounds: int, target: float, skip: set
+) -> None:
+    """Every figure of model ``name``, ours against the ONNX route."""
+    import mlflow.jaxexp
+    import mlflow.pyfunc
+    import numpy as np
+    import onnxruntime as ort
+
+    ours_dir, peer_dir = save_both(name, tmp, tmp / "onnx")
+    xs = {b: onnx_models.example(name, b) for b in BATCHES}
+    model = mlflow.jaxexp.load_model(str(ours_dir))
+    onnx_file = str(tmp / "onnx" / f"{name}.onnx")
+    sess = ort.InferenceSession(onnx_file, providers=["CPUExecutionProvider"])
+    feed = sess.get_inputs()[0].name
+    ours_py = mlflow.pyfunc.load_model(str(ours_dir))
+    peer_py = mlflow.pyfunc.load_model(str(peer_dir))
+
+    def call(x):
+        return np.asarray(model(x))
+
+    def run(x):
+        return sess.run(None, {feed: x})[0]
+
+    for b in BATCHES:  # the same answers before timing
+        np.testing.assert_allclose(call(xs[b]), run(xs[b]), rtol=1e-3, atol=1e-4)
+    pairs = {}
+    for b in BATCHES:
+        pairs[("call", b)] = (call, run)
+        pairs[("pyfunc", b)] = (ours_py.predict, peer_py.predict)
+    for (fig, b), (o, p) in steady(pairs, xs, rounds, target).items():
+        row(rows, name, f"{fig} batch {b} (s/call)", o, p)
+    if "iree" not in skip:
+        try:
+            iree = mlflow.jaxexp.load_model(str(ours_dir), backend="iree")
+        except Exception as e:  # a refusal is a figure too
+            why = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"{name:12} iree: refused: {why}", flush=True)
+            rows.append({"model": name, "figure": "iree", "refused": why})
+        else:
+            got = steady({("iree", b): (iree, run) for b in BATCHES}, xs, rounds, target)
+            for (_, b), (o, p) in got.items():
+                row(rows, name, f"iree batch {b} (s/call)", o, p)
+    if "first" not in skip:
+        x_file = tmp / f"{name}-x1.npy"
+        np.save(x_file, xs[1])
+        first_prediction(ours_dir, x_file, env)  # fill the caches, untimed
+        first_prediction(peer_dir, x_file, env)
+        a, b = [], []
+        for _ in range(max(1, min(rounds, 3))):
+            a.append(first_prediction(ours_dir, x_file, env))
+            b.append(first_prediction(peer_dir, x_file, env))
+        row(
+            rows,
+            name,
+            "fresh process -> first pyfunc (s)",
+            statistics.median(a),
+            statistics.median(b),
+        )
+    if "ping" not in skip:
+        a, b = [], []
+        for _ in range(max(1, min(rounds, 2))):
+            a.append(ping_time(ours_dir, env))
+            b.append(ping_time(peer_dir, env))
+        row(rows, name, "serve start -> /ping (s)", statistics.median(a), statistics.median(b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default=",".join(onnx_models.NAMES))
+    ap.add_argument("--onnx-python", default=None, help="a Python with jax2onnx installed")
+    ap.add_argument("--skip", default="", help="comma list of: first,ping,iree")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rounds = 1 if args.quick else args.rounds
+    target = 0.2 if args.quick else 1.0  # seconds of calls per measurement
+    skip = set(filter(None, args.skip.split(",")))
+
+    load0 = os.getloadavg()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-onnx-"))
+    convert(onnx_python(args.onnx_python), tmp / "onnx")
+    env = {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
+        "JAX_PLATFORMS": "cpu",
+        "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))),
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p
+        ),
+    }
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = env["JAX_COMPILATION_CACHE_DIR"]
+    rows: list[dict] = []
+
+    for name in args.models.split(","):
+        measure(name, tmp, env, rows, rounds, target, skip)
+
+    load1 = os.getloadavg()
+    print(
+        f"load average before {load0[0]:.2f} after {load1[0]:.2f} (1 min); {os.cpu_count()} cores",
+        flush=True,
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "loadavg": [load0[0], load1[0]]}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
