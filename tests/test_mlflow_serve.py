@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,13 @@ import numpy as np
 import pandas as pd
 import pytest
 import requests
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model, ModelSignature
+from mlflow.pyfunc import scoring_server
+from mlflow.types.schema import AnyType, ColSpec, Schema
 
 import jaxexp_mlflow  # noqa: F401
+from jaxexp_mlflow.serving import signature as sig
 from tests.models import batch, export_mlp, mlp_params
 from tests.test_pyfunc import two_input_example, two_input_fn
 from tests.test_serving import server_env, start_server, stop_server
@@ -159,6 +165,71 @@ def test_signature_declares_no_inputs_and_row_outputs(models):
         assert not meta._is_signature_from_type_hint()  # what the server reads
         text = (models[name] / "MLmodel").read_text()
         assert "is_signature_from_type_hint: false" in text
+
+
+def _declared(src: Path, dst: Path, kind: str) -> mlflow.pyfunc.PyFuncModel:
+    """A copy of a saved model whose MLmodel signature declares its inputs, in one of the two
+    forms MLflow offers (``kind``: named ``AnyType`` columns or the export's named tensor specs),
+    written with MLflow's public ``Model.load`` / ``Model.save`` and loaded by ``pyfunc``."""
+    shutil.copytree(src, dst)
+    meta = Model.load(str(dst / "MLmodel"))
+    in_specs, out_specs = sig.specs_from_conf(meta.flavors["jaxexp"])
+    if kind == "any columns":
+        inputs = Schema([ColSpec(AnyType(), s.name) for s in in_specs])
+    else:
+        inputs = sig.model_signature(in_specs, out_specs).inputs
+    meta.signature = ModelSignature(inputs=inputs, outputs=meta.signature.outputs)
+    meta.save(str(dst / "MLmodel"))
+    return mlflow.pyfunc.load_model(str(dst))
+
+
+def _mlflow_answer(model, content_type: str, body: bytes) -> tuple[int, str]:
+    """What ``mlflow models serve`` answers: its per-request ``invocations`` with the error
+    mapping of its app (``_async_catch_mlflow_exception``), MLflow's code as it is."""
+    try:
+        done = scoring_server.invocations(
+            body, content_type, model, model.metadata.get_input_schema()
+        )
+        return done.status, done.response
+    except MlflowException as e:
+        return e.get_http_status_code(), e.message
+
+
+@pytest.mark.parametrize("kind", ["any columns", "tensors"])
+def test_declaring_inputs_would_break_mlflow_doors(models, tmp_path, kind):
+    """Why the stored signature declares no inputs (docs/serving.md, "Signature"): declared in
+    either form, MLflow itself (3.17.2) refuses CSV at ``mlflow models serve`` (its CSV parser
+    asks the schema for pandas dtypes, which tensor specs and non-scalar columns have none of),
+    enforces the schema in-process before the model sees the input, and quotes the input in its
+    refusals. A sentinel: when MLflow stops doing any of this, this test fails and the choice in
+    ``serving/signature.served_signature`` is to be revisited (issue 35)."""
+    one = _declared(models["one"], tmp_path / "one", kind)
+    two = _declared(models["two"], tmp_path / "two", kind)
+    assert two.metadata.get_input_schema().input_names() == ["ids", "x"]  # what the UI would show
+    inp = two_input_example(N)
+    status, text = _mlflow_answer(two, *two_input_bodies(inp)["csv"])
+    assert status == 400 and "Failed to parse input as a Pandas DataFrame" in text, text[:300]
+    with pytest.raises(MlflowException, match="Failed to enforce schema of data") as info:
+        two.predict([inp["ids"], inp["x"]])  # inputs by position: the contract takes them
+    assert "array(" in info.value.message  # MLflow quotes the input
+    x = batch(N, seed=3)
+    if kind == "any columns":
+        with pytest.raises(MlflowException, match="missing inputs"):
+            one.predict(x)  # MLflow turns the array into 8 columns named 0..7
+    else:
+        with pytest.raises(MlflowException, match="does not match expected dtype"):
+            one.predict(x.astype(np.float64))
+        xs = inp["x"][:2].tolist()
+        body = json.dumps({"inputs": {"x": xs, "ids": [1.7, 1.0]}}).encode()
+        status, text = _mlflow_answer(two, JSON, body)
+        assert status == 200, text[:300]  # MLflow casts 1.7 to the int32 1 before predict
+    # the model as stored (no input schema) takes all of these
+    for name in ("one", "two"):
+        assert models["local"][name].metadata.get_input_schema() is None
+    status, _ = _mlflow_answer(models["local"]["two"], *two_input_bodies(inp)["csv"])
+    assert status == 200
+    models["local"]["two"].predict([inp["ids"], inp["x"]])
+    models["local"]["one"].predict(x.astype(np.float64))
 
 
 def test_every_format_matches_in_process_one_input(models, servers):

@@ -341,19 +341,23 @@ def serving_example(inputs: list[LeafSpec], input_example: Any) -> dict[str, np.
 def served_signature(signature: Any) -> Any:
     """The signature MLflow stores: ``signature`` without its input schema.
 
-    MLflow enforces a signature's inputs itself before ``predict`` sees them, at every door:
-    ``PyFuncModel.predict`` runs its schema enforcement (exact tensor dtypes only: int64 refused
-    for int32, float64 for float32; no lists; no feature-column DataFrames; a message that starts
-    with the whole input), and its scoring server casts JSON with ``np.array(v, dtype)`` (1.5 into
-    an int32 input becomes 1) and cannot read CSV for a tensor schema. A signature that declares
-    no inputs is MLflow's documented way to hand the input over as it is ("If the pyfunc model
-    does not include model schema, the input is passed to the model implementation as is",
-    ``PyFuncModel._predict``): then every door parses the request the plain way (JSON to numpy
-    arrays or DataFrames, CSV and parquet to DataFrames) and the model's input contract
-    (``serving/inputs.py``) is the one check, the same in-process and served. The inputs stay
-    declared in the flavor section (``jaxexp.io``) and in the logged model's ``jax.in_avals``
-    param, which the MLflow UI shows; outputs and params are kept (``spark_udf`` reads its
-    ``result_type`` from the outputs). See docs/serving.md, "The input contract".
+    MLflow enforces a declared input schema itself, before ``predict`` sees the input, at every
+    door, and (3.17.2) offers no public way to declare inputs without that: ``PyFuncModel``
+    enforces exact tensor dtypes (a float64 array for a float32 input refused), turns every input
+    into a DataFrame for a column schema (an array for ``x: [-1, 8]`` becomes 8 columns, "missing
+    inputs ['x']"), and quotes the input in its refusals; its scoring server casts JSON with
+    ``np.array(v, dtype)`` (1.7 into an int32 input becomes 1) and refuses CSV for any schema
+    without pandas dtypes (tensor specs, ``Array`` and ``AnyType`` columns). A signature that
+    declares no inputs is MLflow's documented way to hand the input over as it is ("If the pyfunc
+    model does not include model schema, the input is passed to the model implementation as
+    is", ``PyFuncModel._predict``): every door then parses the request the plain way and the
+    model's input contract (``serving/inputs.py``) is the one check. The cost: the MLflow UI
+    shows no input schema (the inputs stay in ``jaxexp.io`` and the ``jax.in_avals`` param),
+    ``spark_udf``'s ``udf()`` needs its columns (``udf(struct(...))`` or ``udf(*cols)``), and
+    MLServer's stock runtime cannot load the model (``JaxExpRuntime`` can). Outputs and params
+    are kept (``spark_udf`` reads its ``result_type`` from the outputs). The six candidates
+    measured: ``scripts/signature_matrix.py``; docs/serving.md, "Why the MLflow signature
+    declares no inputs".
     """
     from mlflow.models import ModelSignature
 
