@@ -245,3 +245,27 @@ def test_cli_inspect_reads_and_parses_once_without_jax(counted, fresh):
     assert door.summary() == {"MLmodel": 1, "blob": 1, "parses": 1, "deserializes": 0}, (
         door.summary()
     )
+
+
+@pytest.mark.parametrize("door", ["load_model", "pyfunc"])
+def test_iree_backend_reads_once(counted, fresh, logged, door):
+    """The IREE backend reads the blob through its own checked reader, once, and JAX never
+    sees it; under pyfunc, the blob the model identity read is the one it compiles."""
+    pytest.importorskip("iree.compiler")
+    from jaxexp_mlflow.serving.pyfunc import load_pyfunc
+
+    with counted() as counts:
+        if door == "load_model":
+            model = mlflow.jaxexp.load_model(str(fresh), backend="iree")
+        else:
+            model = load_pyfunc(fresh, {"backend": "iree"})
+    np.testing.assert_allclose(
+        np.asarray(model.predict(logged["x"]) if door == "pyfunc" else model(logged["x"])),
+        logged["want"],
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    assert counts.summary() == {"MLmodel": 1, "blob": 1, "parses": 1, "deserializes": 0}, (
+        counts.summary(),
+        dict(_READS.paths),
+    )

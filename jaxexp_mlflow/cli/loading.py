@@ -102,7 +102,7 @@ def load(
             allow_incompatible=allow_incompatible,
             isolate=isolate,
             route=route,
-            files=target.files,  # MLmodel as resolve read it; the blob if read already
+            model_files=target.model_files,  # MLmodel as resolve read it; the blob if read already
             **options,
         )
 
@@ -113,7 +113,7 @@ def blob_bytes(target: Target) -> bytes:
     from jaxexp_mlflow.codec import files
 
     if target.kind != "blob":
-        return target.files.blob
+        return target.model_files.blob
     data = target.blob_data
     if len(data) > files.MAX_BLOB_BYTES:  # refused as a load refuses it
         files.read_file(
@@ -135,7 +135,7 @@ def checked_description(target: Target) -> Any:
         if target.blob_data is data:
             target.description = desc
     if target.kind != "blob":
-        target.files.with_blob(data, desc)
+        target.model_files.with_blob(data, desc)
     return desc
 
 
@@ -218,7 +218,11 @@ def _load_bridged(target: Target, *, allow_incompatible: bool, **options: Any) -
             from jaxexp_mlflow.runtime.loader import bind_model
 
             model = bind_model(
-                placement.exported, target.path, target.flavor, placement, files=target.files
+                placement.exported,
+                target.path,
+                target.flavor,
+                placement,
+                model_files=target.model_files,
             )
     model.route = routes.BRIDGE
     model.bridged_blob = new

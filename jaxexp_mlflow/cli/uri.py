@@ -56,11 +56,11 @@ class Target:
     def blob_data(self) -> bytes:
         """The blob's bytes, read once for the whole command: a regular file (no link, FIFO or
         device followed), at most ``codec.reader.MAX_BLOB_FILE_BYTES``, not yet checked against
-        MLmodel (``inspect`` reports a mismatch; loads check it: :attr:`files`).
+        MLmodel (``inspect`` reports a mismatch; loads check it: :attr:`model_files`).
         ``FileNotFoundError`` if it is missing."""
         from jaxexp_mlflow.codec import files, reader
 
-        loaded = self.__dict__.get("files")
+        loaded = self.__dict__.get("model_files")
         if loaded is not None and "blob" in loaded.__dict__:  # a load has read it already
             return loaded.blob
         path = self.blob_path
@@ -76,13 +76,13 @@ class Target:
         (``codec.reader.BlobFormatError`` if it is malformed)."""
         from jaxexp_mlflow.codec import reader
 
-        loaded = self.__dict__.get("files")
+        loaded = self.__dict__.get("model_files")
         if loaded is not None and "description" in loaded.__dict__:
             return loaded.description
         return reader.read_blob(self.blob_data)
 
     @cached_property
-    def files(self) -> Any:
+    def model_files(self) -> Any:
         """The model directory as the loaders take it (``store.model_files.ModelFiles``): the
         MLmodel read by :func:`resolve`, the blob and its parse where this command has read
         them already (checked against ``exported_sha256`` on first use), else read then."""

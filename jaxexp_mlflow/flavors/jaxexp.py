@@ -546,7 +546,13 @@ def _load_downloaded(
     if backend == "iree":
         from jaxexp_mlflow.iree.loader import load_directory as load_iree
 
-        return load_iree(local_path, files.flavor, allow_incompatible=allow_incompatible, **options)
+        return load_iree(
+            local_path,
+            files.flavor,
+            allow_incompatible=allow_incompatible,
+            model_files=files,
+            **options,
+        )
     from jaxexp_mlflow.runtime import cache
     from jaxexp_mlflow.runtime.loader import load_directory
 
@@ -556,7 +562,7 @@ def _load_downloaded(
         files.flavor,
         allow_incompatible=allow_incompatible,
         mapped=download.crc32c if private else None,
-        files=files,
+        model_files=files,
         **options,
     )
     if private:  # the params are in memory (or mapped: unlinked files live while mapped)

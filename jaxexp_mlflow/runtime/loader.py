@@ -27,7 +27,7 @@ def load_directory(
     bind: Any = None,
     mapped: dict[str, int] | None = None,
     route: str | None = None,
-    files: ModelFiles | None = None,
+    model_files: ModelFiles | None = None,
     **options: Any,
 ) -> JaxExpModel:
     """Verify, judge, deserialize and bind params for the model stored at ``path``.
@@ -44,12 +44,11 @@ def load_directory(
     rather than copied (``params.restore_params``); it maps file paths relative to
     ``path`` to the CRC-32C the download computed as each file landed. ``route`` (``direct``
     or ``expired-flag``, ``runtime.routes``) is taken as asked, never chosen silently; a refusal
-    names the routes that work. ``files`` (``store.model_files``): the directory as the caller
-    has read it, with ``meta`` its validated section; what it holds (MLmodel, the blob and its
-    parse) is not read, checked or parsed again.
+    names the routes that work. ``model_files`` (``store.model_files``): the directory as the
+    caller has read it, with ``meta`` its validated section; what it holds (MLmodel, the blob
+    and its parse) is not read, checked or parsed again.
     """
-    if files is None:
-        files = ModelFiles(Path(path), validate_flavor(meta))
+    files = model_files or ModelFiles(Path(path), validate_flavor(meta))
     meta = files.flavor
     data = files.blob
     source = files.blob_source
@@ -90,7 +89,7 @@ def load_directory(
         from jaxexp_mlflow.params import check_checkpoint, restore_params, verify_manifest
 
         target = artifact.params_target(placement.exported, placement.in_shardings, meta)
-        mlmodel = _holding(files, ckpt)
+        mlmodel = files.mlmodel_beside(ckpt)
         if bind is None:
             known = None
             if mapped is not None:
@@ -108,26 +107,23 @@ def load_directory(
     return model
 
 
-def _holding(files: ModelFiles, ckpt: Path) -> dict[str, Any] | None:
-    """The parsed MLmodel of ``files`` where it is the one beside the checkpoint ``ckpt`` (the
-    MLmodel the params manifest's binding is judged against), else None (read there)."""
-    if files.mlmodel is None or ckpt.parent.resolve() != Path(files.path).resolve():
-        return None
-    return files.mlmodel
-
-
 def bind_model(
-    exported: Any, local: Path, meta: dict, placement: Any, *, files: ModelFiles | None = None
+    exported: Any,
+    local: Path,
+    meta: dict,
+    placement: Any,
+    *,
+    model_files: ModelFiles | None = None,
 ) -> JaxExpModel:
     """A ``JaxExpModel`` of ``exported`` (the model's own blob, or a re-export of it) with the
-    params of the model directory ``local`` restored into ``placement``'s shardings (``files``:
-    the directory as the caller has read it, ``store.model_files``)."""
+    params of the model directory ``local`` restored into ``placement``'s shardings
+    (``model_files``: the directory as the caller has read it, ``store.model_files``)."""
     params = None
     ckpt = artifact.params_dir(local, meta)
     if ckpt is not None:
         from jaxexp_mlflow.params import restore_params
 
         target = artifact.params_target(exported, placement.in_shardings, meta)
-        mlmodel = None if files is None else _holding(files, ckpt)
+        mlmodel = None if model_files is None else model_files.mlmodel_beside(ckpt)
         params = restore_params(ckpt, target=target, mlmodel=mlmodel)
     return JaxExpModel(exported, params, meta, placement=placement)

@@ -468,12 +468,13 @@ def _load_uncached(
         from jaxexp_mlflow.iree.loader import load_directory
 
         load_options.update({k: config[k] for k in ("iree_cache", "iree_driver") if k in config})
+        load_options["model_files"] = model_files
     else:
         from jaxexp_mlflow.runtime import cache
         from jaxexp_mlflow.runtime.loader import load_directory
 
         cache.configure(config.get("compilation_cache", saved.get("compilation_cache")))
-        load_options["files"] = model_files
+        load_options["model_files"] = model_files
     model = load_directory(
         model_dir,
         flavor_conf,

@@ -71,6 +71,19 @@ class ModelFiles:
         parsed = self.__dict__.pop("_parsed", None)
         return parsed if parsed is not None else blob_codec.describe(data, source=self.blob_source)
 
+    def mlmodel_beside(self, ckpt: str | os.PathLike) -> dict[str, Any] | None:
+        """The parsed MLmodel where it is the one beside the params checkpoint ``ckpt`` (the
+        MLmodel the checkpoint manifest's binding is judged against), else None (then read
+        there: ``params.manifest.check_binding``)."""
+        if self.mlmodel is None or Path(ckpt).parent.resolve() != self.path.resolve():
+            return None
+        return self.mlmodel
+
+    def blob_if_read(self) -> bytes | None:
+        """The blob's checked bytes where this load has read them already, else None (for a
+        reader with rules of its own, such as the IREE backend's)."""
+        return self.__dict__.get("blob")
+
     def with_blob(self, data: bytes | None, description: Any = None) -> ModelFiles:
         """This object, given the blob's bytes (and their parse) that the caller has already
         read: checked against ``exported_sha256`` when :attr:`blob` is first used, not read
