@@ -269,3 +269,27 @@ def test_iree_backend_reads_once(counted, fresh, logged, door):
         counts.summary(),
         dict(_READS.paths),
     )
+
+
+@pytest.mark.slow
+def test_flavor_load_through_a_tracking_server(counted, tmp_path, monkeypatch):
+    """A private download through a real ``mlflow server`` (proxied artifacts) is checked
+    before the load (``store.download.check_download``: the params against their manifest and
+    MLmodel); the load parses the MLmodel bytes that check read, and reads nothing twice."""
+    from tests.servers import mlflow_server
+
+    params, x = mlp_params(), batch(3)
+    with mlflow_server(tmp_path / "server") as (url, _):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        mlflow.set_tracking_uri(url)
+        try:
+            mlflow.set_experiment("once-remote")
+            with mlflow.start_run() as run:
+                mlflow.jaxexp.log_model(export_mlp(params), name="model", params=params)
+            with counted() as door:
+                model = mlflow.jaxexp.load_model(f"runs:/{run.info.run_id}/model")
+        finally:
+            mlflow.set_tracking_uri(None)
+            os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
+    np.testing.assert_allclose(np.asarray(model(x)), np.asarray(mlp_apply(params, x)), rtol=1e-5)
+    _once(door)

@@ -542,7 +542,7 @@ def _load_downloaded(
     from jaxexp_mlflow.store.model_files import read_model_files
 
     # validated (``code`` relative and inside the model, or null); never put on sys.path
-    files = read_model_files(local_path)
+    files = read_model_files(local_path, raw=download.mlmodel if private else None)
     if backend == "iree":
         from jaxexp_mlflow.iree.loader import load_directory as load_iree
 

@@ -101,16 +101,23 @@ class ModelFiles:
 
 
 def read_model_files(
-    model_dir: str | os.PathLike, *, flavor_name: str = FLAVOR_NAME, mapping: bool = True
+    model_dir: str | os.PathLike,
+    *,
+    flavor_name: str = FLAVOR_NAME,
+    mapping: bool = True,
+    raw: bytes | None = None,
 ) -> ModelFiles:
     """Read and validate the MLmodel of ``model_dir`` once: a confined, bounded read, its
     ``flavors.<flavor_name>`` section and ``python_function.config`` checked
     (``store.section.flavor_section``); ``ArtifactError`` naming what is wrong otherwise.
 
     ``mapping=False``: an MLmodel that is valid YAML but no mapping is read as an empty one, so
-    the error is the missing flavor's (what the pyfunc loader has always said).
+    the error is the missing flavor's (what the pyfunc loader has always said). ``raw``: the
+    bytes of that MLmodel where this process has just read them (``store.download``'s check
+    of its own private download), parsed instead of read again.
     """
-    raw = read_mlmodel_bytes(model_dir)
+    if raw is None:
+        raw = read_mlmodel_bytes(model_dir)
     try:
         mlmodel = parse_mlmodel(raw)
     except ArtifactError:
