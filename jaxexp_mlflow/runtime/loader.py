@@ -48,7 +48,9 @@ def load_directory(
     caller has read it, with ``meta`` its validated section; what it holds (MLmodel, the blob
     and its parse) is not read, checked or parsed again.
     """
-    files = model_files or ModelFiles(Path(path), validate_flavor(meta))
+    files = model_files
+    if files is None:  # the section alone: checked here, the blob read below
+        files = ModelFiles(Path(path), validate_flavor(meta))
     meta = files.flavor
     data = files.blob
     source = files.blob_source
@@ -88,8 +90,8 @@ def load_directory(
     if ckpt is not None:
         from jaxexp_mlflow.params import check_checkpoint, restore_params, verify_manifest
 
+        mlmodel = files.mlmodel_beside(ckpt)  # the manifest's binding is judged against it
         target = artifact.params_target(placement.exported, placement.in_shardings, meta)
-        mlmodel = files.mlmodel_beside(ckpt)
         if bind is None:
             known = None
             if mapped is not None:
