@@ -219,10 +219,9 @@ def audit_one(uri: str, info: dict, as_of: dt.date) -> Row | None:
 def _routes(target: Any, verdict: Any, uri: str) -> list[dict]:
     """The working routes of the target (``runtime.routes.plan``), JSON-able, in order."""
     from jaxexp_mlflow.cli.check import blob_meta
-    from jaxexp_mlflow.codec.reader import read_blob_file
     from jaxexp_mlflow.runtime import routes
 
-    desc = read_blob_file(target.blob_path)
+    desc = target.description  # parsed once, by assess_target
     meta = target.flavor or blob_meta(desc)
     return [r.to_dict() for r in routes.plan(verdict, meta, desc, uri=uri)]
 

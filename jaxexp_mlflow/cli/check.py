@@ -46,7 +46,6 @@ def assess_target(
 ) -> tuple[Any, dict[str, Any]]:
     """Run ``runtime.compat.assess`` on the target; return (verdict, its JSON-able form)."""
     from jaxexp_mlflow.cli.inspect import describe
-    from jaxexp_mlflow.codec.reader import read_blob_file
     from jaxexp_mlflow.runtime import compat
 
     report = describe(target)  # validates the blob
@@ -55,7 +54,7 @@ def assess_target(
             f"{target.blob_path} does not match the sha256 recorded in MLmodel; the file was "
             "altered or truncated: download the model again or restore it from a backup"
         )
-    desc = read_blob_file(target.blob_path)
+    desc = target.description  # parsed by describe(target)
     meta = target.flavor or blob_meta(desc)
     with step("Assessing compatibility"):
         verdict = compat.assess(meta, description=desc, allow_other_platform=allow_other_platform)
@@ -192,10 +191,14 @@ def check(uri: str, allow_other_platform: bool, as_json: bool, debug: bool) -> N
     target = resolve(uri, parts=())
     verdict, payload = assess_target(target, allow_other_platform=allow_other_platform)
     if verdict.status != "incompatible":  # can JAX read it? in a capped child: a crash is a "no"
-        from jaxexp_mlflow.runtime.isolate import probe_file
+        from jaxexp_mlflow.codec import files
+        from jaxexp_mlflow.runtime.isolate import probe, probe_file
 
+        node_types = target.flavor.get("pytree_node_types")
         with step("Deserializing in an isolated process"):
-            probe_file(target.blob_path, node_types=target.flavor.get("pytree_node_types"))
+            if len(target.blob_data) > files.MAX_BLOB_BYTES:  # refused as probe_file refuses it
+                probe_file(target.blob_path, node_types=node_types)
+            probe(target.blob_data, source=target.blob_path.name, node_types=node_types)
     from jaxexp_mlflow.cli.environment import environment, environment_line
 
     env = environment()

@@ -152,11 +152,11 @@ def signature_rows(mlmodel: dict[str, Any]) -> dict[str, list[dict[str, Any]]] |
 
 def describe(target: Target) -> dict[str, Any]:
     """The JSON-able report of ``jaxexp inspect`` (also used by ``check``)."""
-    from jaxexp_mlflow.codec.reader import BlobFormatError, read_blob_file
+    from jaxexp_mlflow.codec.reader import BlobFormatError
 
     blob_path = target.blob_path
     try:
-        desc = read_blob_file(blob_path)
+        desc = target.description  # read and parsed once for the command
     except FileNotFoundError as err:
         raise InputProblem(f"the model's blob {blob_path} is missing") from err
     except (BlobFormatError, OSError) as err:

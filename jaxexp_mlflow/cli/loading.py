@@ -63,18 +63,15 @@ def load(
     routes.check_name(route)
     if target.kind == "blob":
         from jaxexp_mlflow.cli.check import blob_meta
-        from jaxexp_mlflow.codec import files
-        from jaxexp_mlflow.codec.blob import describe, deserialize_checked
+        from jaxexp_mlflow.codec.blob import deserialize_checked
         from jaxexp_mlflow.runtime import devices
         from jaxexp_mlflow.runtime.isolate import probe
         from jaxexp_mlflow.runtime.model import JaxExpModel
 
         with step("Checking and deserializing the blob"):
             source = str(target.blob_path)
-            data = files.read_file(
-                target.blob_path, what="serialized function", max_bytes=files.MAX_BLOB_BYTES
-            )
-            desc = describe(data, source=source)
+            data = blob_bytes(target)
+            desc = checked_description(target)
             _, scope = routes.judge(
                 blob_meta(desc),
                 desc,
@@ -105,30 +102,49 @@ def load(
             allow_incompatible=allow_incompatible,
             isolate=isolate,
             route=route,
+            model_files=target.model_files,  # MLmodel as resolve read it; the blob if read already
             **options,
         )
 
 
 def blob_bytes(target: Target) -> bytes:
-    """The target's serialized blob, read bounded and confined (model dir or bare file)."""
+    """The target's serialized blob, read bounded and confined (model dir or bare file), once
+    per command (``Target.blob_data``); a model's checked against its ``exported_sha256``."""
     from jaxexp_mlflow.codec import files
 
-    if target.kind == "blob":
-        return files.read_file(
+    if target.kind != "blob":
+        return target.model_files.blob
+    data = target.blob_data
+    if len(data) > files.MAX_BLOB_BYTES:  # refused as a load refuses it
+        files.read_file(
             target.blob_path, what="serialized function", max_bytes=files.MAX_BLOB_BYTES
         )
-    from jaxexp_mlflow.store import artifact
+    return data
 
-    return artifact.read_blob(target.path, target.flavor)
+
+def checked_description(target: Target) -> Any:
+    """The jax-free parse of :func:`blob_bytes`, once per command; ``ArtifactError`` for a
+    malformed blob (``codec.blob.describe``)."""
+    from jaxexp_mlflow.codec.blob import describe
+
+    data = blob_bytes(target)
+    if "description" in target.__dict__ and target.blob_data is data:
+        desc = target.description
+    else:
+        desc = describe(data, source=str(target.blob_path))
+        if target.blob_data is data:
+            target.description = desc
+    if target.kind != "blob":
+        target.model_files.with_blob(data, desc)
+    return desc
 
 
 def plan_routes(target: Target, *, allow_other_platform: bool = False) -> list[Any]:
     """The routes that work here for ``target`` (``runtime.routes.plan``), in order."""
     from jaxexp_mlflow.cli.check import blob_meta
-    from jaxexp_mlflow.codec.blob import describe
     from jaxexp_mlflow.runtime import compat, routes
 
-    desc = describe(blob_bytes(target), source=str(target.blob_path))
+    desc = checked_description(target)
     meta = blob_meta(desc) if target.kind == "blob" else target.flavor
     verdict = compat.assess(meta, description=desc, allow_other_platform=allow_other_platform)
     return routes.plan(verdict, meta, desc, uri=target.uri)
@@ -161,10 +177,9 @@ def recorded_route(target: Target, **options: Any) -> Any:
     ``expired-flag`` and ``bridge`` (``flavors.save_route.TAKEN_WHEN_RECORDED``); else None."""
     if target.kind == "blob" or not isinstance(target.flavor.get("route"), dict):
         return None
-    from jaxexp_mlflow.codec.blob import describe
     from jaxexp_mlflow.flavors.save_route import recorded_route_here
 
-    desc = describe(blob_bytes(target), source=str(target.blob_path))
+    desc = checked_description(target)
     return recorded_route_here(
         target.flavor, desc, allow_other_platform=bool(options.get("allow_other_platform"))
     )
@@ -181,7 +196,7 @@ def _load_bridged(target: Target, *, allow_incompatible: bool, **options: Any) -
     from jaxexp_mlflow.runtime.routes import enforce
 
     data = blob_bytes(target)
-    desc = describe(data, source=str(target.blob_path))
+    desc = checked_description(target)
     with step(f"Re-exporting the blob with jax {routes.BRIDGE_JAX} (bridge venv)"):
         new, _ = env_routes.reexport_in(routes.BRIDGE_JAX, data, nr_devices=int(desc.nr_devices))
     source = f"{target.blob_path} (re-exported by jax {routes.BRIDGE_JAX})"
@@ -202,7 +217,13 @@ def _load_bridged(target: Target, *, allow_incompatible: bool, **options: Any) -
         else:
             from jaxexp_mlflow.runtime.loader import bind_model
 
-            model = bind_model(placement.exported, target.path, target.flavor, placement)
+            model = bind_model(
+                placement.exported,
+                target.path,
+                target.flavor,
+                placement,
+                model_files=target.model_files,
+            )
     model.route = routes.BRIDGE
     model.bridged_blob = new
     return model
@@ -213,11 +234,7 @@ def _load_iree(target: Target, *, allow_incompatible: bool, **options: Any) -> A
 
     if target.kind == "blob":
         with step("Checking the blob, compiling it with IREE"):
-            from jaxexp_mlflow.codec import files
-
-            data = files.read_file(
-                target.blob_path, what="serialized function", max_bytes=files.MAX_BLOB_BYTES
-            )
+            data = blob_bytes(target)
             return loader.build(
                 data,
                 {},
@@ -283,7 +300,6 @@ def run_recorded_env(target: Target, chosen: Any, leaves: list[Any]) -> list[Any
     recorded environment: `jaxexp verify --env-manager uv`)."""
     from jaxexp_mlflow.archive import env_routes
     from jaxexp_mlflow.cli._common import Failure
-    from jaxexp_mlflow.codec.blob import describe
 
     if target.kind != "blob" and target.flavor.get("params"):
         raise Failure(
@@ -291,7 +307,7 @@ def run_recorded_env(target: Target, chosen: Any, leaves: list[Any]) -> list[Any
             f"model's recorded requirements: run `jaxexp verify {target.uri} --env-manager uv`"
         )
     data = blob_bytes(target)
-    desc = describe(data, source=str(target.blob_path))
+    desc = checked_description(target)
     with step(f"Running it with jax {chosen.jax_version} (recorded-env venv)"):
         outs, _ = env_routes.run_in(
             chosen.jax_version, data, leaves, nr_devices=int(desc.nr_devices)

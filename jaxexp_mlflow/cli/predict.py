@@ -110,14 +110,13 @@ def predict(
         leaves = run_recorded_env(target, chosen, input_leaves(payload, specs))
     else:
         leaves = _run_here(target, payload, name, backend, allow_incompatible, allow_other_platform)
-    from jaxexp_mlflow.codec.reader import read_blob_file
     from jaxexp_mlflow.serving.signature import specs_from_conf
 
     stored = specs_from_conf(target.flavor or {}) if target.kind != "blob" else None
     if stored is not None:  # the signature's output names
         paths = [s.name for s in stored[1]]
     else:
-        paths = leaf_paths(read_blob_file(target.blob_path).out_tree, "out")
+        paths = leaf_paths(target.description.out_tree, "out")
     if len(paths) != len(leaves):
         paths = [f"out[{i}]" for i in range(len(leaves))]
     if output_file is not None:

@@ -12,6 +12,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -50,6 +51,47 @@ class Target:
 
         name = self.flavor.get("exported_file", DEFAULT_BLOB)
         return resolve_inside(self.path, name, what="serialized function (exported_file)")
+
+    @cached_property
+    def blob_data(self) -> bytes:
+        """The blob's bytes, read once for the whole command: a regular file (no link, FIFO or
+        device followed), at most ``codec.reader.MAX_BLOB_FILE_BYTES``, not yet checked against
+        MLmodel (``inspect`` reports a mismatch; loads check it: :attr:`model_files`).
+        ``FileNotFoundError`` if it is missing."""
+        from jaxexp_mlflow.codec import files, reader
+
+        loaded = self.__dict__.get("model_files")
+        if loaded is not None and "blob" in loaded.__dict__:  # a load has read it already
+            return loaded.blob
+        path = self.blob_path
+        if not os.path.lexists(path):
+            raise FileNotFoundError(os.fspath(path))
+        return files.read_file(
+            path, what="serialized function", max_bytes=reader.MAX_BLOB_FILE_BYTES
+        )
+
+    @cached_property
+    def description(self) -> Any:
+        """The jax-free reader's description of :attr:`blob_data`, parsed once
+        (``codec.reader.BlobFormatError`` if it is malformed)."""
+        from jaxexp_mlflow.codec import reader
+
+        loaded = self.__dict__.get("model_files")
+        if loaded is not None and "description" in loaded.__dict__:
+            return loaded.description
+        return reader.read_blob(self.blob_data)
+
+    @cached_property
+    def model_files(self) -> Any:
+        """The model directory as the loaders take it (``store.model_files.ModelFiles``): the
+        MLmodel read by :func:`resolve`, the blob and its parse where this command has read
+        them already (checked against ``exported_sha256`` on first use), else read then."""
+        from jaxexp_mlflow.store.model_files import ModelFiles
+
+        model_files = ModelFiles(self.path, self.flavor, mlmodel=self.mlmodel)
+        if "blob_data" in self.__dict__:
+            model_files.with_blob(self.blob_data, self.__dict__.get("description"))
+        return model_files
 
 
 def _require_jaxexp(target: Target) -> Target:

@@ -164,10 +164,9 @@ def verify_in_recorded_env(
 
 def _output_paths(target: Any, n: int) -> list[str]:
     from jaxexp_mlflow.cli.inspect import leaf_paths
-    from jaxexp_mlflow.codec.reader import read_blob_file
 
     try:
-        paths = leaf_paths(read_blob_file(target.blob_path).out_tree, "out")
+        paths = leaf_paths(target.description.out_tree, "out")
     except Exception:  # noqa: BLE001 - labels only
         paths = []
     return paths if len(paths) == n else [f"out[{i}]" for i in range(n)]

@@ -7,9 +7,10 @@ of a few kB otherwise expands to gigabytes in whoever walks the result: ``json.d
 ``copy.deepcopy``). This is the package's only MLmodel reader; its ``jaxexp`` section is then
 checked by ``store.section``, but for the bound on its ``pytree_node_types``
 (:func:`check_node_type_names`), which is here because ``pytrees`` checks it too, and this
-module imports no JAX. A save reads its MLmodel back four times and a load twice, so
-:func:`read_mlmodel` keeps the last few parses by the file's exact bytes and hands out deep
-copies (a changed byte parses again; nothing is cached by path). The parse is libyaml's where
+module imports no JAX. A load reads and parses its MLmodel once (``store.model_files``); a
+save reads its MLmodel back several times, so :func:`parse_mlmodel` keeps the last few parses
+by the file's exact bytes and hands out deep copies (a changed byte parses again; nothing is
+cached by path). The parse is libyaml's where
 PyYAML has it (:func:`load_yaml`), with the budgets checked on its event stream first.
 """
 
@@ -25,7 +26,14 @@ from typing import Any
 from jaxexp_mlflow.codec import files
 from jaxexp_mlflow.codec.files import fail
 
-__all__ = ["MLMODEL", "check_node_type_names", "load_yaml", "read_mlmodel"]
+__all__ = [
+    "MLMODEL",
+    "check_node_type_names",
+    "load_yaml",
+    "parse_mlmodel",
+    "read_mlmodel",
+    "read_mlmodel_bytes",
+]
 
 MLMODEL = "MLmodel"
 MAX_ALIASES = 100
@@ -134,9 +142,20 @@ def _check_expanded_size(data: Any) -> None:
 
 def read_mlmodel(model_dir: str | os.PathLike) -> dict[str, Any]:
     """The model's MLmodel as a dict: a confined, bounded read of a YAML mapping."""
-    raw = files.read_bytes(
+    return parse_mlmodel(read_mlmodel_bytes(model_dir))
+
+
+def read_mlmodel_bytes(model_dir: str | os.PathLike) -> bytes:
+    """The bytes of the model's MLmodel: confined to ``model_dir``, a regular file, at most
+    ``files.MAX_MLMODEL_BYTES``."""
+    return files.read_bytes(
         model_dir, MLMODEL, what=f"{MLMODEL} file", max_bytes=files.MAX_MLMODEL_BYTES
     )
+
+
+def parse_mlmodel(raw: bytes) -> dict[str, Any]:
+    """MLmodel's bytes as a dict (bounded YAML, :func:`load_yaml`); ``ArtifactError`` unless
+    they hold a mapping. The last few parses are kept by the bytes' sha256 (deep copies)."""
     key = hashlib.sha256(raw).digest()
     with _PARSED_LOCK:
         data = _PARSED.get(key)

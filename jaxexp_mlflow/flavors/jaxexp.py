@@ -537,30 +537,38 @@ def _load_downloaded(
     allow_incompatible: bool,
     options: dict[str, Any],
 ) -> Any:
-    """``load_model`` once the model is on disk at ``local_path``."""
-    from jaxexp_mlflow.store.section import read_section
+    """``load_model`` once the model is on disk at ``local_path``: its MLmodel read and
+    validated once (``store.model_files``), that one object handed to the loader."""
+    from jaxexp_mlflow.store.model_files import read_model_files
 
     # validated (``code`` relative and inside the model, or null); never put on sys.path
-    flavor_conf = read_section(local_path)
+    files = read_model_files(local_path, raw=download.mlmodel if private else None)
     if backend == "iree":
         from jaxexp_mlflow.iree.loader import load_directory as load_iree
 
-        return load_iree(local_path, flavor_conf, allow_incompatible=allow_incompatible, **options)
+        return load_iree(
+            local_path,
+            files.flavor,
+            allow_incompatible=allow_incompatible,
+            model_files=files,
+            **options,
+        )
     from jaxexp_mlflow.runtime import cache
     from jaxexp_mlflow.runtime.loader import load_directory
 
     cache.configure()
     model = load_directory(
         local_path,
-        flavor_conf,
+        files.flavor,
         allow_incompatible=allow_incompatible,
         mapped=download.crc32c if private else None,
+        model_files=files,
         **options,
     )
     if private:  # the params are in memory (or mapped: unlinked files live while mapped)
         from jaxexp_mlflow.store import artifact
 
-        ckpt = artifact.params_dir(local_path, flavor_conf)
+        ckpt = artifact.params_dir(local_path, files.flavor)
         if ckpt is not None and ckpt.resolve() != Path(local_path).resolve():
             shutil.rmtree(ckpt, ignore_errors=True)
     return model

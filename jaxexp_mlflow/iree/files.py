@@ -68,11 +68,15 @@ def read_params(
     model_dir: str | os.PathLike,
     meta: dict[str, Any],
     leaves: list[tuple[str, tuple[int, ...], str]],
+    *,
+    model_files: Any = None,
 ) -> list[Any]:
     """Read the params checkpoint's arrays ``(directory name, shape, dtype)`` as numpy arrays.
 
     The checkpoint's manifest is checked first (no missing or truncated file); each leaf is read
     by the JAX-free reader ``codec.zarr`` (uncompressed zarr, one ``preadv`` per chunk).
+    ``model_files`` (``store.model_files.ModelFiles``): the directory as the load has read it
+    (its MLmodel is not read again for the manifest's binding check).
     """
     from jaxexp_mlflow.codec import zarr
     from jaxexp_mlflow.codec.arrays import resolve_dtype
@@ -85,7 +89,8 @@ def read_params(
             f"The model's params checkpoint {ckpt} is missing. Download the complete model "
             "directory (exported.bin, params/, MLmodel) again."
         )
-    manifest = verify_manifest(ckpt)  # file set, sizes, CRC-32C of the metadata
+    mlmodel = None if model_files is None else model_files.mlmodel_beside(ckpt)
+    manifest = verify_manifest(ckpt, mlmodel=mlmodel)  # file set, sizes, CRC-32C of metadata
     out = []
     for name, shape, dtype in leaves:
         array_dir = inside(ckpt, name, f"params array {name!s:.100}")

@@ -186,17 +186,23 @@ def load_directory(
     allow_other_platform: bool = False,
     iree_cache: Any = None,
     iree_driver: str | None = None,
+    model_files: Any = None,
     **_ignored: Any,
 ) -> IreeModel:
-    """Load the model directory ``path`` (MLmodel ``jaxexp`` section ``meta``) onto IREE."""
-    data = files.read_blob(path, meta)
+    """Load the model directory ``path`` (MLmodel ``jaxexp`` section ``meta``) onto IREE.
+
+    ``model_files`` (``store.model_files.ModelFiles``): the directory as the caller has read it;
+    its blob, where already read and checked, is not read again."""
+    data = None if model_files is None else model_files.blob_if_read()
+    if data is None:
+        data = files.read_blob(path, meta)
     source = str(Path(path, meta.get("exported_file") or files.EXPORTED_FILE))
     return build(
         data,
         meta,
         source=source,
         read_module=lambda prepared: files.read_prepared(path, prepared),
-        read_params=lambda leaves: files.read_params(path, meta, leaves),
+        read_params=lambda leaves: files.read_params(path, meta, leaves, model_files=model_files),
         allow_incompatible=allow_incompatible,
         allow_other_platform=allow_other_platform,
         iree_cache=iree_cache,

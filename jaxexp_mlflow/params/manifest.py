@@ -266,18 +266,23 @@ def _replace(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def check_binding(directory: str | os.PathLike, manifest: Manifest) -> str | None:
+def check_binding(
+    directory: str | os.PathLike, manifest: Manifest, *, mlmodel: dict[str, Any] | None = None
+) -> str | None:
     """Why the checkpoint at ``directory`` does not belong to the save that wrote the MLmodel
     of the model directory holding it (its parent), or None: judged when its manifest records
-    its save and that MLmodel is there (a checkpoint on its own is not judged)."""
+    its save and that MLmodel is there (a checkpoint on its own is not judged). ``mlmodel``:
+    that MLmodel as the load already parsed it (``store.model_files``), not read again."""
     if not manifest.model:
         return None
     model_dir = Path(directory).parent
     if not os.path.lexists(model_dir / "MLmodel"):
         return None
-    from jaxexp_mlflow.codec.mlmodel import read_mlmodel
+    if mlmodel is None:
+        from jaxexp_mlflow.codec.mlmodel import read_mlmodel
 
-    found = model_identity(read_mlmodel(model_dir))
+        mlmodel = read_mlmodel(model_dir)
+    found = model_identity(mlmodel)
     diff = [
         f"{k}: the params were saved with {v!r}, MLmodel has {found.get(k)!r}"
         for k, v in sorted(manifest.model.items())
@@ -298,6 +303,7 @@ def verify_checkpoint(
     directory: str | os.PathLike,
     *,
     checksum: bool | Callable[[str], bool] = True,
+    mlmodel: dict[str, Any] | None = None,
 ) -> Manifest:
     """Check the checkpoint at ``directory`` against its manifest; return the manifest.
 
@@ -306,11 +312,13 @@ def verify_checkpoint(
     with the listed size. ``checksum`` selects the files whose CRC is verified now (True: all;
     a predicate on the relative path: those; the rest can be verified as they are read, with
     :meth:`Manifest.check`, or later with :meth:`Manifest.verify_files`). Raises
-    ``ArtifactError`` listing at most ten problems.
+    ``ArtifactError`` listing at most ten problems. ``mlmodel``: the parsed MLmodel of the
+    model directory holding the checkpoint, for :func:`check_binding`.
     """
     path = Path(directory)
     manifest = read_manifest(path)
-    manifest.foreign = check_binding(path, manifest)  # raised before data is accepted
+    # raised before data is accepted
+    manifest.foreign = check_binding(path, manifest, mlmodel=mlmodel)
     if manifest.legacy:
         _logger.warning(
             "jaxexp: the params checkpoint %s has a manifest without checksums (saved by "

@@ -35,17 +35,20 @@ FLUSH_BYTES = 512 * 1024**2
 LAST_RESTORE_STATS: dict[str, int] = {}
 
 
-def verify_manifest(directory: str | os.PathLike) -> Any:
+def verify_manifest(directory: str | os.PathLike, *, mlmodel: dict[str, Any] | None = None) -> Any:
     """Check the checkpoint at ``directory`` against its manifest (``params.manifest``).
 
     File set, sizes, regular files inside the directory, and the CRC-32C of every file except
     the array data, which is checked as it is read. Returns the ``Manifest``; raises
-    :class:`ArtifactError` when the manifest is missing or a file differs from it.
+    :class:`ArtifactError` when the manifest is missing or a file differs from it. ``mlmodel``:
+    the parsed MLmodel of the model directory holding it, if the caller has it (not read again).
     """
     from jaxexp_mlflow.codec.zarr import is_chunk_file
     from jaxexp_mlflow.params import manifest
 
-    return manifest.verify_checkpoint(directory, checksum=lambda rel: not is_chunk_file(rel))
+    return manifest.verify_checkpoint(
+        directory, checksum=lambda rel: not is_chunk_file(rel), mlmodel=mlmodel
+    )
 
 
 def checkpoint_tree(directory: str | os.PathLike) -> Any:
@@ -75,7 +78,11 @@ def check_checkpoint(directory: str | os.PathLike, target: Any) -> None:
 
 
 def restore_params(
-    directory: str | os.PathLike, *, target: Any, mapped: bool | dict[str, int] | None = False
+    directory: str | os.PathLike,
+    *,
+    target: Any,
+    mapped: bool | dict[str, int] | None = False,
+    mlmodel: dict[str, Any] | None = None,
 ) -> Any:
     """Read the checkpoint into jax arrays laid out as ``target``.
 
@@ -91,6 +98,8 @@ def restore_params(
     file truncated by another process would kill this one (SIGBUS). ``mapped`` may also be a
     dict ``{file path relative to directory: CRC-32C}`` of checksums this process computed
     over those very files (as its download wrote them), used instead of reading them again.
+    ``mlmodel``: the parsed MLmodel of the model directory holding the checkpoint, when the
+    load has it (``store.model_files``): the manifest's binding is checked against it.
     """
     import jax
 
@@ -99,7 +108,7 @@ def restore_params(
     # None: copy; a dict (checksums already known, maybe none): map
     known = {} if mapped is True else (None if mapped is False else mapped)
     path = layout.require_item_dir(directory)
-    manifest = verify_manifest(path)
+    manifest = verify_manifest(path, mlmodel=mlmodel)
     meta = layout.read_metadata(path)
     plain = layout.plain_tree(path, meta, manifest.files)
     if plain is None:

@@ -12,6 +12,7 @@ from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.runtime import devices
 from jaxexp_mlflow.runtime.model import JaxExpModel
 from jaxexp_mlflow.store import artifact
+from jaxexp_mlflow.store.model_files import ModelFiles
 from jaxexp_mlflow.store.section import validate_flavor
 
 _logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ def load_directory(
     bind: Any = None,
     mapped: dict[str, int] | None = None,
     route: str | None = None,
+    model_files: ModelFiles | None = None,
     **options: Any,
 ) -> JaxExpModel:
     """Verify, judge, deserialize and bind params for the model stored at ``path``.
@@ -42,12 +44,17 @@ def load_directory(
     rather than copied (``params.restore_params``); it maps file paths relative to
     ``path`` to the CRC-32C the download computed as each file landed. ``route`` (``direct``
     or ``expired-flag``, ``runtime.routes``) is taken as asked, never chosen silently; a refusal
-    names the routes that work.
+    names the routes that work. ``model_files`` (``store.model_files``): the directory as the
+    caller has read it, with ``meta`` its validated section; what it holds (MLmodel, the blob
+    and its parse) is not read, checked or parsed again.
     """
-    meta = validate_flavor(meta)
-    data = artifact.read_blob(path, meta)
-    source = str(Path(path, artifact.blob_name(meta)))
-    description = blob.describe(data, source=source)
+    files = model_files
+    if files is None:  # the section alone: checked here, the blob read below
+        files = ModelFiles(Path(path), validate_flavor(meta))
+    meta = files.flavor
+    data = files.blob
+    source = files.blob_source
+    description = files.description
     if not meta.get("params") and int(meta.get("n_param_leaves") or 0):
         raise ArtifactError(
             f"The model's MLmodel has params: {meta.get('params')!r:.40} but records "
@@ -83,15 +90,16 @@ def load_directory(
     if ckpt is not None:
         from jaxexp_mlflow.params import check_checkpoint, restore_params, verify_manifest
 
+        mlmodel = files.mlmodel_beside(ckpt)  # the manifest's binding is judged against it
         target = artifact.params_target(placement.exported, placement.in_shardings, meta)
         if bind is None:
             known = None
             if mapped is not None:
                 prefix = ckpt.resolve().relative_to(Path(path).resolve()).as_posix() + "/"
                 known = {k[len(prefix) :]: v for k, v in mapped.items() if k.startswith(prefix)}
-            params = restore_params(ckpt, target=target, mapped=known)
+            params = restore_params(ckpt, target=target, mapped=known, mlmodel=mlmodel)
         else:
-            verify_manifest(ckpt).verify_files()
+            verify_manifest(ckpt, mlmodel=mlmodel).verify_files()
             check_checkpoint(ckpt, target)
             params = bind
     model = JaxExpModel(placement.exported, params, meta, placement=placement)
@@ -101,14 +109,23 @@ def load_directory(
     return model
 
 
-def bind_model(exported: Any, local: Path, meta: dict, placement: Any) -> JaxExpModel:
+def bind_model(
+    exported: Any,
+    local: Path,
+    meta: dict,
+    placement: Any,
+    *,
+    model_files: ModelFiles | None = None,
+) -> JaxExpModel:
     """A ``JaxExpModel`` of ``exported`` (the model's own blob, or a re-export of it) with the
-    params of the model directory ``local`` restored into ``placement``'s shardings."""
+    params of the model directory ``local`` restored into ``placement``'s shardings
+    (``model_files``: the directory as the caller has read it, ``store.model_files``)."""
     params = None
     ckpt = artifact.params_dir(local, meta)
     if ckpt is not None:
         from jaxexp_mlflow.params import restore_params
 
         target = artifact.params_target(exported, placement.in_shardings, meta)
-        params = restore_params(ckpt, target=target)
+        mlmodel = None if model_files is None else model_files.mlmodel_beside(ckpt)
+        params = restore_params(ckpt, target=target, mlmodel=mlmodel)
     return JaxExpModel(exported, params, meta, placement=placement)

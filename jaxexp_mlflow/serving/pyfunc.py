@@ -383,38 +383,33 @@ def model_identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tupl
 
 
 def _identity(model_dir: str | os.PathLike, config: dict[str, Any]) -> tuple[tuple, Any]:
-    """``model_identity`` and the MLmodel it parsed (reused by the load: one YAML parse)."""
+    """``model_identity`` and the model directory it read (``store.model_files.ModelFiles``:
+    MLmodel and the blob, read and checked once; the load takes it as it is)."""
     from jaxexp_mlflow.codec import files
-    from jaxexp_mlflow.codec.mlmodel import MLMODEL, load_yaml, read_mlmodel
     from jaxexp_mlflow.params.manifest import MANIFEST_FILE
     from jaxexp_mlflow.store import artifact
-    from jaxexp_mlflow.store.section import flavor_section
+    from jaxexp_mlflow.store.model_files import read_model_files
 
-    raw = files.read_bytes(
-        model_dir, MLMODEL, what=f"{MLMODEL} file", max_bytes=files.MAX_MLMODEL_BYTES
-    )
-    try:  # through read_mlmodel's per-process cache: the params binding check reads it again
-        meta = read_mlmodel(model_dir)
-    except ArtifactError:  # not a mapping: parsed as it is, the load reports what is missing
-        meta = load_yaml(raw)
-    conf = flavor_section(meta if isinstance(meta, dict) else {})
-    blob_digest = hashlib.sha256(artifact.read_blob(model_dir, conf)).hexdigest()
+    # an MLmodel that is no mapping: the load reports the missing flavor
+    model_files = read_model_files(model_dir, mapping=False)
+    model_files.blob  # noqa: B018 - read and checked against exported_sha256: its digest
+    blob_digest = model_files.flavor["exported_sha256"]
     manifest = ""
-    ckpt = artifact.params_dir(model_dir, conf)
+    ckpt = artifact.params_dir(model_dir, model_files.flavor)
     if ckpt is not None and (ckpt / MANIFEST_FILE).is_file():
         data = files.read_file(ckpt / MANIFEST_FILE, what="params manifest", max_bytes=256 << 20)
         manifest = hashlib.sha256(data).hexdigest()
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("JAXEXP_")))
     key = (
         os.path.realpath(model_dir),
-        hashlib.sha256(raw).hexdigest(),
+        model_files.mlmodel_sha256,
         blob_digest,
         manifest,
         json.dumps(config, sort_keys=True, default=str),
         env,
         in_scoring_server(),
     )
-    return key, meta
+    return key, model_files
 
 
 def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = None) -> Any:
@@ -429,13 +424,13 @@ def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = N
         model_dir = model_dir.parent
     if os.environ.get(ENV_PYFUNC_CACHE, "1").lower() in ("0", "off", "false", "no"):
         return _load_uncached(model_dir, config)
-    key, meta = _identity(model_dir, config)
+    key, model_files = _identity(model_dir, config)
     with _CACHE_LOCK:
         impl = _CACHE.get(key)
         if impl is not None:
             _CACHE.move_to_end(key)
             return impl
-    impl = _load_uncached(model_dir, config, meta if isinstance(meta, dict) else None)
+    impl = _load_uncached(model_dir, config, model_files)
     with _CACHE_LOCK:
         _CACHE[key] = impl
         while len(_CACHE) > _CACHE_SIZE:
@@ -444,18 +439,17 @@ def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = N
 
 
 def _load_uncached(
-    model_dir: Path, config: dict[str, Any], meta: dict[str, Any] | None = None
+    model_dir: Path, config: dict[str, Any], model_files: Any = None
 ) -> JaxExpPyfunc:
     """Read, judge and load the model at ``model_dir`` into a new ``JaxExpPyfunc``
-    (``meta``: its MLmodel, when the caller has just parsed it)."""
-    from jaxexp_mlflow.codec.mlmodel import read_mlmodel
+    (``model_files``: the directory as the caller has just read it, ``store.model_files``)."""
     from jaxexp_mlflow.runtime.backend import ENV_BACKEND, _check_backend
     from jaxexp_mlflow.serving import signature as sig
-    from jaxexp_mlflow.store.section import flavor_section
+    from jaxexp_mlflow.store.model_files import read_model_files
 
-    if meta is None:
-        meta = read_mlmodel(model_dir)
-    flavor_conf = flavor_section(meta)
+    if model_files is None:
+        model_files = read_model_files(model_dir)
+    flavor_conf = model_files.flavor
     saved = dict(flavor_conf.get("serving") or {})
     backend = _check_backend(
         config.get("backend", os.environ.get(ENV_BACKEND, saved.get("backend")))
@@ -474,11 +468,13 @@ def _load_uncached(
         from jaxexp_mlflow.iree.loader import load_directory
 
         load_options.update({k: config[k] for k in ("iree_cache", "iree_driver") if k in config})
+        load_options["model_files"] = model_files
     else:
         from jaxexp_mlflow.runtime import cache
         from jaxexp_mlflow.runtime.loader import load_directory
 
         cache.configure(config.get("compilation_cache", saved.get("compilation_cache")))
+        load_options["model_files"] = model_files
     model = load_directory(
         model_dir,
         flavor_conf,
@@ -497,7 +493,7 @@ def _load_uncached(
         serving=in_scoring_server(),
         rows_independent=rows_mod.proven(flavor_conf),
     )
-    register(meta.get("model_uuid"), impl)
+    register(model_files.mlmodel.get("model_uuid"), impl)
     return impl
 
 

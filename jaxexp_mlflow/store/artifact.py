@@ -262,6 +262,13 @@ def read_blob(path: str | os.PathLike, meta: dict[str, Any]) -> bytes:
     data = files.read_bytes(
         path, name, what=f"serialized function ({name!s:.100})", max_bytes=files.MAX_BLOB_BYTES
     )
+    return check_blob(data, meta)
+
+
+def check_blob(data: bytes, meta: dict[str, Any]) -> bytes:
+    """``data``, the blob as read, once it matches MLmodel's ``exported_sha256`` (required);
+    ``ArtifactError`` otherwise (what :func:`read_blob` raises)."""
+    name = blob_name(meta)
     expected = meta.get("exported_sha256")
     if not expected:
         raise ArtifactError(

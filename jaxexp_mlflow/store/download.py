@@ -288,6 +288,8 @@ class Download(NamedTuple):
     crc32c: dict[str, int]
     #: the private temporary directory this module made for it (None: the caller's dst_path)
     tmp: str | None = None
+    #: the bytes of its MLmodel as ``check_download`` read them (None: not read here)
+    mlmodel: bytes | None = None
 
 
 def download_model(
@@ -319,8 +321,9 @@ def download_model(
         with progress(known, f"Downloading {posixpath.basename(root) or model_uri}") as bar:
             tree = _Tree(repo, root, local_root, _keep(root, skip), bar)
             tree.run(listing)
+        raw = None
         if dst_path is None:  # ours: refused here, it is removed below, params included
-            check_download(local_root, tree.crc32c)
+            raw = check_download(local_root, tree.crc32c)
     except BaseException:
         if dst_path is None:  # our private directory: nothing of a refused model stays
             import shutil
@@ -330,36 +333,42 @@ def download_model(
     if outer is not repo and (local_root / "MLmodel").is_file():
         # as MLflow's download does: registered_model_meta up to MLflow 3.17, nothing since 3.18
         mlflow_private.add_registered_model_meta(outer, local_root)
-    return Download(str(local_root), True, tree.crc32c, None if dst_path else str(dst))
+    return Download(str(local_root), True, tree.crc32c, None if dst_path else str(dst), raw)
 
 
-def check_download(path: Path, crc32c: dict[str, int]) -> None:
+def check_download(path: Path, crc32c: dict[str, int]) -> bytes | None:
     """Check a private download before anything loads it (jax-free, cheap): a jaxexp model's
     params checkpoint against its manifest (file set, sizes, CRC-32C of the metadata files and
     of the files checksummed as they landed) and the manifest against ``MLmodel`` (written by
     the same save: ``params.manifest``'s binding). Other models, and what only JAX can judge,
-    are left to the loader. Raises ``ArtifactError``."""
+    are left to the loader. Raises ``ArtifactError``. Returns the bytes of ``MLmodel`` as it
+    read them (None without one): the load parses them instead of reading the file again."""
     from jaxexp_mlflow.codec import mlmodel
     from jaxexp_mlflow.codec.zarr import is_chunk_file
     from jaxexp_mlflow.params import manifest
 
     if not (path / "MLmodel").is_file():
-        return
-    conf = mlmodel.read_mlmodel(path).get("flavors", {})
+        return None
+    raw = mlmodel.read_mlmodel_bytes(path)
+    parsed = mlmodel.parse_mlmodel(raw)
+    conf = parsed.get("flavors", {})
     conf = conf.get("jaxexp") if isinstance(conf, dict) else None
     if not isinstance(conf, dict) or not isinstance(conf.get("params"), str):
-        return
+        return raw
     from jaxexp_mlflow.codec import files
 
     ckpt = files.resolve_inside(path, conf["params"], what="params checkpoint")
     if not ckpt.is_dir():
-        return  # the loader says what is missing
+        return raw  # the loader says what is missing
     prefix = ckpt.resolve().relative_to(path.resolve()).as_posix() + "/"
     landed = {k[len(prefix) :]: v for k, v in crc32c.items() if k.startswith(prefix)}
     found = manifest.verify_checkpoint(
-        ckpt, checksum=lambda rel: rel not in landed and not is_chunk_file(rel)
+        ckpt,
+        checksum=lambda rel: rel not in landed and not is_chunk_file(rel),
+        mlmodel=parsed if ckpt.parent.resolve() == path.resolve() else None,
     )
     found.same_save()
     for rel, value in landed.items():
         if rel in found.files:
             found.check(rel, value)
+    return raw
