@@ -350,12 +350,29 @@ def verify_checkpoint(
     return manifest
 
 
-def write_manifest(directory: str | os.PathLike) -> dict:
-    """Write the version-2 manifest of the checkpoint at ``directory``; return its content."""
+def write_manifest(
+    directory: str | os.PathLike,
+    known: Callable[[dict[str, int]], dict[str, tuple[int, int]]] | None = None,
+) -> dict:
+    """Write the version-2 manifest of the checkpoint at ``directory``; return its content.
+
+    ``known``: called with ``{relative path: size}`` of the files found, it returns
+    ``{relative path: (size, crc32c)}`` for files whose checksum is already known (computed from
+    the bytes in memory while they were written: ``params.memory_crc``); those files are not
+    read, the others are. A file whose size differs from the known one is read.
+    """
     path = Path(directory)
+    found = {
+        rel: st.st_size
+        for rel, st in files.walk_files(path, ".", what="params checkpoint")
+        if rel != MANIFEST_FILE
+    }
+    given = known(found) if known is not None else {}
     entries = {}
-    for rel, _ in files.walk_files(path, ".", what="params checkpoint"):
-        if rel == MANIFEST_FILE:
+    for rel in found:
+        size_crc = given.get(rel)
+        if size_crc is not None and size_crc[0] == found[rel]:
+            entries[rel] = {"size": size_crc[0], "crc32c": f"{size_crc[1]:08x}"}
             continue
         fd, size = files.open_regular(path / rel, what=f"params file {rel!r}", max_bytes=None)
         try:
