@@ -14,6 +14,9 @@ that process image). Goal: peak below two copies.
     python benchmarks/bench_params.py               # 1 GiB in 20 float32 arrays, 4 GiB memory
     python benchmarks/bench_params.py --quick       # 64 MiB, 256 MiB memory: seconds
     python benchmarks/bench_params.py --json out.json --size-gib 1 --mem-gib 4
+    python benchmarks/bench_params.py --only model --sizes 0.5,2 --rounds 4   # issue 39
+
+The load average (1 min) is printed each round and stored with the rows: this VM is shared.
 """
 
 from __future__ import annotations
@@ -436,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="64 MiB, 256 MiB memory test, 1 round")
     ap.add_argument("--size-gib", type=float, default=None, help="I/O size (default 1)")
+    ap.add_argument("--sizes", default=None, help="several I/O sizes, e.g. 0.5,2 (GiB)")
     ap.add_argument("--mem-gib", type=float, default=None, help="memory test size (default 4)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
     ap.add_argument("--no-zstd", action="store_true", help="skip the compression='zstd' rows")
@@ -455,14 +459,18 @@ def main(argv: list[str] | None = None) -> int:
     comps = [None] if a.no_zstd else [None, "zstd"]
     workdir = tempfile.mkdtemp(prefix="bench_params_", dir=a.dir or os.getcwd())
     parts = set(a.only or ("io", "model", "memory", "readback"))
+    sizes = [float(x) for x in a.sizes.split(",")] if a.sizes else [size]
     try:
         rows = bench_memory(mem, workdir) if "memory" in parts else []  # while this is small
-        if "io" in parts:
-            rows = bench_io(size, rounds, comps, workdir) + rows
-        if "model" in parts:
-            rows += bench_model(size, rounds, workdir)
-        if "readback" in parts:
-            rows += bench_read_back(size, rounds, workdir)
+        for size in sizes:
+            print(f"size {size:g} GiB, loadavg {os.getloadavg()}", flush=True)
+            if "io" in parts:
+                rows = bench_io(size, rounds, comps, workdir) + rows
+            if "model" in parts:
+                rows += bench_model(size, rounds, workdir)
+            if "readback" in parts:
+                rows += bench_read_back(size, rounds, workdir)
+            gc.collect()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_rows(rows)
