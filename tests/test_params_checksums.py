@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -126,3 +129,43 @@ def test_save_model_refuses_params_files_that_differ_from_the_params(tmp_path, m
     mlflow.jaxexp.save_model(jax.jit(_fn), target, params=params, input_example=np.ones(2))
     model = mlflow.jaxexp.load_model(str(target))
     np.testing.assert_array_equal(np.asarray(model.params["w"]), params["w"])
+
+
+def test_sharded_leaves_are_checksummed_from_their_files(tmp_path):
+    """A leaf spread over several devices is not one host buffer: its files are read for the
+    manifest, and the manifests from memory and from files agree (4 CPU devices)."""
+    code = textwrap.dedent(
+        f"""
+        import json, jax, numpy as np
+        from pathlib import Path
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
+        from jaxexp_mlflow import params as P
+        from jaxexp_mlflow.params.memory_crc import MemoryChecksums
+        assert jax.device_count() == 4
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        w = np.arange(64 * 6, dtype=np.float32).reshape(64, 6)
+        tree = {{"sharded": jax.device_put(w, NamedSharding(mesh, PS("x", None))),
+                 "one": jax.device_put(w[:8], jax.devices()[2])}}
+        root = {str(tmp_path)!r}
+        P.save_params(tree, root + "/memory", checksums="memory")
+        P.save_params(tree, root + "/files", checksums="files")
+        mem = json.load(open(root + "/memory/jaxexp_manifest.json"))["files"]
+        disk = json.load(open(root + "/files/jaxexp_manifest.json"))["files"]
+        data = [r for r in mem if r.startswith(("sharded/", "one/")) and "zarray" not in r]
+        assert data and all(mem[r] == disk[r] for r in data), (mem, disk)
+        listed = {{r: v["size"] for r, v in mem.items()}}
+        known = MemoryChecksums(tree).start().files(Path(root + "/memory"), listed)
+        assert set(known) == {{"one/0.0"}}, known
+        out = P.restore_params(root + "/memory", target=P.checkpoint_tree(root + "/memory"))
+        np.testing.assert_array_equal(np.asarray(out["sharded"]), w)
+        print("OK")
+        """
+    )
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "OK" in r.stdout
