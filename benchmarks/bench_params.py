@@ -14,6 +14,9 @@ that process image). Goal: peak below two copies.
     python benchmarks/bench_params.py               # 1 GiB in 20 float32 arrays, 4 GiB memory
     python benchmarks/bench_params.py --quick       # 64 MiB, 256 MiB memory: seconds
     python benchmarks/bench_params.py --json out.json --size-gib 1 --mem-gib 4
+    python benchmarks/bench_params.py --only model --sizes 0.5,2 --rounds 4   # issue 39
+
+The load average (1 min) is printed each round and stored with the rows: this VM is shared.
 """
 
 from __future__ import annotations
@@ -82,12 +85,20 @@ def raw_write(params: dict, directory: str) -> float:
 
 
 def raw_read(params: dict, directory: str) -> float:
+    """Raw ``readinto`` of every array file into new buffers, allocated as the restore
+    allocates its own (``codec.zarr.aligned_empty``: 64 bytes more than the array, aligned), so
+    that both sides get the same treatment from the C allocator: a plain ``np.empty`` of the
+    exact size was served from freed, already-touched heap memory while the restore's buffers,
+    64 bytes bigger, were fresh pages (this VM: ~1 s/GiB at first touch), a 2-3x difference
+    that was not the readers' own."""
     import jax
+
+    from jaxexp_mlflow.codec.zarr import aligned_empty
 
     t = time.perf_counter()
     bufs = []
     for i, a in enumerate(jax.tree.leaves(params)):
-        buf = np.empty(a.shape, a.dtype)
+        buf = aligned_empty(a.shape, a.dtype)
         with open(os.path.join(directory, f"{i}.bin"), "rb", buffering=0) as f:
             f.readinto(memoryview(buf).cast("B"))
         bufs.append(buf)
@@ -436,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="64 MiB, 256 MiB memory test, 1 round")
     ap.add_argument("--size-gib", type=float, default=None, help="I/O size (default 1)")
+    ap.add_argument("--sizes", default=None, help="several I/O sizes, e.g. 0.5,2 (GiB)")
     ap.add_argument("--mem-gib", type=float, default=None, help="memory test size (default 4)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
     ap.add_argument("--no-zstd", action="store_true", help="skip the compression='zstd' rows")
@@ -455,14 +467,18 @@ def main(argv: list[str] | None = None) -> int:
     comps = [None] if a.no_zstd else [None, "zstd"]
     workdir = tempfile.mkdtemp(prefix="bench_params_", dir=a.dir or os.getcwd())
     parts = set(a.only or ("io", "model", "memory", "readback"))
+    sizes = [float(x) for x in a.sizes.split(",")] if a.sizes else [size]
     try:
         rows = bench_memory(mem, workdir) if "memory" in parts else []  # while this is small
-        if "io" in parts:
-            rows = bench_io(size, rounds, comps, workdir) + rows
-        if "model" in parts:
-            rows += bench_model(size, rounds, workdir)
-        if "readback" in parts:
-            rows += bench_read_back(size, rounds, workdir)
+        for size in sizes:
+            print(f"size {size:g} GiB, loadavg {os.getloadavg()}", flush=True)
+            if "io" in parts:
+                rows = bench_io(size, rounds, comps, workdir) + rows
+            if "model" in parts:
+                rows += bench_model(size, rounds, workdir)
+            if "readback" in parts:
+                rows += bench_read_back(size, rounds, workdir)
+            gc.collect()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_rows(rows)

@@ -18,6 +18,7 @@ reports the peak RSS above the interpreter (VmHWM) against the params size (goal
     python benchmarks/bench_remote.py                     # 1 GiB, 3 rounds
     python benchmarks/bench_remote.py --quick             # 64 MiB, 1 round: seconds
     python benchmarks/bench_remote.py --scale 4,8 --rounds 1
+    python benchmarks/bench_remote.py --size-gib 2 --rounds 3      # issue 39, point 4
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def bench_transfer(size_gib: float, rounds: int, workdir: Path) -> list[dict]:
     for i, a in enumerate(jax.tree.leaves(params)):
         np.save(npy / f"{i:02d}.npy", np.asarray(a))
     times: dict[str, list[float]] = {k: [] for k in ("raw_log", "log", "raw_load", "load")}
+    loads: list[float] = []  # load average (1 min) after each round: the VM is shared
 
     def timed(key: str, fn, *args):
         t = time.perf_counter()
@@ -173,8 +175,11 @@ def bench_transfer(size_gib: float, rounds: int, workdir: Path) -> list[dict]:
                 # JAX frees host buffers it adopted without a copy (the mapped params) only at
                 # a cyclic collection: without it the next contender writes into fresh pages
                 gc.collect()
+        loads.append(os.getloadavg()[0])
         print(
-            f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+            f"round {r + 1}: "
+            + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items())
+            + f", loadavg {os.getloadavg()}",
             flush=True,
         )
     rows = []
@@ -193,6 +198,7 @@ def bench_transfer(size_gib: float, rounds: int, workdir: Path) -> list[dict]:
                 "samples_s": [round(x, 3) for x in ours],
                 "baseline_samples_s": [round(x, 3) for x in raw],
                 "best_ratio": round(min(raw) / min(ours), 3),
+                "loadavg_1min": [round(v, 2) for v in loads],
             }
         )
     return rows

@@ -131,6 +131,16 @@ def _portable_load(path: Path, conf: dict[str, Any], bind: Any = None) -> Any:
     return exported, params
 
 
+def _verify_params_files(path: Path, conf: dict[str, Any]) -> None:
+    """Every file of the model's checkpoint against its manifest (sizes, CRC-32C): the
+    manifest's array checksums were taken from the params in memory (``params.memory_crc``),
+    so this proves that the files hold the params given."""
+    from jaxexp_mlflow.params import verify_manifest
+
+    if isinstance(conf.get("params"), str):
+        verify_manifest(Path(path, conf["params"])).verify_files()
+
+
 def _assert_outputs_agree(got: list, want: list, what: str) -> None:
     """Compare flat output leaves: exact for integers/bools, within float rounding otherwise."""
     import jax.numpy as jnp
@@ -192,6 +202,8 @@ def read_back(
             model = save_route.load_for_readback(path, conf, bind)
             loaded_exp, restored = model.exported, model.params
             result.loaded_here = route == routes.BRIDGE
+            if route == routes.RECORDED_ENV or bind is not None:  # params not read there
+                _verify_params_files(path, conf)
         elif result.loaded_here:
             model = load_directory(path, conf, bind=bind, route=route)
             loaded_exp, restored = model.exported, model.params

@@ -198,8 +198,8 @@ def write_model_files(
 ) -> tuple[FlavorSection, Any, Any, Any]:
     """Write blob and params into ``path``.
 
-    ``durable=False`` (``log_model``'s staging directory, uploaded then deleted) skips the
-    params' final fsync pass.
+    ``durable`` is kept for the callers' sake: the params are never fsynced here, the model's
+    atomic directory (``store.atomic``) fsyncs every file at once when ``durable``.
 
     Returns the MLmodel ``jaxexp`` section (a ``store.section.FlavorSection``), the
     ``Exported`` (to infer the signature from), the params as stored (``{name: array}``;
@@ -259,7 +259,12 @@ def write_model_files(
                 for n, leaf in zip(names, jax.tree.leaves(given), strict=True)
             }
             kw = {} if compression == "default" else {"compression": compression}
-            params_conf = params_codec.save_params(arrays, target, durable=durable, **kw)
+            # durable=False: save_model's atomic directory fsyncs the whole model before its
+            # rename; checksums from memory: the read-back then reads every file against them
+            # (flavors.readback), proving the files hold the params given (docs/params.md)
+            params_conf = params_codec.save_params(
+                arrays, target, durable=False, checksums="memory", **kw
+            )
         if not names_conf["param_keys"]:
             del names_conf["param_keys"]
     artifact.write_blob(path, data)

@@ -6,6 +6,7 @@ The data path, one module a job:
   ``copy_checkpoint`` (an existing checkpoint, linked or copied as it is);
 * ``orbax_io``: every call into Orbax, public API only (handler, save, metadata, restore);
 * ``manifest``: every file with its size and CRC-32C, bound to the save that wrote it;
+* ``memory_crc``: the arrays' CRC-32C taken in memory while Orbax writes them (``save_model``);
 * ``layout``: item directory, ``_METADATA``, array directory names;
 * ``tree``: leaf checks and tree comparisons with a target;
 * ``restore``: ``restore_params`` (``codec.zarr`` reads plain arrays, Orbax the rest),

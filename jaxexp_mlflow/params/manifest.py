@@ -119,19 +119,46 @@ class Manifest:
         that the checkpoint belongs to the MLmodel beside it)."""
         if names is None:
             self.same_save()
+        todo = []
         for rel in sorted(self.files) if names is None else names:
             if rel in self.verified:
                 continue
-            size, want = self.files[rel]
-            if want is None:
+            if self.files[rel][1] is None:
                 self.verified.add(rel)
                 continue
-            path = files.resolve_inside(self.directory, rel, what=f"params file {rel!r}")
-            fd, found = files.open_regular(path, what=f"params file {rel!r}", max_bytes=size)
-            try:
-                self._check(rel, file_crc32c(fd, found))
-            finally:
-                os.close(fd)
+            todo.append(rel)
+        for rel, value in zip(todo, _checksums(self.directory, todo, self.files), strict=True):
+            self._check(rel, value)
+
+
+#: Bytes to checksum before :meth:`Manifest.verify_files` spreads the files over two threads.
+_SPREAD_BYTES = 64 << 20
+
+
+def _file_value(directory: Path, rel: str, size: int) -> int:
+    path = files.resolve_inside(directory, rel, what=f"params file {rel!r}")
+    fd, found = files.open_regular(path, what=f"params file {rel!r}", max_bytes=size)
+    try:
+        return file_crc32c(fd, found)
+    finally:
+        os.close(fd)
+
+
+def _checksums(
+    directory: Path, todo: list[str], listed: dict[str, tuple[int, int | None]]
+) -> list[int]:
+    """The CRC-32C of each file of ``todo``, in order: on two threads when the CRC runs without
+    the GIL (``internals.crc32c_private``) and there is enough to share (both cores), else on
+    this one."""
+    from jaxexp_mlflow.internals.crc32c_private import releases_gil
+
+    sizes = [listed[rel][0] for rel in todo]
+    if len(todo) < 2 or sum(sizes) < _SPREAD_BYTES or not releases_gil():
+        return [_file_value(directory, rel, size) for rel, size in zip(todo, sizes, strict=True)]
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2, "jaxexp-verify") as pool:
+        return list(pool.map(_file_value, [directory] * len(todo), todo, sizes))
 
 
 def _entry(rel: object, value: object, where: Path) -> tuple[str, tuple[int, int | None]]:
@@ -358,12 +385,29 @@ def verify_checkpoint(
     return manifest
 
 
-def write_manifest(directory: str | os.PathLike) -> dict:
-    """Write the version-2 manifest of the checkpoint at ``directory``; return its content."""
+def write_manifest(
+    directory: str | os.PathLike,
+    known: Callable[[dict[str, int]], dict[str, tuple[int, int]]] | None = None,
+) -> dict:
+    """Write the version-2 manifest of the checkpoint at ``directory``; return its content.
+
+    ``known``: called with ``{relative path: size}`` of the files found, it returns
+    ``{relative path: (size, crc32c)}`` for files whose checksum is already known (computed from
+    the bytes in memory while they were written: ``params.memory_crc``); those files are not
+    read, the others are. A file whose size differs from the known one is read.
+    """
     path = Path(directory)
+    found = {
+        rel: st.st_size
+        for rel, st in files.walk_files(path, ".", what="params checkpoint")
+        if rel != MANIFEST_FILE
+    }
+    given = known(found) if known is not None else {}
     entries = {}
-    for rel, _ in files.walk_files(path, ".", what="params checkpoint"):
-        if rel == MANIFEST_FILE:
+    for rel in found:
+        size_crc = given.get(rel)
+        if size_crc is not None and size_crc[0] == found[rel]:
+            entries[rel] = {"size": size_crc[0], "crc32c": f"{size_crc[1]:08x}"}
             continue
         fd, size = files.open_regular(path / rel, what=f"params file {rel!r}", max_bytes=None)
         try:

@@ -51,6 +51,7 @@ def save_params(
     *,
     compression: str | None = DEFAULT_COMPRESSION,
     durable: bool = True,
+    checksums: str = "files",
 ) -> dict:
     """Write the params pytree as an Orbax PyTree checkpoint at ``directory`` (must not exist).
 
@@ -58,7 +59,14 @@ def save_params(
     containers dicts, lists, tuples, None, Flax ``FrozenDict`` or ``nnx.State``. Orbax writes
     each array from its own buffer: no second copy of the tree is made. Returns the JSON-able
     description stored in MLmodel (see :func:`describe_checkpoint`). ``durable=False`` skips
-    the final fsync pass: for a staging directory that is uploaded and deleted (``log_model``).
+    the final fsync pass: for a staging directory that is uploaded and deleted (``log_model``),
+    or one its caller fsyncs whole (``save_model``'s atomic directory).
+
+    ``checksums`` says where the manifest's CRC-32C of the array files come from: ``"files"``
+    (default) reads every file back once written; ``"memory"`` checksums the arrays in memory
+    on a helper thread while Orbax writes them (``params.memory_crc``), with no read of the
+    files: the caller must then check the files against the manifest, as ``save_model``'s
+    read-back does (a file that differs from the params given is refused there).
     """
     import jax
 
@@ -67,9 +75,19 @@ def save_params(
     from jaxexp_mlflow.params.tree import as_array_leaf
 
     compression = _check_compression(compression)
+    if checksums not in ("files", "memory"):
+        raise ValueError(
+            f"checksums={checksums!r} is not supported: expected 'files' (read the files back) "
+            "or 'memory' (checksum the arrays while they are written; the caller verifies)."
+        )
     path = Path(directory)
     _new_dir(path)
     params = jax.tree_util.tree_map_with_path(as_array_leaf, params)
+    crcs = None
+    if checksums == "memory" and compression is None:
+        from jaxexp_mlflow.params.memory_crc import MemoryChecksums
+
+        crcs = MemoryChecksums(params).start()  # beside TensorStore's writing threads
     try:
         orbax_io.save(params, path, use_compression=compression is not None)
     except Exception as e:
@@ -77,25 +95,51 @@ def save_params(
             nbytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
             raise files.disk_full(path, nbytes, e) from None
         raise
-    manifest.write_manifest(path)
+    finally:
+        if crcs is not None:
+            crcs.join()
+    manifest.write_manifest(path, None if crcs is None else lambda found: crcs.files(path, found))
     if durable:
         fsync_tree(path)
     return describe_checkpoint(path)
 
 
+#: Threads that fsync a tree's files at once (env ``JAXEXP_FSYNC_THREADS``).
+FSYNC_THREADS = 8
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_tree(path: Path) -> None:
     """fsync every file and directory under ``path``: durable like a raw write + fsync.
 
-    TensorStore already syncs what it writes, so this costs only the system calls; it makes the
-    guarantee independent of the storage backend's settings.
+    TensorStore does not sync what it writes, so this flushes the params themselves. The fsyncs
+    run on a few threads at once (``FSYNC_THREADS``): the file system then commits them
+    together (one journal commit and device flush for many files instead of one each), 2-3x
+    faster for a checkpoint's ~3 files an array, ~20x for files already clean (measured on
+    ext4 on this VM, docs/params.md). It returns once every one has succeeded; the first error
+    is raised.
     """
+    import concurrent.futures
+
+    targets = []
     for dirpath, _, names in os.walk(path):
-        for name in [*names, "."]:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        targets += [os.path.join(dirpath, name) for name in names]
+        targets.append(dirpath)
+    workers = max(1, min(int(os.environ.get("JAXEXP_FSYNC_THREADS", FSYNC_THREADS)), len(targets)))
+    if workers == 1:
+        for target in targets:
+            _fsync(target)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, "jaxexp-fsync") as pool:
+        for _ in pool.map(_fsync, targets):
+            pass
 
 
 def describe_checkpoint(directory: str | os.PathLike) -> dict:
