@@ -7,7 +7,7 @@ KV-cached greedy decode loop (``lax.fori_loop``) in one jitted function, ``sampl
 a PRNG key (its ``uint32[2]`` key data) and a temperature. Every size is read from the params'
 shapes, so ``jax.jit(generate)`` is all there is to export:
 
-    python examples/llm.py [--size tiny|1b]      # uses ./mlruns.db and ./mlartifacts
+    python examples/llm.py [--size tiny|1b]      # uses ./mlruns.db and ./mlruns
 
 Imported by tests/test_llm.py (``tiny``) and benchmarks/bench_llm.py (``1b``).
 """
