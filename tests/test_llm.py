@@ -174,3 +174,26 @@ def test_mlflow_models_serve_answers_a_prompt(logged):
         assert np.array_equal(np.asarray(one.json()["predictions"]), want[:1])
     finally:
         stop_server(proc)
+
+
+def test_a_typed_key_input_is_refused_with_what_to_pass_instead(tmp_path):
+    """A key array (``key<fry>[b]``) exports but no door can carry it: a typed error at save
+    naming ``key_data``, and nothing left at the path."""
+    from jaxexp_mlflow.errors import UnsupportedModelError
+
+    cfg = llm.CONFIGS["tiny"]
+    params = llm.init_params(cfg, jax.random.key(0))
+
+    def sample_keys(params, prompt_ids, keys):
+        return llm.sample(params, prompt_ids, jax.random.key_data(keys), max_new_tokens=2)
+
+    keys = jax.random.split(jax.random.key(1), 2)
+    with pytest.raises(UnsupportedModelError, match="key_data") as err:
+        mlflow.jaxexp.save_model(
+            jax.jit(sample_keys),
+            tmp_path / "m",
+            params=params,
+            input_example=(llm.prompt(cfg), keys),
+        )
+    assert "'keys' is a key<fry> array" in str(err.value)
+    assert not (tmp_path / "m").exists()
