@@ -139,6 +139,7 @@ def test_a_server_compiles_one_bucket_of_a_loop_ahead_and_none_by_running_it(log
 
     model = mlflow.jaxexp.load_model(logged["greedy"])
     assert buckets.has_loop(model.exported)
+    assert not buckets.has_loop(jax.export.export(jax.jit(lambda x: x * 2))(np.ones(3)))
     plain = mlflow.pyfunc.load_model(logged["greedy_uri"])._model_impl
     impl = JaxExpPyfunc(
         model,
