@@ -34,6 +34,7 @@ SUITE = [
     ("remote", "bench_remote.py"),  # a real mlflow server; 1 GiB each way, a few minutes
     ("spark", "bench_spark.py"),  # needs the spark extra and Java; minutes
     ("mlserver", "bench_mlserver.py"),  # needs .venv-mlserver (scripts/mlserver_env.sh)
+    ("llm", "bench_llm.py"),  # examples/llm.py's 1b config: ~15 minutes on 2 cores
 ]
 
 

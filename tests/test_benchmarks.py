@@ -55,7 +55,7 @@ def test_quick_benchmarks_run(tmp_path):
 def test_quick_serving_benchmarks_run(tmp_path):
     import importlib.util
 
-    suites = ("pyfunc", "rest", "cold_start", "iree", "remote")
+    suites = ("pyfunc", "rest", "cold_start", "iree", "remote", "llm")
     names = [
         n
         for n in suites

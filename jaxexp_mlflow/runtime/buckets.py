@@ -6,8 +6,9 @@ smallest bucket ``>= n`` (by repeating its last row, so padding never introduces
 and the outputs are sliced back to ``n`` rows; a batch larger than the largest bucket runs in
 chunks of that size. A bucket compiles on its first use (through the persistent compilation
 cache, ``runtime/cache.py``), so a process compiles only the sizes its batches need; inside a
-scoring server every bucket is compiled by a background thread started at load (``precompile``),
-smallest first, so the server is up after one load and later requests run compiled code.
+scoring server every bucket is compiled (not run) by a background thread started at load
+(``precompile``), smallest first, so the server is up after one load and later requests run
+compiled code; for a model that loops (a generate function) only the first bucket is.
 
 Bucketing applies only when every input and every output has the same symbolic leading
 dimension (and it appears nowhere else) and the model's rows were proven independent at save
@@ -128,6 +129,21 @@ def resolve(
     else:
         precompile = tuple(s for s in _parse_sizes(pre, max_batch) if not sizes or s in sizes)
     return BucketPolicy(sizes, precompile)
+
+
+def has_loop(exported: Any) -> bool:
+    """Whether the exported module has a ``stablehlo.while`` (a decode loop, a scan), read from
+    its bytecode's op names (``codec.mlir_bytecode``; the module is never printed). A
+    server compiles only the first bucket of such a model ahead: each may take seconds to
+    minutes to compile (a 100M-parameter generate took 628 s for all eleven, issue 39) and
+    most are never asked for; the others compile on first use."""
+    from jaxexp_mlflow.codec.mlir_bytecode import scan_module
+
+    try:  # the op names of the bytecode's dialect section: no text of the module printed
+        ops = scan_module(bytes(exported.mlir_module_serialized)).vhlo_ops
+    except Exception:  # noqa: BLE001 - no module to read: treated as loop-free
+        return False
+    return ops is not None and any(op.startswith("while") for op in ops)
 
 
 def batch_symbol(in_symbols: Sequence[tuple], out_symbols: Sequence[tuple]) -> str | None:

@@ -325,6 +325,7 @@ class Executables:
         self._store = store
         self._renew = renew
         self._lock = threading.Lock()
+        self._key_locks: dict[tuple, threading.Lock] = {}
         self._base: str | None = None
         self.compiles = 0
         self.loaded = 0
@@ -345,7 +346,11 @@ class Executables:
 
     def _keep(self, key: tuple, exe: Any) -> None:
         """Keep ``exe`` for ``key``, evicting the least recently used past ``capacity``
-        (called under the lock)."""
+        (under the lock: another shape may be kept meanwhile)."""
+        with self._lock:
+            self._keep_locked(key, exe)
+
+    def _keep_locked(self, key: tuple, exe: Any) -> None:
         self._by_shape[key] = exe
         evicted = False
         while len(self._by_shape) > self.capacity:
@@ -374,11 +379,45 @@ class Executables:
         key = (leaves[0].shape, leaves[0].dtype) if len(leaves) == 1 else _shapes(leaves)
         exe = self._get(key)
         if exe is None:
-            with self._lock:
+            with self._key_lock(key):  # one shape's compile never waits on another's
                 exe = self._get(key)
                 if exe is None:
                     return self._first_call(key, leaves)
         return exe(params, *leaves)
+
+    def _key_lock(self, key: tuple) -> threading.Lock:
+        with self._lock:
+            lock = self._key_locks.get(key)
+            if lock is None:
+                lock = self._key_locks[key] = threading.Lock()
+            return lock
+
+    def prepare(self, params: Any, *leaves: Any) -> None:
+        """Load (else compile) the executable for these shapes without calling it: a server's
+        precompile. Running it there would cost a whole call per bucket (for a generate loop at
+        batch 1024, minutes of both cores); its first real call proves and stores it instead."""
+        if params is not self._params or any(type(x) is not np.ndarray for x in leaves):
+            return
+        import jax
+
+        key = (leaves[0].shape, leaves[0].dtype) if len(leaves) == 1 else _shapes(leaves)
+        with self._key_lock(key):
+            if self._get(key) is not None:
+                return
+            args = (params, *leaves)
+            exe = None
+            if self._store:
+                out_tree = jax.tree.structure([0] * self._n_out)
+                exe = read_executable(
+                    self._digest(_shapes(leaves)), jax.tree.structure((args, {})), out_tree
+                )
+            stored = exe is not None
+            if stored:
+                self.loaded += 1
+            else:
+                exe = self._jit.lower(*args).compile()
+                self.compiles += 1
+            self._keep(key, _Prepared(self, key, exe, stored))
 
     def executable(self, x: np.ndarray) -> Any:
         """The executable a call with the bound params and the one array ``x`` runs, once
@@ -398,8 +437,9 @@ class Executables:
         """``jitted.lower``."""
         return self._jit.lower(*args, **kwargs)
 
-    def _first_call(self, key: tuple, leaves: tuple) -> Any:
-        """Load (else compile, then store) the executable for ``key`` and make its first call.
+    def _first_call(self, key: tuple, leaves: tuple, prepared: _Prepared | None = None) -> Any:
+        """Load (else compile, then store) the executable for ``key`` and make its first call
+        (``prepared``: the one :meth:`prepare` loaded or compiled).
 
         A stored executable that fails when called (an entry written by an earlier release, a
         JAX that cannot run it) is removed and compiled again; arguments an executable does not
@@ -409,9 +449,12 @@ class Executables:
 
         digest = self._digest(_shapes(leaves))
         args = (self._params, *leaves)
-        in_tree = jax.tree.structure((args, {}))
-        out_tree = jax.tree.structure([0] * self._n_out)
-        exe = read_executable(digest, in_tree, out_tree) if self._store else None
+        if prepared is not None:
+            exe = prepared.exe if prepared.stored else None
+        else:
+            in_tree = jax.tree.structure((args, {}))
+            out_tree = jax.tree.structure([0] * self._n_out)
+            exe = read_executable(digest, in_tree, out_tree) if self._store else None
         if exe is not None:
             try:
                 outs = jax.block_until_ready(exe(*args))
@@ -425,11 +468,14 @@ class Executables:
                 )
                 remove_executable(digest)
             else:
-                self.loaded += 1
+                self.loaded += prepared is None
                 self._keep(key, exe)
                 return outs
-        exe = self._jit.lower(*args).compile()
-        self.compiles += 1
+        if prepared is not None and not prepared.stored:
+            exe = prepared.exe
+        else:
+            exe = self._jit.lower(*args).compile()
+            self.compiles += 1
         try:
             outs = exe(*args)
         except TypeError:
@@ -452,6 +498,19 @@ class Executables:
             self._base = json.dumps(base, sort_keys=True, default=str)
         args = [[list(shape), str(dtype)] for shape, dtype in shapes]
         return hashlib.sha256((self._base + json.dumps(args)).encode()).hexdigest()
+
+
+class _Prepared:
+    """An executable :meth:`Executables.prepare` loaded or compiled and nobody called yet: its
+    first call goes through ``_first_call`` (checked, stored), which keeps the bare one."""
+
+    __slots__ = ("owner", "key", "exe", "stored")
+
+    def __init__(self, owner: Executables, key: tuple, exe: Any, stored: bool) -> None:
+        self.owner, self.key, self.exe, self.stored = owner, key, exe, stored
+
+    def __call__(self, params: Any, *leaves: Any) -> Any:
+        return self.owner._first_call(self.key, leaves, prepared=self)
 
 
 def _shapes(leaves: tuple) -> tuple:

@@ -157,9 +157,17 @@ class JaxExpPyfunc:
         self._precompiling: threading.Thread | None = None
         if self._bucketed and self.policy.precompile and self._only_batch_symbolic():
             if self.policy.background:  # a server's default: up now, buckets compile meanwhile
+                sizes = self.policy.precompile
+                if buckets_mod.has_loop(model.exported):  # a generate loop: see has_loop
+                    sizes = sizes[:1]
+                    _logger.info(
+                        "jaxexp: the model loops (stablehlo.while): only batch bucket %s is "
+                        "compiled ahead, the others on first use (precompile= to choose)",
+                        sizes[0],
+                    )
                 self._precompiling = threading.Thread(
                     target=self._precompile_in_background,
-                    args=(self.policy.precompile,),
+                    args=(sizes,),
                     name="jaxexp-precompile",
                     daemon=True,
                 )
@@ -286,9 +294,14 @@ class JaxExpPyfunc:
         return jax.tree.leaves(self.model(*args, **kwargs))
 
     def precompile(self, sizes: Any) -> None:
-        """Compile the model for each batch size in ``sizes`` now (not on a request)."""
+        """Compile the model for each batch size in ``sizes`` now (not on a request), without
+        running it where the call goes through our executables (``prepare``)."""
+        prepare = getattr(self._flat, "prepare", None)
         for size in sizes:
             leaves = [np.zeros((size, *s.shape[1:]), s.dtype) for s in self.inputs]
+            if prepare is not None:
+                prepare(self.model.params, *leaves)
+                continue
             for out in self._call(leaves):
                 out.block_until_ready()
 

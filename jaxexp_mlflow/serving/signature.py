@@ -178,7 +178,16 @@ def leaf_specs(
         specs = []
         for name, aval in zip(names, avals, strict=True):
             shape, syms = _symbols(aval)
-            dt = np.dtype(aval.dtype)
+            try:
+                dt = np.dtype(aval.dtype)
+            except TypeError:  # a typed PRNG key array (key<fry>), or another extended dtype
+                raise UnsupportedModelError(
+                    f"{name!r} is a {aval.dtype} array: an input or output of a saved model is "
+                    "an array of a numpy dtype, which MLflow, pyfunc and REST can carry. For a "
+                    "PRNG key, take its data instead (jax.random.key_data(keys): uint32[..., 2] "
+                    "for threefry) and call jax.random.wrap_key_data(data) inside the function "
+                    "(docs/llm.md)."
+                ) from None
             specs.append(LeafSpec(name, dt, wire_dtype(dt), shape, syms))
         return specs
 
