@@ -85,20 +85,12 @@ def raw_write(params: dict, directory: str) -> float:
 
 
 def raw_read(params: dict, directory: str) -> float:
-    """Raw ``readinto`` of every array file into new buffers, allocated as the restore
-    allocates its own (``codec.zarr.aligned_empty``: 64 bytes more than the array, aligned), so
-    that both sides get the same treatment from the C allocator: a plain ``np.empty`` of the
-    exact size was served from freed, already-touched heap memory while the restore's buffers,
-    64 bytes bigger, were fresh pages (this VM: ~1 s/GiB at first touch), a 2-3x difference
-    that was not the readers' own."""
     import jax
-
-    from jaxexp_mlflow.codec.zarr import aligned_empty
 
     t = time.perf_counter()
     bufs = []
     for i, a in enumerate(jax.tree.leaves(params)):
-        buf = aligned_empty(a.shape, a.dtype)
+        buf = np.empty(a.shape, a.dtype)
         with open(os.path.join(directory, f"{i}.bin"), "rb", buffering=0) as f:
             f.readinto(memoryview(buf).cast("B"))
         bufs.append(buf)

@@ -15,19 +15,16 @@ _BLOCK = 8 << 20  # file streaming block: stays in the CPU caches
 
 
 def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    """CRC-32C of ``data`` continuing from ``value`` (without the GIL where
-    ``internals.crc32c_private`` finds google-crc32c's bundled library: helper threads then
-    checksum beside the main thread)."""
+    """CRC-32C of ``data`` continuing from ``value``."""
+    import google_crc32c
     import numpy as np
-
-    from jaxexp_mlflow.internals.crc32c_private import extend
 
     view = memoryview(data)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     if not view.nbytes:
         return value
-    return extend(value, np.frombuffer(view, np.uint8))
+    return int(google_crc32c.extend(value, np.frombuffer(view, np.uint8)))
 
 
 def file_crc32c(fd: int, size: int, offset: int = 0, value: int = 0) -> int:

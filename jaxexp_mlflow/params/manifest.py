@@ -119,46 +119,19 @@ class Manifest:
         that the checkpoint belongs to the MLmodel beside it)."""
         if names is None:
             self.same_save()
-        todo = []
         for rel in sorted(self.files) if names is None else names:
             if rel in self.verified:
                 continue
-            if self.files[rel][1] is None:
+            size, want = self.files[rel]
+            if want is None:
                 self.verified.add(rel)
                 continue
-            todo.append(rel)
-        for rel, value in zip(todo, _checksums(self.directory, todo, self.files), strict=True):
-            self._check(rel, value)
-
-
-#: Bytes to checksum before :meth:`Manifest.verify_files` spreads the files over two threads.
-_SPREAD_BYTES = 64 << 20
-
-
-def _file_value(directory: Path, rel: str, size: int) -> int:
-    path = files.resolve_inside(directory, rel, what=f"params file {rel!r}")
-    fd, found = files.open_regular(path, what=f"params file {rel!r}", max_bytes=size)
-    try:
-        return file_crc32c(fd, found)
-    finally:
-        os.close(fd)
-
-
-def _checksums(
-    directory: Path, todo: list[str], listed: dict[str, tuple[int, int | None]]
-) -> list[int]:
-    """The CRC-32C of each file of ``todo``, in order: on two threads when the CRC runs without
-    the GIL (``internals.crc32c_private``) and there is enough to share (both cores), else on
-    this one."""
-    from jaxexp_mlflow.internals.crc32c_private import releases_gil
-
-    sizes = [listed[rel][0] for rel in todo]
-    if len(todo) < 2 or sum(sizes) < _SPREAD_BYTES or not releases_gil():
-        return [_file_value(directory, rel, size) for rel, size in zip(todo, sizes, strict=True)]
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(2, "jaxexp-verify") as pool:
-        return list(pool.map(_file_value, [directory] * len(todo), todo, sizes))
+            path = files.resolve_inside(self.directory, rel, what=f"params file {rel!r}")
+            fd, found = files.open_regular(path, what=f"params file {rel!r}", max_bytes=size)
+            try:
+                self._check(rel, file_crc32c(fd, found))
+            finally:
+                os.close(fd)
 
 
 def _entry(rel: object, value: object, where: Path) -> tuple[str, tuple[int, int | None]]:
