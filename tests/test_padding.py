@@ -206,6 +206,23 @@ def test_proof_on_plain_functions():
     assert rows.filler(np.arange(3), 4, "reversed").tolist() == [2, 1, 0, 2]
 
 
+def test_proof_reuses_the_reference_run():
+    """Given the unpadded outputs (the save's reference run), the proof runs only the padded
+    batches, and judges against what it was given."""
+    x = batch(4)
+    seen = []
+
+    def call(ls):
+        seen.append(ls[0].shape[0])
+        return [np.asarray(jnp.tanh(ls[0]))]
+
+    exact = [np.asarray(jnp.tanh(x))]
+    assert rows.prove(call, [x], source="t", exact=exact)["rows_independent"] is True
+    assert seen == [4 + rows.fill_count(4)] * len(rows.FILLERS)  # no unpadded run
+    wrong = rows.prove(call, [x], source="t", exact=[exact[0] + 1.0])
+    assert wrong["rows_independent"] is False and "changes" in wrong["proof"]
+
+
 # -- a scoring server compiles its buckets in the background --------------------------------------
 
 
