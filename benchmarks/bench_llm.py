@@ -221,7 +221,9 @@ def main() -> int:
         want = np.asarray(fn(params, ids))  # its first call: compile + run
         peaks["raw_call"] = [rss("VmHWM:") - before]
         got = np.asarray(model(ids))
-        assert np.array_equal(got, want), "the loaded model's tokens differ from the raw call's"
+        # exact on CPU; on an accelerator another compile may pick other kernels (TF32, autotuned
+        # GEMMs): the share of equal tokens is reported rather than asserted
+        agree = {"in_process": float(np.mean(got == want))}
         t = time.perf_counter()
         jax.block_until_ready(fn(params, ids))
         reps = max(1, min(50, int(0.5 / (time.perf_counter() - t))))  # >= 0.5 s a sample
@@ -249,7 +251,7 @@ def main() -> int:
         for _ in range(rounds):
             for mode in ("raw", "flavor"):
                 out = child(mode, fresh, args.new_tokens)
-                assert out["tokens"] == want.tolist(), f"{mode}: other tokens"
+                agree[f"fresh_{mode}"] = float(np.mean(np.asarray(out["tokens"]) == want))
                 rec(f"fresh_{mode}", out["total"])
                 rec(f"fresh_{mode}_load", out["load"])
                 load_peaks[mode].append(out["load_peak"])
@@ -319,9 +321,20 @@ def main() -> int:
         ),
     ]
     print_rows(rows)
+    print(
+        f"backend {jax.default_backend()} {jax.devices()[0].device_kind}; tokens equal to the "
+        f"raw call's: {agree}"
+    )
     print(f"load average {load_average()} at the end")
     if args.json:
-        write_json(args.json, "bench_llm", rows, load_average=load_average())
+        write_json(
+            args.json,
+            "bench_llm",
+            rows,
+            load_average=load_average(),
+            device=jax.devices()[0].device_kind,
+            tokens_equal=agree,
+        )
     return 0
 
 

@@ -11,6 +11,8 @@
 #                        its jax included), then runs the suite with the checkout on PYTHONPATH
 #                        and XLA_PYTHON_CLIENT_PREALLOCATE=false
 #                        bash scripts/gpu_suite.sh bench [bench_gpu.py args...]: the benchmark
+#                        bash scripts/gpu_suite.sh llm [bench_llm.py args...]: the 1b LLM's
+#                        figures (issue 39) on this accelerator
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -69,5 +71,11 @@ case "${1:-run}" in
     setup_env
     "$PY" benchmarks/bench_gpu.py "$@"
     ;;
-  *) echo "usage: $0 fetch [PYTHON_VERSION] | run [pytest args] | bench [args]" >&2; exit 2 ;;
+  llm)
+    shift || true
+    setup_env
+    "$PY" benchmarks/bench_llm.py "$@"
+    ;;
+  *) echo "usage: $0 fetch [PYTHON_VERSION] | run [pytest args] | bench [args] | llm [args]" >&2
+     exit 2 ;;
 esac

@@ -309,3 +309,37 @@ def test_corpus_checks_and_runs_on_this_host():
         ran += 1
     print(f"GPU-FIGURE corpus jax-0.10.2 on {HERE} host: {ran}/{len(cases)} ran and reproduced")
     assert ran >= len(cases) - 1
+
+
+def test_llm_generates_here_as_the_raw_jitted_call(tmp_path):
+    """Issue 39 on the accelerator: examples/llm.py's tiny bf16 decoder (prefill and a KV-cached
+    ``fori_loop`` in one function), saved here, loaded with its params in this accelerator's
+    memory, generating the raw ``jax.jit(generate)``'s tokens through ``load_model`` and pyfunc;
+    ``jaxexp verify`` in a fresh process reproduces the stored reference."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llm_example_gpu", REPO / "examples" / "llm.py")
+    llm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = llm  # dataclasses look their module up
+    spec.loader.exec_module(llm)
+    cfg = llm.CONFIGS["tiny"]
+    params = llm.init_params(cfg, jax.random.key(0))
+    ids = llm.prompt(cfg, batch=2)
+    fn = jax.jit(llm.generate)
+    path = tmp_path / "llm"
+    mlflow.jaxexp.save_model(fn, path, params=params, input_example=ids)
+    model = mlflow.jaxexp.load_model(str(path))
+    assert {_platform_of(leaf) for leaf in jax.tree.leaves(model.params)} == {HERE}
+    assert model.metadata["reference"]["platform"] == HERE
+    x = llm.prompt(cfg, batch=3, seed=3)
+    got = model(x)
+    assert _platform_of(got) == HERE
+    want = np.asarray(fn(params, x))
+    same = float(np.mean(np.asarray(got) == want))
+    print(f"GPU-FIGURE tiny LLM on {HERE}: load_model tokens equal to raw jax.jit: {same:.3f}")
+    assert same == 1.0
+    pyf = mlflow.pyfunc.load_model(str(path))
+    assert np.array_equal(np.asarray(pyf.predict(x)), want)
+    proc = _cli("verify", str(path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Reproduced: all 1 output(s) match." in proc.stdout
