@@ -53,7 +53,7 @@ def rss(field):
 import numpy as np
 import jax
 if mode == "flavor":
-    import jaxexp_mlflow, mlflow  # noqa: F401
+    import mlflow, jaxexp_mlflow  # noqa: F401  (mlflow first: a PYTHONPATH-only package)
 else:
     import orbax.checkpoint as ocp
 ids = np.load(os.path.join(path, "prompt.npy"))
