@@ -95,3 +95,23 @@ def test_recorded_env_errors_are_typed(tmp_path):
         run_recorded(tmp_path, "conda")
     with pytest.raises(RecordedEnvError, match="Could not build the model's recorded environment"):
         run_recorded(tmp_path / "missing", "uv")
+
+
+def test_a_child_without_a_result_is_a_typed_refusal_quoting_its_stderr(tmp_path):
+    """Both routes into another environment (the recorded one, a jax bridge) read the child's
+    result.json the same way: present, it is the result; absent, the refusal says the exit code
+    and the end of the child's stderr."""
+    import subprocess
+    import sys
+
+    from jaxexp_mlflow.archive.recorded_env import RecordedEnvError, read_child_result
+
+    code = "import sys; sys.stderr.write('x' * 5000 + ' the child broke here'); sys.exit(3)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    with pytest.raises(RecordedEnvError) as err:
+        read_child_result(tmp_path, proc, who="The runner", advice=" Do this.")
+    message = str(err.value)
+    assert "exited with code 3" in message and message.endswith("Expected result.json. Do this.")
+    assert "the child broke here" in message and len(message) < 1000
+    (tmp_path / "result.json").write_text('{"python": "3.11"}')
+    assert read_child_result(tmp_path, proc, who="The runner") == {"python": "3.11"}

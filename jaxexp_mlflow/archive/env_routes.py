@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxexp_mlflow.archive import jax_envs
-from jaxexp_mlflow.archive.recorded_env import RUNNER, RecordedEnvError
+from jaxexp_mlflow.archive.recorded_env import RUNNER, RecordedEnvError, read_child_result
 
 #: How long a child may run (environment already built): compile + run of a model.
 TIMEOUT = 900
@@ -61,15 +61,12 @@ def _invoke(
             f"jax {jax_version} did not finish ({mode}) within {TIMEOUT} s; expected a result "
             "from the child process. Run it again with --debug to see where it stops."
         ) from err
-    result_file = out / "result.json"
-    if not result_file.is_file():
-        tail = " ".join((proc.stderr or "").split())[-800:]
-        raise RecordedEnvError(
-            f"The jax {jax_version} child ({mode}) exited with code {proc.returncode} without a "
-            f"result: {tail or 'no output'}. Expected result.json; rebuild its environment by "
-            f"deleting {jax_envs.env_path(jax_version)}."
-        )
-    result = json.loads(result_file.read_text())
+    result = read_child_result(
+        out,
+        proc,
+        who=f"The jax {jax_version} child ({mode})",
+        advice=f" Rebuild its environment by deleting {jax_envs.env_path(jax_version)}.",
+    )
     if result.get("error"):
         raise RecordedEnvError(
             f"jax {result.get('jax_version', jax_version)} (python {result.get('python')}) could "

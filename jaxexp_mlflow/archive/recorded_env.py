@@ -47,6 +47,26 @@ class RecordedEnvError(JaxExpError):
     """The recorded environment could not be built, or the model did not run in it."""
 
 
+def read_child_result(
+    outputs: Path,
+    proc: subprocess.CompletedProcess,
+    *,
+    who: str,
+    where: str = "",
+    advice: str = "",
+) -> dict[str, Any]:
+    """The ``result.json`` a child process (the runner) wrote into ``outputs``; a typed refusal
+    quoting the tail of its stderr when it wrote none."""
+    result_file = outputs / "result.json"
+    if not result_file.is_file():
+        tail = " ".join((proc.stderr or "").split())[-800:]
+        raise RecordedEnvError(
+            f"{who} exited with code {proc.returncode}{where} without a result: "
+            f"{tail or 'no output'}. Expected result.json.{advice}"
+        )
+    return json.loads(result_file.read_text())
+
+
 class UntrustedRequirementsError(RecordedEnvError):
     """The model's requirements install more than plain packages from the index (local paths,
     URLs, VCS, editable installs, installer options, a uv.lock) or name a Python that is not a
@@ -516,14 +536,9 @@ def run_recorded(
             )
         except OSError as err:
             raise RecordedEnvError(f"The runner failed in the recorded environment: {err}") from err
-        result_file = outputs / "result.json"
-        if not result_file.is_file():
-            tail = " ".join((proc.stderr or "").split())[-800:]
-            raise RecordedEnvError(
-                f"The runner exited with code {proc.returncode} in the recorded environment "
-                f"without a result: {tail or 'no output'}. Expected result.json."
-            )
-        result = json.loads(result_file.read_text())
+        result = read_child_result(
+            outputs, proc, who="The runner", where=" in the recorded environment"
+        )
         run.details = {**result, **run.details}
         run.python = result.get("python")
         run.jax_version, run.jaxlib_version = (
