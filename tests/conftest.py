@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -138,20 +139,32 @@ def _no_leaked_cli_environment(monkeypatch):
     monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
 
 
-@pytest.fixture
-def tracking_uri(tmp_path, monkeypatch):
-    """A fresh sqlite-backed MLflow store with artifacts under tmp_path."""
+@contextlib.contextmanager
+def sqlite_store(root: Path, experiment: str = "tests", artifacts: str = "artifacts"):
+    """A real sqlite-backed MLflow store in ``root`` (artifacts under ``root / artifacts``), made
+    this process' tracking URI and active experiment (also through the environment, for the child
+    processes a test starts) until the block ends. Yields ``(uri, experiment_id)``."""
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    mlflow.set_tracking_uri(uri)
-    exp_id = mlflow.create_experiment("tests", artifact_location=(tmp_path / "artifacts").as_uri())
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", exp_id)  # set_experiment sets it; undone at teardown
-    mlflow.set_experiment(experiment_id=exp_id)
-    yield uri
-    mlflow.end_run()
-    mlflow.set_tracking_uri(None)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        exp_id = mlflow.create_experiment(experiment, artifact_location=(root / artifacts).as_uri())
+        mp.setenv("MLFLOW_EXPERIMENT_ID", exp_id)  # set_experiment sets it; undone at the end
+        mlflow.set_experiment(experiment_id=exp_id)
+        try:
+            yield uri, exp_id
+        finally:
+            mlflow.end_run()
+            mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture
+def tracking_uri(tmp_path):
+    """A fresh sqlite-backed MLflow store with artifacts under tmp_path."""
+    with sqlite_store(tmp_path) as (uri, _):
+        yield uri
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 
 import jax
 import mlflow
@@ -14,7 +13,7 @@ from click.testing import CliRunner
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.cli.audit import plan
 from jaxexp_mlflow.runtime import compat
-from tests.conftest import CORPUS, corpus_cases, corpus_refusals
+from tests.conftest import CORPUS, corpus_cases, corpus_refusals, sqlite_store
 from tests.models import batch, export_mlp, mlp_params
 
 pytestmark = pytest.mark.skipif(not corpus_cases(), reason="corpus not available")
@@ -33,12 +32,7 @@ def archive(tmp_path_factory):
     """A registry with a live model and archived blobs of several jax versions, plus a
     non-jaxexp model in the same experiment (skipped by the audit)."""
     root = tmp_path_factory.mktemp("audit")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        exp_id = mlflow.create_experiment("archive", artifact_location=(root / "art").as_uri())
-        mlflow.set_experiment(experiment_id=exp_id)
+    with sqlite_store(root, "archive", "art") as (uri, _):
         params = mlp_params()
         # logged as a jax that still read them would have (jax >= 0.11.1 needs its flag for
         # the blobs of jax <= 0.7); the audits below run without the flag, as a user would
@@ -68,8 +62,6 @@ def archive(tmp_path_factory):
         if before is not None:
             jax.config.update(flag, before)
         yield uri
-        mlflow.set_tracking_uri(None)
-        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
 
 
 class _Echo(mlflow.pyfunc.PythonModel):

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.runtime import compat
-from tests.conftest import CORPUS, corpus_refusals, load_case
+from tests.conftest import CORPUS, corpus_refusals, load_case, sqlite_store
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 JAXEXP = Path(sys.executable).with_name("jaxexp")
@@ -30,12 +30,7 @@ COMMANDS = ["inspect", "check", "predict", "verify", "log", "refresh", "audit"]
 def store(tmp_path_factory):
     """One sqlite MLflow store for the module, with an MLP logged, registered and aliased."""
     root = tmp_path_factory.mktemp("cli")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        exp_id = mlflow.create_experiment("cli", artifact_location=(root / "art").as_uri())
-        mlflow.set_experiment(experiment_id=exp_id)
+    with sqlite_store(root, "cli", "art") as (uri, _):
         params = mlp_params()
         x = batch()
         with mlflow.start_run() as run:
@@ -60,8 +55,6 @@ def store(tmp_path_factory):
             "want": np.asarray(mlp_apply(params, x)),
             "params": params,
         }
-        mlflow.set_tracking_uri(None)
-        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)  # left behind by mlflow.set_experiment
 
 
 def run_cli(*args: str, env: dict | None = None):

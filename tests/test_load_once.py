@@ -28,6 +28,7 @@ import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.codec import blob as blob_codec
 from jaxexp_mlflow.codec import reader
+from tests.conftest import sqlite_store
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 WATCHED = ("MLmodel", "exported.bin")
@@ -134,13 +135,7 @@ def counted(monkeypatch):
 def logged(tmp_path_factory):
     """An MLP logged and registered in a real sqlite store with file artifacts."""
     root = tmp_path_factory.mktemp("once")
-    uri = f"sqlite:///{root / 'mlflow.db'}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        exp_id = mlflow.create_experiment("once", artifact_location=(root / "art").as_uri())
-        mp.setenv("MLFLOW_EXPERIMENT_ID", exp_id)
-        mlflow.set_experiment(experiment_id=exp_id)
+    with sqlite_store(root, "once", "art"):
         params, x = mlp_params(), batch()
         with mlflow.start_run() as run:
             info = mlflow.jaxexp.log_model(
@@ -160,8 +155,6 @@ def logged(tmp_path_factory):
             "x": x,
             "want": np.asarray(mlp_apply(params, x)),
         }
-        mlflow.set_tracking_uri(None)
-        os.environ.pop("MLFLOW_EXPERIMENT_ID", None)
 
 
 @pytest.fixture
