@@ -73,7 +73,8 @@ t_loaded = time.time()
 peak = rss("VmHWM:")
 out = np.asarray(call(ids) if mode == "flavor" else call(params, ids))
 t_done = time.time()
-print(json.dumps({"total": t_done - t0, "load": t_loaded - t_load, "call": t_done - t_loaded,
+print(json.dumps({"total": t_done - t0, "start": t_load - t0, "load": t_loaded - t_load,
+                  "call": t_done - t_loaded,
                   "load_peak": peak - before, "tokens": out.tolist()}))
 """
 
@@ -253,7 +254,8 @@ def main() -> int:
                 out = child(mode, fresh, args.new_tokens)
                 agree[f"fresh_{mode}"] = float(np.mean(np.asarray(out["tokens"]) == want))
                 rec(f"fresh_{mode}", out["total"])
-                rec(f"fresh_{mode}_load", out["load"])
+                for part in ("start", "load", "call"):  # interpreter + imports, load, 1st call
+                    rec(f"fresh_{mode}_{part}", out[part])
                 load_peaks[mode].append(out["load_peak"])
         print(f"load average {load_average()} after the fresh processes", flush=True)
     finally:
@@ -283,7 +285,10 @@ def main() -> int:
             "<= 1.1",
             samples_s=samples["fresh_flavor"],
             baseline_samples_s=samples["fresh_raw"],
-            load_s=[samples["fresh_flavor_load"], samples["fresh_raw_load"]],
+            **{
+                f"{part}_s": [samples[f"fresh_flavor_{part}"], samples[f"fresh_raw_{part}"]]
+                for part in ("start", "load", "call")
+            },
         ),
         row(
             f"log (save_model) GB/s of params ({tag})",
