@@ -91,14 +91,13 @@ def _run(fd: int, part: list[tuple[int, int, Any]], what: str, block: int) -> tu
     import numpy as np
 
     value = 0
-    scratch = None
+    gaps = sum(n for _, n, dst in part if dst is None)  # bytes only checksummed
+    scratch = np.empty(min(block, gaps), np.uint8) if gaps else None
     for offset, n, dst in part:
         done = 0
         while done < n:
             k = min(block, n - done)
             if dst is None:
-                if scratch is None:
-                    scratch = np.empty(block, np.uint8)
                 view = memoryview(scratch)[:k]
             else:
                 view = dst[done : done + k]

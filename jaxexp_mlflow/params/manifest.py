@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from jaxexp_mlflow.codec import files
+from jaxexp_mlflow.codec.checked_read import read_checked
 from jaxexp_mlflow.codec.crc32c import crc32c, file_crc32c, path_crc32c
 from jaxexp_mlflow.codec.files import fail
 
@@ -128,8 +129,8 @@ class Manifest:
                 continue
             path = files.resolve_inside(self.directory, rel, what=f"params file {rel!r}")
             fd, found = files.open_regular(path, what=f"params file {rel!r}", max_bytes=size)
-            try:
-                self._check(rel, file_crc32c(fd, found))
+            try:  # big files on several threads at once (codec.checked_read)
+                self._check(rel, read_checked(fd, found, [], what=f"The params file {rel!r}"))
             finally:
                 os.close(fd)
 
