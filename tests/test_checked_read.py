@@ -118,3 +118,22 @@ def test_a_flipped_byte_between_regions_or_inside_is_caught_on_load(tmp_path):
             f.write(bytes([byte[0] ^ 0x40]))
         with pytest.raises(ArtifactError, match="does not match its checksum"):
             P.restore_params(tmp_path / f"bad{where}", target=target)
+
+
+def test_a_file_replaced_after_the_walk_is_refused(tmp_path):
+    """``verify_checkpoint`` walks the directory (every file regular and inside it); the
+    checksums that follow open each file by name and must find the very file the walk saw."""
+    from jaxexp_mlflow.params.manifest import verify_checkpoint
+
+    P.save_params({"w": np.arange(12, dtype=np.float32)}, tmp_path / "ck")
+    manifest = verify_checkpoint(tmp_path / "ck", checksum=False)
+    assert "_METADATA" in manifest.found
+    manifest.verify_files(["_METADATA"])  # the same file: checked
+    meta = tmp_path / "ck" / "_METADATA"
+    copy = tmp_path / "copy"
+    copy.write_bytes(meta.read_bytes())  # same bytes, another file
+    os.replace(copy, meta)
+    manifest.verified.clear()
+    with pytest.raises(ArtifactError, match="was replaced"):
+        manifest.verify_files(["_METADATA"])
+    assert verify_checkpoint(tmp_path / "ck").verified  # a fresh walk accepts the new file
