@@ -5,6 +5,7 @@ whole bytes (real files, real threads)."""
 from __future__ import annotations
 
 import os
+import signal
 
 import google_crc32c
 import jax
@@ -137,3 +138,23 @@ def test_a_file_replaced_after_the_walk_is_refused(tmp_path):
     with pytest.raises(ArtifactError, match="was replaced"):
         manifest.verify_files(["_METADATA"])
     assert verify_checkpoint(tmp_path / "ck").verified  # a fresh walk accepts the new file
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
+    """A process forked after a load (a server's workers) gets a pool of its own: the
+    parent's pool has no threads in the child, and work sent there would never run."""
+    data = np.random.default_rng(5).integers(0, 256, 64 << 10, np.uint8).tobytes()
+    fd = _file(tmp_path, data)
+    try:
+        want = google_crc32c.value(data)
+        assert read_checked(fd, len(data), [], workers=2, min_part=4096) == want
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 only if the threaded read completes right
+            signal.alarm(60)  # a read that never completes kills the child, never the suite
+            ok = read_checked(fd, len(data), [], workers=2, min_part=4096) == want
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(fd)

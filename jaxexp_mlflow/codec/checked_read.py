@@ -24,7 +24,7 @@ BLOCK = 1 << 20
 #: A file is split between threads only in parts of at least this many bytes.
 MIN_PART = 4 << 20
 _pool: Any = None
-_pool_size = 0
+_pool_key = (0, 0)  # (process id, threads): a forked child starts a pool of its own
 
 
 def threads() -> int:
@@ -41,12 +41,15 @@ def threads() -> int:
 
 
 def _executor(n: int) -> Any:
-    global _pool, _pool_size
-    if _pool is None or _pool_size < n:
+    """The module's thread pool with at least ``n`` threads, made in this process (a pool
+    inherited through ``fork`` has no threads left: work sent to it would never run)."""
+    global _pool, _pool_key
+    pid = os.getpid()
+    if _pool is None or _pool_key[0] != pid or _pool_key[1] < n:
         import concurrent.futures
 
         _pool = concurrent.futures.ThreadPoolExecutor(n, "jaxexp-read")
-        _pool_size = n
+        _pool_key = (pid, n)
     return _pool
 
 
