@@ -141,6 +141,7 @@ def test_a_file_replaced_after_the_walk_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child runs no JAX
 def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
     """A process forked after a load (a server's workers) gets a pool of its own: the
     parent's pool has no threads in the child, and work sent there would never run."""
