@@ -348,16 +348,30 @@ def test_log_through_the_server_stores_what_a_local_save_writes(
         model = mlflow.jaxexp.load_model(info.model_uri)  # checks every file against the manifest
         np.testing.assert_array_equal(model(x), apply(params, x))
 
+        client = mlflow.MlflowClient()
+        exp = client.get_experiment_by_name(f"same-files-{early}")
+        seen: list[str] = []  # params files in the store while the read-back runs
+
         def broken(*args, **kwargs):
+            if early == "1":  # the early upload sends params/ before the read-back: wait for it
+                (cut,) = [
+                    m for m in client.search_logged_models([exp.experiment_id]) if m.name == "cut"
+                ]
+                for _ in range(600):
+                    seen[:] = [
+                        i.path for i in client.list_logged_model_artifacts(cut.model_id, "params")
+                    ]
+                    if seen:
+                        break
+                    time.sleep(0.1)
             raise RuntimeError("read back failed")
 
         monkeypatch.setattr(readback, "read_back", broken)
-        client = mlflow.MlflowClient()
         with mlflow.start_run(), pytest.raises(RuntimeError, match="read back failed"):
             mlflow.jaxexp.log_model(blob, name="cut", params=params, input_example=x)
-        exp = client.get_experiment_by_name(f"same-files-{early}")
         (cut,) = [m for m in client.search_logged_models([exp.experiment_id]) if m.name == "cut"]
-        assert client.list_logged_model_artifacts(cut.model_id) == []
+        assert bool(seen) == (early == "1")
+        assert client.list_logged_model_artifacts(cut.model_id) == []  # taken back
     finally:
         mlflow.set_tracking_uri(None)
 

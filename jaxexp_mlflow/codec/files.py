@@ -227,20 +227,25 @@ def walk_files(
         for name in sorted(filenames):
             child = os.path.join(dirpath, name)
             shown = os.path.normpath(os.path.join(rel_dir, name))
-            target = os.path.realpath(child)
-            if os.path.commonpath([base, target]) != base:
-                raise fail(
-                    f"The model's {what} holds a symbolic link ({_shown(shown)}) leading outside "
-                    "the model directory. Replace links by the files themselves, or download "
-                    "the model again."
-                )
-            try:
-                st = os.stat(target)
+            try:  # not a link: it lies where its directory's real path does (checked above)
+                st = os.lstat(child)
             except OSError:
-                raise fail(
-                    f"The model's {what} holds {_shown(shown)}, which cannot be read (a broken "
-                    "link or a vanishing file). Download the model again."
-                ) from None
+                st = None
+            if st is None or stat.S_ISLNK(st.st_mode):
+                target = os.path.realpath(child)
+                if os.path.commonpath([base, target]) != base:
+                    raise fail(
+                        f"The model's {what} holds a symbolic link ({_shown(shown)}) leading "
+                        "outside the model directory. Replace links by the files themselves, or "
+                        "download the model again."
+                    )
+                try:
+                    st = os.stat(target)
+                except OSError:
+                    raise fail(
+                        f"The model's {what} holds {_shown(shown)}, which cannot be read (a "
+                        "broken link or a vanishing file). Download the model again."
+                    ) from None
             if not stat.S_ISREG(st.st_mode):
                 raise fail(
                     f"The model's {what} holds {_shown(shown)}: expected a regular file, found "

@@ -218,43 +218,14 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any, align: int = 64) -> Any:
     return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
-class _Crc:
-    """A CRC-32C computed on a helper thread, block by block, while the next block is read."""
-
-    _pool: Any = None
-
-    def __init__(self, value: int = 0) -> None:
-        import concurrent.futures
-
-        if _Crc._pool is None:
-            _Crc._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxexp-crc32c")
-        self.value, self._last = value, None
-
-    def _extend(self, block: memoryview) -> None:
-        from jaxexp_mlflow.codec.crc32c import crc32c
-
-        self.value = crc32c(block, self.value)
-
-    def add(self, block: memoryview) -> None:
-        """Queue ``block`` (it must stay unchanged until :meth:`result`)."""
-        self._last = self._pool.submit(self._extend, block)  # one worker: blocks stay in order
-
-    def result(self) -> int:
-        if self._last is not None:
-            self._last.result()
-        return self.value
-
-
-def _pread_into(fd: int, view: memoryview, offset: int, crc: _Crc | None) -> None:
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
     while len(view):
-        n = os.preadv(fd, [view[: 8 << 20]], offset)  # blocks of 8 MiB: checksummed while cached
+        n = os.preadv(fd, [view[: 8 << 20]], offset)
         if n <= 0:
             raise ArtifactError(
                 f"Truncated params array file: expected {len(view)} more bytes at offset "
                 f"{offset}, found end of file. The artifact is damaged; re-log the model."
             )
-        if crc is not None:
-            crc.add(view[:n])
         view = view[n:]
         offset += n
 
@@ -323,6 +294,7 @@ def read_array(
     import numpy as np
 
     from jaxexp_mlflow.codec import files
+    from jaxexp_mlflow.codec.checked_read import read_checked
     from jaxexp_mlflow.codec.crc32c import file_crc32c
 
     if meta is None:
@@ -367,22 +339,17 @@ def read_array(
         )
         try:
             found = _file_regions(fd, size, rel, s_idx * info.outer0, layout)
-            regions = [(offset, flat[first : first + n]) for offset, first, n in found]
-            crc, pos = _Crc(), 0
-            for offset, dst in sorted(regions, key=lambda r: r[0]):
-                if offset < pos:  # overlapping chunks: checksum the file on its own
-                    crc, pos = None, size
-                    break
-                if offset > pos:  # bytes between chunks
-                    crc = _Crc(file_crc32c(fd, offset - pos, pos, crc.result()))
-                _pread_into(fd, memoryview(dst), offset, crc)
-                pos = offset + len(dst)
-            if crc is None:
-                for offset, dst in regions:
-                    _pread_into(fd, memoryview(dst), offset, None)
+            regions = sorted(
+                ((offset, flat[first : first + n]) for offset, first, n in found),
+                key=lambda r: r[0],
+            )
+            ends = [o + len(d) for o, d in regions]
+            if any(end > nxt for end, (nxt, _) in zip(ends, regions[1:], strict=False)):
+                for offset, dst in regions:  # overlapping chunks: checksum the file on its own
+                    _pread_into(fd, memoryview(dst), offset)
                 value = file_crc32c(fd, size)
-            else:
-                value = file_crc32c(fd, size - pos, pos, crc.result())
+            else:  # one pass: every byte read once, checksummed by the thread that read it
+                value = read_checked(fd, size, regions, what=f"The params file {rel!r}")
             manifest.check(rel, value)
         finally:
             os.close(fd)

@@ -147,7 +147,7 @@ def save_model(
     mlflow_private.validate_env_arguments(conda_env, pip_requirements, extra_pip_requirements)
     # log_model's staging directory is uploaded then deleted: no fsync (docs/remote.md)
     durable = bool(kwargs.pop("durable", True))
-    code_ready = kwargs.pop("_code_ready", None)  # log_model: upload code/ as soon as it is there
+    dir_ready = kwargs.pop("_dir_ready", None)  # log_model: upload code/, params/ once written
     with atomic.atomic_directory(os.fspath(path), durable=durable) as tmp:
         _save_into(
             str(tmp),
@@ -171,7 +171,7 @@ def save_model(
             serving_config=serving_config,
             classifier=classifier,
             durable=durable,
-            code_ready=code_ready,
+            dir_ready=dir_ready,
             polymorphic_shapes=polymorphic_shapes,
             **kwargs,
         )
@@ -198,22 +198,23 @@ def _save_into(
     output_names: list[str] | None,
     serving_config: dict[str, Any] | None,
     classifier: Any,
-    code_ready: Any = None,
+    dir_ready: Any = None,
     include_package: bool = False,
     **kwargs: Any,
 ) -> None:
     """Write the whole model into the (new, empty) directory ``path``, then read it back.
 
     ``target`` is where the model will be published (``path`` is its temporary sibling).
-    ``code_ready(code_dir, subpath)`` is told where the ``code/`` copy is as soon as it is made.
+    ``dir_ready(local_dir, subpath)`` is told each finished subdirectory: ``code/`` as soon as
+    it is copied, ``params/`` once Orbax has written it (before the read-back checks it).
     """
     from jaxexp_mlflow.flavors import saving
     from jaxexp_mlflow.serving import classifier as classifier_mod
     from jaxexp_mlflow.serving import signature as sig
 
     code_dir_subpath = mlflow_private.copy_code_paths(code_paths, path)
-    if code_ready is not None and code_dir_subpath:
-        code_ready(os.path.join(path, code_dir_subpath), code_dir_subpath)
+    if dir_ready is not None and code_dir_subpath:
+        dir_ready(os.path.join(path, code_dir_subpath), code_dir_subpath)
 
     section, exp, stored, host_outputs = saving.write_model_files(
         exported,
@@ -225,6 +226,8 @@ def _save_into(
         platforms=platforms,
         **kwargs,
     )
+    if dir_ready is not None and isinstance(section.params, str):  # up during the read-back
+        dir_ready(os.path.join(path, section.params), section.params)
     arg_names = None
     if callable(exported) and not hasattr(exported, "in_avals"):  # a function we exported
         from jaxexp_mlflow.export import argument_names
@@ -412,8 +415,8 @@ class _StagedFlavor:
 
     The params are written without the final fsync pass (the directory is deleted after the
     upload). Everything goes up on one pool as soon as it exists (``upload.EarlyUpload``):
-    the ``code/`` copy as soon as it is made, then ``params/`` as Orbax wrote it and the
-    top-level files; with ``JAXEXP_EARLY_UPLOAD=0``,
+    the ``code/`` copy as soon as it is made, ``params/`` as soon as Orbax has written it
+    (while the read-back runs), then the top-level files; with ``JAXEXP_EARLY_UPLOAD=0``,
     ``params/`` and ``code/`` go up in parallel after ``save_model`` (``upload.stage_upload``).
     ``Model.log`` then uploads what is left, ``MLmodel`` last. See docs/remote.md.
     """
@@ -438,7 +441,7 @@ class _StagedFlavor:
                 path=path,
                 mlflow_model=mlflow_model,
                 durable=False,
-                _code_ready=early.send_tree,
+                _dir_ready=early.send_tree,
                 **kwargs,
             )
             tops = [

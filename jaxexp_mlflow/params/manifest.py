@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from jaxexp_mlflow.codec import files
+from jaxexp_mlflow.codec.checked_read import read_checked
 from jaxexp_mlflow.codec.crc32c import crc32c, file_crc32c, path_crc32c
 from jaxexp_mlflow.codec.files import fail
 
@@ -92,6 +93,10 @@ class Manifest:
     #: :func:`verify_checkpoint`), raised by :meth:`same_save` before any data is accepted:
     #: after the tree, shape and dtype checks, which say more when those differ too
     foreign: str | None = None
+    #: ``{relative path: (st_dev, st_ino)}`` of the files :func:`verify_checkpoint` found
+    #: inside the directory: :meth:`verify_files` opens those by name and checks it got the
+    #: same file, instead of resolving every path component again
+    found: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def same_save(self) -> None:
         """Raise the binding mismatch :func:`verify_checkpoint` found, if any."""
@@ -126,10 +131,21 @@ class Manifest:
             if want is None:
                 self.verified.add(rel)
                 continue
-            path = files.resolve_inside(self.directory, rel, what=f"params file {rel!r}")
+            ident = self.found.get(rel)
+            path = (
+                files.resolve_inside(self.directory, rel, what=f"params file {rel!r}")
+                if ident is None
+                else self.directory / rel
+            )
             fd, found = files.open_regular(path, what=f"params file {rel!r}", max_bytes=size)
-            try:
-                self._check(rel, file_crc32c(fd, found))
+            try:  # big files on several threads at once (codec.checked_read)
+                if ident is not None and ident != _ident(os.fstat(fd)):
+                    raise fail(
+                        f"The params file {rel!r} was replaced while the checkpoint was checked: "
+                        "expected the file found in the directory a moment before, found another. "
+                        "Load the model again once nothing writes to it."
+                    )
+                self._check(rel, read_checked(fd, found, [], what=f"The params file {rel!r}"))
             finally:
                 os.close(fd)
 
@@ -299,6 +315,10 @@ def check_binding(
     )
 
 
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return (st.st_dev, st.st_ino)
+
+
 def verify_checkpoint(
     directory: str | os.PathLike,
     *,
@@ -326,11 +346,11 @@ def verify_checkpoint(
             "not. Re-log the model to protect it.",
             path,
         )
-    on_disk = {
-        rel: st.st_size
-        for rel, st in files.walk_files(path, ".", what="params checkpoint")
-        if rel != MANIFEST_FILE
-    }
+    on_disk = {}
+    for rel, st in files.walk_files(path, ".", what="params checkpoint"):
+        if rel != MANIFEST_FILE:
+            on_disk[rel] = st.st_size
+            manifest.found[rel] = _ident(st)
     problems = []
     for rel, (size, _) in manifest.files.items():
         found = on_disk.get(rel)

@@ -129,13 +129,14 @@ class EarlyUpload:
 
     def send_tree(self, local_dir: str | os.PathLike, where: str) -> None:
         """Upload every file under ``local_dir`` to ``where`` (relative to the model) now,
-        except those already on their way."""
+        biggest first, except those already on their way."""
         if not self.enabled:
             return
         root = Path(local_dir)
-        for path in sorted(root.rglob("*")):
+        found = [(p.stat().st_size, p) for p in root.rglob("*") if p.is_file()]
+        for _, path in sorted(found, key=lambda f: (-f[0], f[1])):  # biggest first
             key = f"{where}/{path.relative_to(root).as_posix()}"
-            if key not in self.submitted and path.is_file():  # not twice
+            if key not in self.submitted:  # not twice
                 self._add(key, path)
 
     def send_files(self, paths: list[Path]) -> None:
