@@ -199,9 +199,23 @@ def batch1_entry(
     ``n_params`` fixed-size param leaves) have one dimension variable, the batch, ``main`` with
     it set to 1 (if the constraints allow); else None. IREE's code for static shapes is several
     times faster at batch 1 than its code for a dynamic dimension that happens to be 1."""
+    return sized_entry(BATCH1, description, n_params, 1, platform_index, constraints)
+
+
+def sized_entry(
+    name: str,
+    description: Any,
+    n_params: int,
+    size: int,
+    platform_index: int | None = None,
+    constraints: tuple[str, ...] = (),
+) -> compiler.Entry | None:
+    """The entry ``name``: ``main`` with its one dimension variable (the batch) set to ``size``,
+    as the static shapes of the arguments it is passed and of its results; None when the inputs
+    do not have exactly one dimension variable or the constraints refuse ``size``."""
     avals = [shapes.Aval.parse(a) for a in description.in_avals]
     outs = [shapes.Aval.parse(a) for a in description.out_avals]
-    found = batch1_shapes(avals[n_params:], outs, constraints)
+    found = batch_shapes(avals[n_params:], outs, constraints, size)
     if found is None:
         return None
     inputs, outputs = found
@@ -211,18 +225,28 @@ def batch1_entry(
         return None
     if platform_index is not None:
         passed.insert(0, ())
-    return compiler.Entry(BATCH1, tuple(passed), outputs)  # type: ignore[arg-type]
+    return compiler.Entry(name, tuple(passed), outputs)  # type: ignore[arg-type]
 
 
 def batch1_shapes(
     inputs: list[shapes.Aval], outputs: list[shapes.Aval], constraints: tuple[str, ...] = ()
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None:
-    """The input and output shapes at batch 1 when ``inputs`` have exactly one dimension
-    variable (a plain name) and the constraints allow it to be 1; else None."""
-    names = {d for a in inputs for d in a.dims if isinstance(d, str)}
-    if len(names) != 1 or not next(iter(names)).isidentifier():
+    """The input and output shapes at batch 1 (:func:`batch_shapes`)."""
+    return batch_shapes(inputs, outputs, constraints, 1)
+
+
+def batch_shapes(
+    inputs: list[shapes.Aval],
+    outputs: list[shapes.Aval],
+    constraints: tuple[str, ...] = (),
+    size: int = 1,
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None:
+    """The input and output shapes at batch ``size`` when ``inputs`` have exactly one dimension
+    variable (a plain name) and the constraints allow it to be ``size``; else None."""
+    name = shapes.dim_var(inputs)
+    if name is None:
         return None
-    env = {next(iter(names)): 1}
+    env = {name: size}
     try:
         found = tuple(tuple(shapes.evaluate(str(d), env) for d in a.dims) for a in inputs)
         shapes.bind_dims(inputs, found, [str(a) for a in inputs], constraints)
@@ -344,6 +368,13 @@ class IreeModel:
         check_interface(function, want, outs, self._source)
         return inputs, function
 
+    def _function_for(self, key: tuple, env: dict[str, int]) -> tuple[Any, Any]:
+        """The VM context and function that run inputs of shapes ``key`` (dimension variables
+        ``env``): the batch-1 function where compiled in and called for, else ``main``."""
+        if self._batch1 is not None and key == self._batch1[0]:
+            return self._vm_context, self._batch1[1]
+        return self._vm_context, self._vm_function
+
     # -- conversion ------------------------------------------------------------------------------
 
     def _upload(self, arr: Any, index: int | None) -> Any:
@@ -393,19 +424,16 @@ class IreeModel:
         seen = self._shapes_seen.get(key)
         if seen is None:  # the checks (and the function) depend on the shapes only
             env = shapes.bind_dims(self._input_avals, key, self._input_names, self._constraints)
-            function = self._vm_function
-            if self._batch1 is not None and key == self._batch1[0]:
-                function = self._batch1[1]
-            seen = ([_resolve(a, env) for a in self.out_avals], function)
+            seen = ([_resolve(a, env) for a in self.out_avals], self._function_for(key, env))
             if len(self._shapes_seen) < 1024:
                 self._shapes_seen[key] = seen
-        expected, function = seen
+        expected, (context, function) = seen
         rt = self._rt
         args = rt.VmVariantList(self._n_args)
         for ref, j in self._arg_plan:
             args.push_ref(ref if j < 0 else self._upload(arrays[j], n + j))
         results = rt.VmVariantList(len(self._out_dtypes))
-        self._vm_context.invoke(function, args, results)
+        context.invoke(function, args, results)
         if results.size != len(self._out_dtypes):
             raise ArtifactError(
                 f"{self._source} returned {results.size} results, expected "
