@@ -77,6 +77,9 @@ class Entry:
     name: str
     inputs: tuple[tuple[int, ...], ...]
     outputs: tuple[tuple[int, ...], ...]
+    #: for a ``specialize.STATIC`` entry: the positions of ``main``'s arguments made module
+    #: parameters (``specialize.bind_arguments``: the params, packed once at load)
+    bound: tuple[int, ...] = ()
 
 
 class EntryError(Exception):
@@ -151,6 +154,8 @@ def cache_key(module: bytes, flags: tuple[str, ...] = FLAGS, entry: Entry | None
             [list(s) for s in entry.inputs],
             [list(s) for s in entry.outputs],
         ]
+        if entry.bound:
+            facts["entry"].append(list(entry.bound))
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
@@ -178,7 +183,7 @@ def _compile(module: bytes, flags: tuple[str, ...], entry: Entry | None) -> byte
 
     options = {"target_backends": [TARGET], "input_type": "stablehlo"}
     if entry is not None and entry.name == specialize.STATIC:
-        text = specialize.static_main(module, entry.inputs, entry.outputs)
+        text = specialize.static_main(module, entry.inputs, entry.outputs, entry.bound)
         return bytes(ic.compile_str(text, **options, extra_args=list(flags)))
     if entry is None:
         return bytes(ic.compile_str(module, **options, extra_args=list(flags)))

@@ -15,6 +15,7 @@ is read or compiled; the compiled function's interface is then checked against t
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from pathlib import Path
@@ -26,7 +27,9 @@ from jaxexp_mlflow.iree import compiler, files, trees
 from jaxexp_mlflow.iree import verdict as iree_verdict
 from jaxexp_mlflow.iree.model import IreeModel, batch1_entry, sized_entry
 from jaxexp_mlflow.iree.specialize import STATIC
-from jaxexp_mlflow.iree.static import StaticIreeModel
+from jaxexp_mlflow.iree.static import StaticIreeModel, rows_independent, static_wanted
+
+_logger = logging.getLogger(__name__)
 
 
 def platform_index(platforms: tuple[str, ...] | list[str]) -> int | None:
@@ -165,12 +168,23 @@ def build(
         if use_prepared
         else "the blob's StableHLO module"
     )
-    if iree_verdict.specialized(verdict):
-        model: IreeModel = _static_model(
-            module, description, meta, params, constraints, iree_cache, iree_driver, source_name
-        )
-        model.verdict = verdict
-        return model
+    needed = iree_verdict.specialized(verdict)
+    if needed or static_wanted(meta, description):
+        try:
+            model: IreeModel = _static_model(
+                module, description, meta, params, constraints, iree_cache, iree_driver, source_name
+            )
+        except IncompatibleError as err:
+            if needed:
+                raise
+            _logger.warning(
+                "jaxexp: IREE: the model could not be compiled per batch size (%s); "
+                "compiling one module for every batch size instead",
+                str(err).splitlines()[0][:300],
+            )
+        else:
+            model.verdict = verdict
+            return model
     entry = batch1_entry(
         description, len(params), platform_index(description.platforms), constraints
     )
@@ -203,7 +217,9 @@ def _static_model(
     index = platform_index(description.platforms)
 
     def vmfb_for(size: int) -> Any:
-        entry = sized_entry(STATIC, description, len(params), size, index, constraints)
+        entry = sized_entry(
+            STATIC, description, len(params), size, index, constraints, bind_params=True
+        )
         if entry is None:
             raise IncompatibleError(
                 f"The model cannot be specialized to batch {size}: expected inputs with one "
@@ -212,17 +228,17 @@ def _static_model(
             )
         return compiler.compiled(module, cache=iree_cache, entry=entry)
 
-    padding = meta.get("padding")
     return StaticIreeModel(
         vmfb_for,
         description,
         meta,
         params,
-        rows_independent=isinstance(padding, dict) and padding.get("rows_independent") is True,
+        rows_independent=rows_independent(meta),
         platform_index=index,
         constraints=constraints,
         driver=iree_driver,
         source=source,
+        bound_params=True,
     )
 
 

@@ -209,10 +209,12 @@ def sized_entry(
     size: int,
     platform_index: int | None = None,
     constraints: tuple[str, ...] = (),
+    bind_params: bool = False,
 ) -> compiler.Entry | None:
     """The entry ``name``: ``main`` with its one dimension variable (the batch) set to ``size``,
     as the static shapes of the arguments it is passed and of its results; None when the inputs
-    do not have exactly one dimension variable or the constraints refuse ``size``."""
+    do not have exactly one dimension variable or the constraints refuse ``size``. With
+    ``bind_params``, the kept params' positions among ``main``'s arguments as ``bound``."""
     avals = [shapes.Aval.parse(a) for a in description.in_avals]
     outs = [shapes.Aval.parse(a) for a in description.out_avals]
     found = batch_shapes(avals[n_params:], outs, constraints, size)
@@ -223,9 +225,12 @@ def sized_entry(
     passed = [static[i] for i in description.module_kept_var_idx]
     if any(p is None for p in passed):
         return None
+    offset = 0 if platform_index is None else 1
     if platform_index is not None:
         passed.insert(0, ())
-    return compiler.Entry(name, tuple(passed), outputs)  # type: ignore[arg-type]
+    kept = description.module_kept_var_idx
+    bound = tuple(j + offset for j, i in enumerate(kept) if i < n_params) if bind_params else ()
+    return compiler.Entry(name, tuple(passed), outputs, bound)  # type: ignore[arg-type]
 
 
 def batch1_shapes(
@@ -285,6 +290,7 @@ class IreeModel:
         constraints: tuple[str, ...] = (),
         driver: str | None = None,
         source: str = "the compiled module",
+        bound_params: bool = False,
     ) -> None:
         import iree.runtime as rt
 
@@ -301,7 +307,11 @@ class IreeModel:
             module = rt.VmModule.mmap(instance, str(vmfb))
         else:
             module = rt.VmModule.copy_buffer(instance, vmfb)
-        self._context = rt.SystemContext(vm_modules=[module], config=self._config)
+        # params bound into the module (``specialize.bind_arguments``) come from a parameter
+        # provider, read by each context's initializer once; else they are call arguments
+        self._bound = bound_params and bool(params)
+        self._param_module = self._parameters(params, description, platform_index)
+        self._context = self._new_context(module)
         main = self._context.modules[module.name]["main"]
         self._vm_context, self._vm_function = main._vm_context, main.vm_function
         self._device = self._config.device
@@ -315,7 +325,8 @@ class IreeModel:
         self._shapes_seen: dict[tuple, tuple[list[tuple[int | None, ...]], Any]] = {}
         if unknown := unsupported_dtypes(description):
             raise IncompatibleError(f"The model uses dtypes {unknown}, {DTYPES_HINT}")
-        passed = [self.in_avals[i] for i in description.module_kept_var_idx]
+        n_params = len(params) if self._bound else 0
+        passed = [self.in_avals[i] for i in description.module_kept_var_idx if i >= n_params]
         if platform_index is not None:
             passed.insert(0, shapes.Aval("int32", ()))
         check_interface(self._vm_function, passed, self.out_avals, source)
@@ -335,7 +346,11 @@ class IreeModel:
             None if platform_index is None else self._upload(np.int32(platform_index), None)
         )
         # params go to the device once; kept ones only
-        self._params = {i: self._upload(p, i) for i, p in enumerate(params) if i in self._kept}
+        self._params = {
+            i: self._upload(p, i)
+            for i, p in enumerate(params)
+            if i in self._kept and not self._bound
+        }
         self.params = params
         # the argument list of a call, prepared once: the VM refs of the platform index and the
         # params (pushing a ref is cheaper than pushing its buffer view: no conversion), and the
@@ -344,7 +359,9 @@ class IreeModel:
         fixed = [] if self._platform_arg is None else [self._platform_arg.ref]
         self._arg_plan: list[tuple[Any, int]] = [(ref, -1) for ref in fixed]
         self._arg_plan += [
-            (self._params[i].ref, -1) if i < n else (None, i - n) for i in self._kept
+            (self._params[i].ref, -1) if i < n else (None, i - n)
+            for i in self._kept
+            if i >= n or not self._bound
         ]
         self._n_args = len(self._arg_plan)
         self._buffer_view = rt.HalBufferView
@@ -367,6 +384,31 @@ class IreeModel:
         outs = [shapes.Aval(a.dtype, s) for a, s in zip(self.out_avals, outputs, strict=True)]
         check_interface(function, want, outs, self._source)
         return inputs, function
+
+    def _parameters(self, params: list, description: Any, platform_index: int | None) -> Any:
+        """The io_parameters module serving the kept params under the names
+        ``specialize.bind_arguments`` gave them; None where the params are not bound."""
+        if not self._bound:
+            return None
+        from jaxexp_mlflow.iree.specialize import SCOPE, parameter_name
+
+        rt = self._rt
+        index = rt.ParameterIndex()
+        offset = 0 if platform_index is None else 1
+        self._param_arrays = []
+        for j, i in enumerate(description.module_kept_var_idx):
+            if i < len(params):
+                arr = np.ascontiguousarray(np.asarray(params[i])).reshape(-1)
+                arr = arr.view(_bits(arr.dtype))
+                self._param_arrays.append(arr)  # the index reads from it: kept alive
+                index.add_buffer(parameter_name(j + offset), arr)
+        provider = index.create_provider(scope=SCOPE)
+        return rt.create_io_parameters_module(self._config.vm_instance, provider)
+
+    def _new_context(self, module: Any) -> Any:
+        """A VM context running ``module`` (with the parameter module where params are bound)."""
+        modules = [module] if self._param_module is None else [self._param_module, module]
+        return self._rt.SystemContext(vm_modules=modules, config=self._config)
 
     def _function_for(self, key: tuple, env: dict[str, int]) -> tuple[Any, Any]:
         """The VM context and function that run inputs of shapes ``key`` (dimension variables

@@ -101,17 +101,83 @@ def stablehlo_text(module: bytes, timeout: float = 600.0) -> str:
 
 
 def static_main(
-    module: bytes, inputs: tuple[tuple[int, ...], ...], outputs: tuple[tuple[int, ...], ...]
+    module: bytes,
+    inputs: tuple[tuple[int, ...], ...],
+    outputs: tuple[tuple[int, ...], ...],
+    bound: tuple[int, ...] = (),
 ) -> str:
     """``module`` (as stored) specialized to the static argument shapes ``inputs``; its results
-    must come out of the shapes ``outputs`` (else :class:`SpecializeError`)."""
-    return specialize(stablehlo_text(module), inputs, outputs)
+    must come out of the shapes ``outputs`` (else :class:`SpecializeError`). The arguments at
+    the positions ``bound`` become module parameters (:func:`bind_arguments`)."""
+    return specialize(stablehlo_text(module), inputs, outputs, bound)
+
+
+#: The parameter scope of the arguments :func:`bind_arguments` binds; each is named ``arg<i>``
+#: (its position among ``main``'s arguments as exported).
+SCOPE = "jaxexp"
+
+
+def parameter_name(position: int) -> str:
+    """The parameter key of ``main``'s argument ``position`` once bound."""
+    return f"arg{position}"
+
+
+def bind_arguments(module: Any, main: Any, positions: tuple[int, ...], ir: Any) -> None:
+    """Make ``main``'s arguments at ``positions`` immutable globals read from the parameter
+    ``SCOPE::arg<i>`` (``util.global`` + ``#flow.parameter.named``), no longer arguments.
+
+    IREE then treats them as constants: with data tiling their packing into the CPU's tile
+    layout is hoisted into the module's initializer, done once when the module is loaded,
+    where an argument is repacked at every call. The runtime supplies the values (the params
+    uploaded once, ``rt.ParameterIndex``); the ``.vmfb`` holds no weights."""
+    block = main.regions[0].blocks[0]
+    args = list(block.arguments)
+    body = module.body
+    first = list(body.operations)[0]
+    loads = {}
+    start = list(block.operations)[0]
+    for position in positions:
+        arg = args[position]
+        name = f"__jaxexp_{parameter_name(position)}"
+        value = ir.Attribute.parse(
+            f'#flow.parameter.named<"{SCOPE}"::"{parameter_name(position)}"> : {arg.type}'
+        )
+        ir.Operation.create(
+            "util.global",
+            attributes={
+                "sym_name": ir.StringAttr.get(name),
+                "sym_visibility": ir.StringAttr.get("private"),
+                "type": ir.TypeAttr.get(arg.type),
+                "initial_value": value,
+            },
+            ip=ir.InsertionPoint(first),
+        )
+        load = ir.Operation.create(
+            "util.global.load",
+            results=[arg.type],
+            attributes={
+                "global": ir.FlatSymbolRefAttr.get(name),
+                "is_immutable": ir.UnitAttr.get(),
+            },
+            ip=ir.InsertionPoint(start),
+        )
+        arg.replace_all_uses_with(load.results[0])
+        loads[position] = load
+    for position in sorted(positions, reverse=True):
+        block.erase_argument(position)
+    for key in ("arg_attrs",):
+        if key in main.attributes:
+            kept = [
+                a for i, a in enumerate(ir.ArrayAttr(main.attributes[key])) if i not in positions
+            ]
+            main.attributes[key] = ir.ArrayAttr.get(kept)
 
 
 def specialize(
     text: str,
     inputs: tuple[tuple[int, ...], ...],
     outputs: tuple[tuple[int, ...], ...] | None = None,
+    bound: tuple[int, ...] = (),
 ) -> str:
     """The StableHLO module ``text`` with ``main`` taking the static shapes ``inputs`` (one per
     argument) and every type in it static; :class:`SpecializeError` if that cannot be done."""
@@ -161,6 +227,10 @@ def specialize(
         found = [tuple(ir.RankedTensorType(v.type).shape) for v in ret.operands]
         if outputs is not None and found != [tuple(o) for o in outputs]:
             raise SpecializeError(f"main returns shapes {found}, expected {list(outputs)}")
+        if bound:
+            bind_arguments(module, main, tuple(bound), ir)
+            static = [t for i, t in enumerate(static) if i not in bound]
+            _set_results(main, static, ir)
         if not module.operation.verify():
             raise SpecializeError("the specialized module does not verify")
         return str(module)
