@@ -18,7 +18,9 @@ average before and after:
   compilation cache and the flavor's executable store, filled by an untimed child first);
 * ``ping``: ``mlflow models serve --env-manager local`` from spawn to the first ``/ping`` 200;
 * ``iree``: ``load_model(path, backend="iree")(x)`` against ``InferenceSession.run`` (a model
-  IREE refuses is listed with the refusal).
+  IREE refuses is listed with the refusal). The IREE model compiles per batch size (``main``
+  specialized to static shapes, params bound into the module: docs/longevity.md), so each batch
+  size is called once, untimed, before the rounds.
 
     python benchmarks/bench_onnx.py                 # 5 rounds
     python benchmarks/bench_onnx.py --quick         # 1 round, fewer calls
@@ -214,6 +216,9 @@ def measure(
             print(f"{name:12} iree: refused: {why}", flush=True)
             rows.append({"model": name, "figure": "iree", "refused": why})
         else:
+            for b in BATCHES:  # the first call of a batch size compiles its module
+                np.testing.assert_allclose(iree(xs[b]), run(xs[b]), rtol=1e-3, atol=1e-4)
+            print(f"{name:12} iree: {type(iree).__name__}", flush=True)
             got = steady({("iree", b): (iree, run) for b in BATCHES}, xs, rounds, target)
             for (_, b), (o, p) in got.items():
                 row(rows, name, f"iree batch {b} (s/call)", o, p)
