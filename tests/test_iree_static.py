@@ -165,3 +165,17 @@ def test_specialize_refuses_a_shape_main_does_not_take(cnn):
 @pytest.mark.parametrize("n, size", [(1, 1), (2, 2), (3, 4), (5, 8), (1024, 1024), (1025, 2048)])
 def test_padded_size_is_the_next_power_of_two(n, size):
     assert padded_size(n) == size
+
+
+def test_single_channel_convolution_becomes_im2col(cnn):
+    """The first convolution of a grey-image CNN (one input channel) is compiled as patches @
+    kernel (``iree/rewrites.py``): no convolution is left in the specialized module, and the
+    outputs above stay within the tolerance."""
+    from jaxexp_mlflow.codec import blob, reader
+    from jaxexp_mlflow.iree.model import sized_entry
+
+    _, params, path = cnn
+    data = (path / "exported.bin").read_bytes()
+    entry = sized_entry(specialize.STATIC, blob.describe(data, source="t"), 4, 2)
+    text = specialize.static_main(reader.read_module(data), entry.inputs, entry.outputs)
+    assert "stablehlo.convolution" not in text and "stablehlo.dot_general" in text

@@ -19,6 +19,9 @@ compiler's own MLIR bindings and passes:
    (``dot_general``, ``convolution``, ``reduce``, ``real_dynamic_slice``, the ``dynamic_*`` ops
    of constant shapes). A module left with a dynamic type anywhere is refused
    (:class:`SpecializeError`, naming the op): nothing half-specialized reaches the compiler.
+   Then the rewrites of ``rewrites`` (same math, faster IREE code: single-input-channel
+   convolutions as im2col) and, where asked, the params made module parameters
+   (:func:`bind_arguments`).
 
 The result is compiled like any StableHLO text (``compiler.compile_module`` with a
 :data:`STATIC` entry); the compile cache keys it by the original module and the static shapes.
@@ -32,8 +35,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from jaxexp_mlflow.iree import rewrites
+
 #: The ``compiler.Entry`` name that means: ``main`` itself, specialized to the entry's shapes.
-STATIC = "jaxexp_static_main"
+#: Part of the compile cache key: its suffix is bumped whenever what is compiled changes.
+STATIC = "jaxexp_static_main.2"
 #: The pass after which IREE's input pipeline prints the module (VHLO is legalized before it).
 _PRINT_AFTER = "chlo-legalize-to-stablehlo"
 _MAX_ROUNDS = 8
@@ -223,6 +229,7 @@ def specialize(
         left = _dynamic_op(main, ir)
         if left is not None:
             raise SpecializeError(f"a dynamic type is left: {left[:300]}")
+        rewrites.single_channel_convolutions(module, ir)
         ret = list(block.operations)[-1].operation
         found = [tuple(ir.RankedTensorType(v.type).shape) for v in ret.operands]
         if outputs is not None and found != [tuple(o) for o in outputs]:

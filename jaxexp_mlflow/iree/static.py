@@ -95,6 +95,8 @@ class StaticIreeModel(IreeModel):
         self._lock = threading.Lock()
         self._var = shapes.dim_var(self._input_avals) or ""
         self._functions: dict[int, tuple[Any, Any]] = {1: (self._vm_context, self._vm_function)}
+        # input shapes already checked -> (rows, the bucket they are padded to)
+        self._padding_seen: dict[tuple, tuple[int, int]] = {}
         self.pads = (
             rows_independent
             and bool(self._var)
@@ -142,15 +144,19 @@ class StaticIreeModel(IreeModel):
             return super().call_flat(leaves)
         n = self.n_param_leaves
         arrays = [self._as_input(x, n + i) for i, x in enumerate(leaves)]
-        env = shapes.bind_dims(
-            self._input_avals, [a.shape for a in arrays], self._input_names, self._constraints
-        )
-        rows = env[self._var]
-        size = padded_size(rows)
-        if (
-            size == rows
-            or batch_shapes(self._input_avals, self.out_avals, self._constraints, size) is None
-        ):
+        key = tuple(a.shape for a in arrays)
+        plan = self._padding_seen.get(key)
+        if plan is None:  # checked once per input shapes, as the base class checks
+            env = shapes.bind_dims(self._input_avals, key, self._input_names, self._constraints)
+            rows = env[self._var]
+            size = padded_size(rows)
+            if batch_shapes(self._input_avals, self.out_avals, self._constraints, size) is None:
+                size = rows  # the constraints refuse the bucket: this size's own module
+            plan = (rows, size)
+            if len(self._padding_seen) < 1024:
+                self._padding_seen[key] = plan
+        rows, size = plan
+        if size == rows:
             return super().call_flat(arrays)
         padded = [
             np.concatenate([a, np.repeat(a[-1:], size - rows, axis=0)]) if aval.symbolic else a
