@@ -10,9 +10,10 @@ compiler's own MLIR bindings and passes:
 1. :func:`stablehlo_text`: the portable artifact (VHLO) as StableHLO text, printed by
    ``iree-compile`` after IREE's input pipeline legalized VHLO (``--mlir-print-ir-after=
    chlo-legalize-to-stablehlo``, whole module, into a temporary directory);
-2. :func:`specialize`: the private functions inlined into ``main`` (JAX passes the dimension
-   variable to them as an argument), ``main``'s arguments given their static types, IREE's
-   StableHLO canonicalizer run (``get_dimension_size`` becomes a constant, the shape arithmetic
+2. :func:`specialize` (in a child process: :func:`static_main`): the private functions
+   inlined into ``main`` (JAX passes the dimension variable to them as an argument),
+   ``main``'s arguments given their static types, IREE's StableHLO canonicalizer run
+   (``get_dimension_size`` becomes a constant, the shape arithmetic
    folds, ``dynamic_broadcast_in_dim`` and ``dynamic_reshape`` of constant shapes become static
    ops) and, until nothing changes, every result type refined from its operands: by the op's own
    type inference (``Operation.create(..., infer_type=True)``), or here for the ops without one
@@ -29,8 +30,10 @@ The result is compiled like any StableHLO text (``compiler.compile_module`` with
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -111,11 +114,60 @@ def static_main(
     inputs: tuple[tuple[int, ...], ...],
     outputs: tuple[tuple[int, ...], ...],
     bound: tuple[int, ...] = (),
+    timeout: float = 600.0,
 ) -> str:
     """``module`` (as stored) specialized to the static argument shapes ``inputs``; its results
     must come out of the shapes ``outputs`` (else :class:`SpecializeError`). The arguments at
-    the positions ``bound`` become module parameters (:func:`bind_arguments`)."""
-    return specialize(stablehlo_text(module), inputs, outputs, bound)
+    the positions ``bound`` become module parameters (:func:`bind_arguments`).
+
+    :func:`specialize` runs in a child process: the MLIR bindings parse, inline and
+    canonicalize the module (untrusted input) in-process, so a crash there ends the child and
+    is a :class:`SpecializeError` here, as a crash of ``iree-compile`` is (a subprocess too)."""
+    text = stablehlo_text(module, timeout)
+    header = {"inputs": [list(s) for s in inputs], "outputs": [list(s) for s in outputs]}
+    header["bound"] = list(bound)
+    request = json.dumps(header).encode() + b"\n" + text.encode()
+    root = str(Path(__file__).resolve().parents[2])
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); "
+        "from jaxexp_mlflow.iree.specialize import child_main; child_main()"
+    )
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", code], input=request, capture_output=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        raise SpecializeError(f"the specialization took over {timeout:.0f} s") from None
+    if run.returncode == 0:
+        return run.stdout.decode()
+    err = run.stderr.decode(errors="replace").strip()
+    if run.returncode == _REFUSED and _PREFIX in err:
+        raise SpecializeError(err.split(_PREFIX, 1)[1][:2000])
+    raise SpecializeError(
+        f"the specialization ended with exit status {run.returncode}: {err[-1000:]}"
+    )
+
+
+_REFUSED = 3
+_PREFIX = "SpecializeError: "
+
+
+def child_main() -> None:
+    """The child of :func:`static_main`: a JSON header line and the module text on stdin, the
+    specialized text on stdout; a :class:`SpecializeError` on stderr with exit status 3."""
+    header, _, text = sys.stdin.buffer.read().partition(b"\n")
+    spec = json.loads(header)
+    try:
+        out = specialize(
+            text.decode(),
+            tuple(tuple(s) for s in spec["inputs"]),
+            tuple(tuple(s) for s in spec["outputs"]),
+            tuple(spec["bound"]),
+        )
+    except SpecializeError as err:
+        sys.stderr.write(f"{_PREFIX}{err}\n")
+        sys.exit(_REFUSED)
+    sys.stdout.write(out)
 
 
 #: The parameter scope of the arguments :func:`bind_arguments` binds; each is named ``arg<i>``
