@@ -10,11 +10,12 @@ One model (an MLP with params, saved by ``mlflow.jaxexp.save_model``), measured 
     IREE runtime only);
   - ``jax``: ``mlflow.jaxexp.load_model`` + ``model(x)`` (the baseline).
 * **steady-state call** at batch 1 and 1024 in this process: ``IreeModel(x)`` (both IREE CPU
-  drivers; each as compiled by default, speed flags and the batch-1 function, and as before
-  them, ``JAXEXP_IREE_SPEED=0``: base flags, ``main`` only) vs ``jax.jit(exported.call)`` on the
-  same function and params (XLA, the baseline of the ratios) and ``JaxExpModel(x)``, numpy in
-  and out for all, interleaved rounds, median of the per-call times. The load average
-  (``os.getloadavg()``) before and after is printed beside
+  drivers; each as compiled by default: one module per batch size with the params bound,
+  speed flags; ``one-module``, ``JAXEXP_IREE_STATIC=0``: one dynamic ``main`` with the batch-1
+  function; ``base``, also ``JAXEXP_IREE_SPEED=0``: base flags, ``main`` only) vs
+  ``jax.jit(exported.call)`` on the same function and params (XLA, the baseline of the
+  ratios) and ``JaxExpModel(x)``, numpy in and out for all, interleaved rounds, median of the
+  per-call times. The load average (``os.getloadavg()``) before and after is printed beside
   them: on a busy machine only the ratios of one run mean anything.
 
     python benchmarks/bench_iree.py             # 5 rounds
@@ -37,9 +38,10 @@ from bench_cold_start import build_model, spawn  # the same MLP, the same child 
 
 DRIVERS = ("local-task", "local-sync")  # IREE's thread-pool and calling-thread CPU drivers
 SETTINGS = {
-    "default": "1",
-    "base": "0",
-}  # JAXEXP_IREE_SPEED: speed flags + batch-1 function, or not
+    "default": {},  # per batch size, params bound (issue 38), speed flags
+    "one-module": {"JAXEXP_IREE_STATIC": "0"},  # one dynamic main + the batch-1 function
+    "base": {"JAXEXP_IREE_STATIC": "0", "JAXEXP_IREE_SPEED": "0"},  # base flags, main only
+}
 
 CHILD = r"""
 import json, os, sys, time
@@ -122,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         path = work / "model"
         meta = yaml.safe_load((path / "MLmodel").read_text())["flavors"]["jaxexp"]
         iree_models = {}
-        for setting, speed in SETTINGS.items():
-            os.environ["JAXEXP_IREE_SPEED"] = speed
+        for setting, variables in SETTINGS.items():
+            os.environ.update(variables)
             for d in DRIVERS:
                 iree_models[f"{d} {setting}"] = load_directory(path, meta, iree_driver=d)
-        os.environ.pop("JAXEXP_IREE_SPEED")
+            for name in variables:
+                os.environ.pop(name)
         jax_model = mlflow.jaxexp.load_model(str(path))
         jit_model = plain_jit(work)
         x1 = np.load(work / "x.npy")[:1]

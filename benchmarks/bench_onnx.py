@@ -12,13 +12,16 @@ Ratios are ours / peer (below 1: ours faster), medians of interleaved rounds, wi
 average before and after:
 
 * ``call``: in-process ``mlflow.jaxexp.load_model(path)(x)`` (numpy in and out) against
-  ``InferenceSession.run``, batch 1 and 1024;
+  ``InferenceSession.run``, batch 1 and 1024 (``--skip call`` also skips ``pyfunc``: the
+  transformer's batch 1024 on XLA, onnxruntime and IREE in one process needed 10.8 GB);
 * ``pyfunc``: ``mlflow.pyfunc.load_model(path).predict(x)`` of both models, batch 1 and 1024;
 * ``first``: a fresh process to its first ``pyfunc`` prediction (warm caches: JAX's persistent
   compilation cache and the flavor's executable store, filled by an untimed child first);
 * ``ping``: ``mlflow models serve --env-manager local`` from spawn to the first ``/ping`` 200;
 * ``iree``: ``load_model(path, backend="iree")(x)`` against ``InferenceSession.run`` (a model
-  IREE refuses is listed with the refusal).
+  IREE refuses is listed with the refusal). The IREE model compiles per batch size (``main``
+  specialized to static shapes, params bound into the module: docs/longevity.md), so each batch
+  size is called once, untimed, before the rounds.
 
     python benchmarks/bench_onnx.py                 # 5 rounds
     python benchmarks/bench_onnx.py --quick         # 1 round, fewer calls
@@ -198,14 +201,15 @@ def measure(
     def run(x):
         return sess.run(None, {feed: x})[0]
 
-    for b in BATCHES:  # the same answers before timing
-        np.testing.assert_allclose(call(xs[b]), run(xs[b]), rtol=1e-3, atol=1e-4)
-    pairs = {}
-    for b in BATCHES:
-        pairs[("call", b)] = (call, run)
-        pairs[("pyfunc", b)] = (ours_py.predict, peer_py.predict)
-    for (fig, b), (o, p) in steady(pairs, xs, rounds, target).items():
-        row(rows, name, f"{fig} batch {b} (s/call)", o, p)
+    if "call" not in skip:
+        for b in BATCHES:  # the same answers before timing
+            np.testing.assert_allclose(call(xs[b]), run(xs[b]), rtol=1e-3, atol=1e-4)
+        pairs = {}
+        for b in BATCHES:
+            pairs[("call", b)] = (call, run)
+            pairs[("pyfunc", b)] = (ours_py.predict, peer_py.predict)
+        for (fig, b), (o, p) in steady(pairs, xs, rounds, target).items():
+            row(rows, name, f"{fig} batch {b} (s/call)", o, p)
     if "iree" not in skip:
         try:
             iree = mlflow.jaxexp.load_model(str(ours_dir), backend="iree")
@@ -214,6 +218,9 @@ def measure(
             print(f"{name:12} iree: refused: {why}", flush=True)
             rows.append({"model": name, "figure": "iree", "refused": why})
         else:
+            for b in BATCHES:  # the first call of a batch size compiles its module
+                np.testing.assert_allclose(iree(xs[b]), run(xs[b]), rtol=1e-3, atol=1e-4)
+            print(f"{name:12} iree: {type(iree).__name__}", flush=True)
             got = steady({("iree", b): (iree, run) for b in BATCHES}, xs, rounds, target)
             for (_, b), (o, p) in got.items():
                 row(rows, name, f"iree batch {b} (s/call)", o, p)
@@ -247,7 +254,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", default=",".join(onnx_models.NAMES))
     ap.add_argument("--onnx-python", default=None, help="a Python with jax2onnx installed")
-    ap.add_argument("--skip", default="", help="comma list of: first,ping,iree")
+    ap.add_argument("--skip", default="", help="comma list of: call,first,ping,iree")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rounds = 1 if args.quick else args.rounds

@@ -9,5 +9,8 @@ per-user ``.vmfb`` cache) and run by the IREE runtime (``model``). Install with
 
 Modules: ``files`` (every file read), ``shapes`` (the shape assertions IREE drops), ``trees``
 (pytrees without JAX), ``verdict`` (what IREE cannot run), ``compiler`` (compile + cache),
-``model`` (the callable), ``loader`` (directory -> model), ``prepare`` (save time, with JAX).
+``model`` (the callable), ``specialize`` (a symbolic-batch module made static, without JAX),
+``rewrites`` (same-math rewrites of a static module for faster IREE code), ``static`` (the
+callable compiled per batch size), ``loader`` (directory -> model), ``prepare`` (save time, with
+JAX).
 """

@@ -27,6 +27,9 @@ Flags: ``--iree-input-demote-f64-to-f32=false`` keeps float64 (IREE demotes it b
 faster), plus those of ``JAXEXP_IREE_FLAGS``. A module with one symbolic dimension (the batch)
 also gets an :class:`Entry`: a second exported function, ``main`` with that dimension set to 1,
 which IREE compiles with static shapes (a batch-1 call ~2x faster; ``model.batch1_entry``).
+An entry named ``specialize.STATIC`` instead replaces ``main``: the module is specialized to the
+entry's static shapes before it is compiled (``specialize``: the route of symbolic-batch
+modules IREE cannot compile as they are), and has no fallback without it.
 
 Fallback: iree-compile runs as a subprocess (``iree.compiler.compile_str``), so a crash of it is
 an error here. The attempts, in order: speed flags with the entry; base flags with the entry;
@@ -49,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxexp_mlflow.errors import IncompatibleError
+from jaxexp_mlflow.iree import specialize
 from jaxexp_mlflow.runtime import cache as cache_settings
 
 _logger = logging.getLogger(__name__)
@@ -73,6 +77,9 @@ class Entry:
     name: str
     inputs: tuple[tuple[int, ...], ...]
     outputs: tuple[tuple[int, ...], ...]
+    #: for a ``specialize.STATIC`` entry: the positions of ``main``'s arguments made module
+    #: parameters (``specialize.bind_arguments``: the params, packed once at load)
+    bound: tuple[int, ...] = ()
 
 
 class EntryError(Exception):
@@ -103,8 +110,12 @@ def attempts(
     flags: tuple[str, ...] | None, entry: Entry | None
 ) -> list[tuple[tuple[str, ...], Entry | None]]:
     """The compiles to try in order, as ``(flags, entry)``: with explicit ``flags`` those (with,
-    then without the entry); else speed flags, then base flags, with, then without the entry."""
-    if flags is not None:
+    then without the entry); else speed flags, then base flags, with, then without the entry. A
+    ``specialize.STATIC`` entry is never dropped (the module does not compile without it)."""
+    if entry is not None and entry.name == specialize.STATIC:  # no module without the entry
+        chosen = [flags] if flags is not None else [active_flags(), base_flags()]
+        plans = [(f, entry) for f in chosen]
+    elif flags is not None:
         plans = [(flags, entry), (flags, None)]
     elif not speed_on():
         plans = [(base_flags(), None)]
@@ -143,6 +154,8 @@ def cache_key(module: bytes, flags: tuple[str, ...] = FLAGS, entry: Entry | None
             [list(s) for s in entry.inputs],
             [list(s) for s in entry.outputs],
         ]
+        if entry.bound:
+            facts["entry"].append(list(entry.bound))
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
@@ -155,7 +168,7 @@ def compile_module(
 
     try:
         return _compile(module, flags, entry)
-    except (ic.CompilerToolError, EntryError) as err:
+    except (ic.CompilerToolError, EntryError, specialize.SpecializeError) as err:
         raise IncompatibleError(
             "The IREE compiler could not compile this model's StableHLO module: expected a "
             f"module IREE {versions()['iree-base-compiler']} supports, it said:\n"
@@ -169,6 +182,9 @@ def _compile(module: bytes, flags: tuple[str, ...], entry: Entry | None) -> byte
     import iree.compiler as ic
 
     options = {"target_backends": [TARGET], "input_type": "stablehlo"}
+    if entry is not None and entry.name == specialize.STATIC:
+        text = specialize.static_main(module, entry.inputs, entry.outputs, entry.bound)
+        return bytes(ic.compile_str(text, **options, extra_args=list(flags)))
     if entry is None:
         return bytes(ic.compile_str(module, **options, extra_args=list(flags)))
     text = ic.compile_str(module, **options, extra_args=[*flags, "--compile-to=input"])

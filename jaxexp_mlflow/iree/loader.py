@@ -2,7 +2,9 @@
 
 Order, as in ``runtime.loader``: read and verify the blob, describe it with the jax-free reader,
 reach the IREE verdict (refuse what cannot run, with the reason), then read the params, compile
-(or find in the cache; with the batch-1 function of ``model.batch1_entry``) and bind.
+(or find in the cache; with the batch-1 function of ``model.batch1_entry``) and bind. A model
+the verdict sends to the per-batch-size route (``verdict.specialized``: a symbolic-batch gather
+or flatten) is bound as a ``static.StaticIreeModel``, batch 1 compiled now.
 
 The save-time ``iree`` section and its prepared module are tied to the blob: the section records
 the sha256 of the blob it was prepared from (``blob_sha256``), checked before the prepared module
@@ -13,16 +15,21 @@ is read or compiled; the compiled function's interface is then checked against t
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 from jaxexp_mlflow.codec import blob, mlir_bytecode, reader
-from jaxexp_mlflow.errors import ArtifactError
+from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
 from jaxexp_mlflow.iree import compiler, files, trees
 from jaxexp_mlflow.iree import verdict as iree_verdict
-from jaxexp_mlflow.iree.model import IreeModel, batch1_entry
+from jaxexp_mlflow.iree.model import IreeModel, batch1_entry, sized_entry
+from jaxexp_mlflow.iree.specialize import STATIC
+from jaxexp_mlflow.iree.static import StaticIreeModel, rows_independent, static_wanted
+
+_logger = logging.getLogger(__name__)
 
 
 def platform_index(platforms: tuple[str, ...] | list[str]) -> int | None:
@@ -156,6 +163,28 @@ def build(
         parsed = [Aval.parse(a) for a in avals]
         params = read_params([(n, a.dims, a.dtype) for n, a in zip(names, parsed, strict=True)])
     constraints = tuple((prepared or {}).get("shape_constraints") or ())
+    source_name = (
+        f"the prepared module {prepared['module']}"
+        if use_prepared
+        else "the blob's StableHLO module"
+    )
+    needed = iree_verdict.specialized(verdict)
+    if needed or static_wanted(meta, description):
+        try:
+            model: IreeModel = _static_model(
+                module, description, meta, params, constraints, iree_cache, iree_driver, source_name
+            )
+        except IncompatibleError as err:
+            if needed:
+                raise
+            _logger.warning(
+                "jaxexp: IREE: the model could not be compiled per batch size (%s); "
+                "compiling one module for every batch size instead",
+                str(err).splitlines()[0][:300],
+            )
+        else:
+            model.verdict = verdict
+            return model
     entry = batch1_entry(
         description, len(params), platform_index(description.platforms), constraints
     )
@@ -168,14 +197,49 @@ def build(
         platform_index=platform_index(description.platforms),
         constraints=constraints,
         driver=iree_driver,
-        source=(
-            f"the prepared module {prepared['module']}"
-            if use_prepared
-            else "the blob's StableHLO module"
-        ),
+        source=source_name,
     )
     model.verdict = verdict
     return model
+
+
+def _static_model(
+    module: bytes,
+    description: Any,
+    meta: dict[str, Any],
+    params: list[Any],
+    constraints: tuple[str, ...],
+    iree_cache: Any,
+    iree_driver: str | None,
+    source: str,
+) -> IreeModel:
+    """The model compiled per batch size (``iree.static``), batch 1 compiled now."""
+    index = platform_index(description.platforms)
+
+    def vmfb_for(size: int) -> Any:
+        entry = sized_entry(
+            STATIC, description, len(params), size, index, constraints, bind_params=True
+        )
+        if entry is None:
+            raise IncompatibleError(
+                f"The model cannot be specialized to batch {size}: expected inputs with one "
+                f"dimension variable whose constraints {list(constraints)} allow {size}. "
+                "Load it with the JAX backend (backend='jax')."
+            )
+        return compiler.compiled(module, cache=iree_cache, entry=entry)
+
+    return StaticIreeModel(
+        vmfb_for,
+        description,
+        meta,
+        params,
+        rows_independent=rows_independent(meta),
+        platform_index=index,
+        constraints=constraints,
+        driver=iree_driver,
+        source=source,
+        bound_params=True,
+    )
 
 
 def load_directory(

@@ -199,9 +199,25 @@ def batch1_entry(
     ``n_params`` fixed-size param leaves) have one dimension variable, the batch, ``main`` with
     it set to 1 (if the constraints allow); else None. IREE's code for static shapes is several
     times faster at batch 1 than its code for a dynamic dimension that happens to be 1."""
+    return sized_entry(BATCH1, description, n_params, 1, platform_index, constraints)
+
+
+def sized_entry(
+    name: str,
+    description: Any,
+    n_params: int,
+    size: int,
+    platform_index: int | None = None,
+    constraints: tuple[str, ...] = (),
+    bind_params: bool = False,
+) -> compiler.Entry | None:
+    """The entry ``name``: ``main`` with its one dimension variable (the batch) set to ``size``,
+    as the static shapes of the arguments it is passed and of its results; None when the inputs
+    do not have exactly one dimension variable or the constraints refuse ``size``. With
+    ``bind_params``, the kept params' positions among ``main``'s arguments as ``bound``."""
     avals = [shapes.Aval.parse(a) for a in description.in_avals]
     outs = [shapes.Aval.parse(a) for a in description.out_avals]
-    found = batch1_shapes(avals[n_params:], outs, constraints)
+    found = batch_shapes(avals[n_params:], outs, constraints, size)
     if found is None:
         return None
     inputs, outputs = found
@@ -209,20 +225,33 @@ def batch1_entry(
     passed = [static[i] for i in description.module_kept_var_idx]
     if any(p is None for p in passed):
         return None
+    offset = 0 if platform_index is None else 1
     if platform_index is not None:
         passed.insert(0, ())
-    return compiler.Entry(BATCH1, tuple(passed), outputs)  # type: ignore[arg-type]
+    kept = description.module_kept_var_idx
+    bound = tuple(j + offset for j, i in enumerate(kept) if i < n_params) if bind_params else ()
+    return compiler.Entry(name, tuple(passed), outputs, bound)  # type: ignore[arg-type]
 
 
 def batch1_shapes(
     inputs: list[shapes.Aval], outputs: list[shapes.Aval], constraints: tuple[str, ...] = ()
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None:
-    """The input and output shapes at batch 1 when ``inputs`` have exactly one dimension
-    variable (a plain name) and the constraints allow it to be 1; else None."""
-    names = {d for a in inputs for d in a.dims if isinstance(d, str)}
-    if len(names) != 1 or not next(iter(names)).isidentifier():
+    """The input and output shapes at batch 1 (:func:`batch_shapes`)."""
+    return batch_shapes(inputs, outputs, constraints, 1)
+
+
+def batch_shapes(
+    inputs: list[shapes.Aval],
+    outputs: list[shapes.Aval],
+    constraints: tuple[str, ...] = (),
+    size: int = 1,
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None:
+    """The input and output shapes at batch ``size`` when ``inputs`` have exactly one dimension
+    variable (a plain name) and the constraints allow it to be ``size``; else None."""
+    name = shapes.dim_var(inputs)
+    if name is None:
         return None
-    env = {next(iter(names)): 1}
+    env = {name: size}
     try:
         found = tuple(tuple(shapes.evaluate(str(d), env) for d in a.dims) for a in inputs)
         shapes.bind_dims(inputs, found, [str(a) for a in inputs], constraints)
@@ -261,6 +290,7 @@ class IreeModel:
         constraints: tuple[str, ...] = (),
         driver: str | None = None,
         source: str = "the compiled module",
+        bound_params: bool = False,
     ) -> None:
         import iree.runtime as rt
 
@@ -277,7 +307,11 @@ class IreeModel:
             module = rt.VmModule.mmap(instance, str(vmfb))
         else:
             module = rt.VmModule.copy_buffer(instance, vmfb)
-        self._context = rt.SystemContext(vm_modules=[module], config=self._config)
+        # params bound into the module (``specialize.bind_arguments``) come from a parameter
+        # provider, read by each context's initializer once; else they are call arguments
+        self._bound = bound_params and bool(params)
+        self._param_module = self._parameters(params, description, platform_index)
+        self._context = self._new_context(module)
         main = self._context.modules[module.name]["main"]
         self._vm_context, self._vm_function = main._vm_context, main.vm_function
         self._device = self._config.device
@@ -291,7 +325,8 @@ class IreeModel:
         self._shapes_seen: dict[tuple, tuple[list[tuple[int | None, ...]], Any]] = {}
         if unknown := unsupported_dtypes(description):
             raise IncompatibleError(f"The model uses dtypes {unknown}, {DTYPES_HINT}")
-        passed = [self.in_avals[i] for i in description.module_kept_var_idx]
+        n_params = len(params) if self._bound else 0
+        passed = [self.in_avals[i] for i in description.module_kept_var_idx if i >= n_params]
         if platform_index is not None:
             passed.insert(0, shapes.Aval("int32", ()))
         check_interface(self._vm_function, passed, self.out_avals, source)
@@ -311,7 +346,11 @@ class IreeModel:
             None if platform_index is None else self._upload(np.int32(platform_index), None)
         )
         # params go to the device once; kept ones only
-        self._params = {i: self._upload(p, i) for i, p in enumerate(params) if i in self._kept}
+        self._params = {
+            i: self._upload(p, i)
+            for i, p in enumerate(params)
+            if i in self._kept and not self._bound
+        }
         self.params = params
         # the argument list of a call, prepared once: the VM refs of the platform index and the
         # params (pushing a ref is cheaper than pushing its buffer view: no conversion), and the
@@ -320,7 +359,9 @@ class IreeModel:
         fixed = [] if self._platform_arg is None else [self._platform_arg.ref]
         self._arg_plan: list[tuple[Any, int]] = [(ref, -1) for ref in fixed]
         self._arg_plan += [
-            (self._params[i].ref, -1) if i < n else (None, i - n) for i in self._kept
+            (self._params[i].ref, -1) if i < n else (None, i - n)
+            for i in self._kept
+            if i >= n or not self._bound
         ]
         self._n_args = len(self._arg_plan)
         self._buffer_view = rt.HalBufferView
@@ -343,6 +384,38 @@ class IreeModel:
         outs = [shapes.Aval(a.dtype, s) for a, s in zip(self.out_avals, outputs, strict=True)]
         check_interface(function, want, outs, self._source)
         return inputs, function
+
+    def _parameters(self, params: list, description: Any, platform_index: int | None) -> Any:
+        """The io_parameters module serving the kept params under the names
+        ``specialize.bind_arguments`` gave them; None where the params are not bound."""
+        if not self._bound:
+            return None
+        from jaxexp_mlflow.iree.specialize import SCOPE, parameter_name
+
+        rt = self._rt
+        index = rt.ParameterIndex()
+        offset = 0 if platform_index is None else 1
+        self._param_arrays = []
+        for j, i in enumerate(description.module_kept_var_idx):
+            if i < len(params):
+                arr = np.ascontiguousarray(np.asarray(params[i])).reshape(-1)
+                arr = arr.view(_bits(arr.dtype))
+                self._param_arrays.append(arr)  # the index reads from it: kept alive
+                index.add_buffer(parameter_name(j + offset), arr)
+        provider = index.create_provider(scope=SCOPE)
+        return rt.create_io_parameters_module(self._config.vm_instance, provider)
+
+    def _new_context(self, module: Any) -> Any:
+        """A VM context running ``module`` (with the parameter module where params are bound)."""
+        modules = [module] if self._param_module is None else [self._param_module, module]
+        return self._rt.SystemContext(vm_modules=modules, config=self._config)
+
+    def _function_for(self, key: tuple, env: dict[str, int]) -> tuple[Any, Any]:
+        """The VM context and function that run inputs of shapes ``key`` (dimension variables
+        ``env``): the batch-1 function where compiled in and called for, else ``main``."""
+        if self._batch1 is not None and key == self._batch1[0]:
+            return self._vm_context, self._batch1[1]
+        return self._vm_context, self._vm_function
 
     # -- conversion ------------------------------------------------------------------------------
 
@@ -393,19 +466,16 @@ class IreeModel:
         seen = self._shapes_seen.get(key)
         if seen is None:  # the checks (and the function) depend on the shapes only
             env = shapes.bind_dims(self._input_avals, key, self._input_names, self._constraints)
-            function = self._vm_function
-            if self._batch1 is not None and key == self._batch1[0]:
-                function = self._batch1[1]
-            seen = ([_resolve(a, env) for a in self.out_avals], function)
+            seen = ([_resolve(a, env) for a in self.out_avals], self._function_for(key, env))
             if len(self._shapes_seen) < 1024:
                 self._shapes_seen[key] = seen
-        expected, function = seen
+        expected, (context, function) = seen
         rt = self._rt
         args = rt.VmVariantList(self._n_args)
         for ref, j in self._arg_plan:
             args.push_ref(ref if j < 0 else self._upload(arrays[j], n + j))
         results = rt.VmVariantList(len(self._out_dtypes))
-        self._vm_context.invoke(function, args, results)
+        context.invoke(function, args, results)
         if results.size != len(self._out_dtypes):
             raise ArtifactError(
                 f"{self._source} returned {results.size} results, expected "

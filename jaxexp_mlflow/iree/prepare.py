@@ -17,8 +17,10 @@ Stores beside the original blob (kept byte-for-byte) what IREE needs and only JA
 * the ops IREE cannot compile, found while walking (``unsupported``): a ``gather`` (or
   ``dynamic_gather``) whose result has a symbolic dimension (embedding lookups of
   symbolic-batch exports), and a ``dynamic_reshape`` with a symbolic result (a reshape that
-  merges or splits the batch dimension). The IREE verdict refuses them up front, naming the op
-  and the way out (save with ``batch_polymorphic=False``);
+  merges or splits the batch dimension). The IREE verdict sends such a model to the
+  per-batch-size route (``iree.static``: ``main`` specialized to static shapes, no JAX) where
+  the inputs have one dimension variable, and refuses it up front otherwise, naming the op and
+  the way out (save with ``batch_polymorphic=False``);
 * the calling-convention facts: the Orbax directory names of the params leaves (custom pytree
   nodes such as Flax's ``FrozenDict`` have key paths only JAX can compute), the exporter's
   symbolic shape constraints (checked before each call, since IREE drops shape assertions), the

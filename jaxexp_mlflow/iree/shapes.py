@@ -64,6 +64,15 @@ class Aval:
         return f"{self.dtype}[{','.join(map(str, self.dims))}]"
 
 
+def dim_var(avals: Sequence[Aval]) -> str | None:
+    """The one dimension variable of ``avals`` (a plain name such as ``b``, the batch), or None
+    when they have none, several, or only expressions of them."""
+    names = {d for a in avals for d in a.dims if isinstance(d, str)}
+    if len(names) != 1 or not next(iter(names)).isidentifier():
+        return None
+    return next(iter(names))
+
+
 def _eval(node: ast.AST, env: Mapping[str, int]) -> int:
     if isinstance(node, ast.Expression):
         return _eval(node.body, env)

@@ -17,6 +17,10 @@ anything is compiled. Reasons (codes):
                        save-time walk of the module (``iree.unsupported``); for models without
                        one, from the blob: a gather op in a module with symbolic input shapes;
                        a ``dynamic_reshape`` op always (JAX writes one only for symbolic shapes)
+                       Where the inputs have exactly one dimension variable (the batch), these
+                       are a warning instead: the model runs compiled per batch size, ``main``
+                       specialized to static shapes first (``iree/specialize.py``,
+                       ``iree/static.py``); :func:`specialized` says so
 ``iree_sdy``           the module carries Shardy (``sdy``), which IREE cannot parse, and the model
                        has no prepared module (saved before preparation existed or without JAX)
 """
@@ -28,7 +32,7 @@ from typing import Any
 
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.iree.model import DTYPES_HINT, unsupported_dtypes
-from jaxexp_mlflow.iree.shapes import Aval
+from jaxexp_mlflow.iree.shapes import Aval, dim_var
 from jaxexp_mlflow.runtime.compat import INCOMPATIBLE, OK, WARN, Reason, Verdict
 
 #: Custom calls the IREE path handles itself: shape assertions are checked before the call.
@@ -71,6 +75,30 @@ def unsupported_ops(description: Any, prepared: dict[str, Any] | None) -> list[s
     except ValueError:
         symbolic = False
     return sorted(([SYMBOLIC_GATHER] if gathers and symbolic else []) + reshapes)
+
+
+#: The constructs the per-batch-size route (``iree.static``) runs, where the batch is the one
+#: dimension variable.
+SPECIALIZED = frozenset({SYMBOLIC_GATHER, SYMBOLIC_RESHAPE})
+SPECIALIZED_MESSAGE = (
+    "The module has a {construct}, which IREE 3.13 cannot compile as it is: the model runs "
+    "compiled for each batch size it is called with (main specialized to static shapes; "
+    "padded to powers of two where its rows are proven independent)."
+)
+
+
+def specializable(description: Any) -> bool:
+    """Whether the inputs have exactly one dimension variable (the batch), which the
+    per-batch-size route can set."""
+    try:
+        return dim_var([Aval.parse(a) for a in description.in_avals]) is not None
+    except ValueError:
+        return False
+
+
+def specialized(verdict: Verdict) -> bool:
+    """Whether ``verdict`` sends the model to the per-batch-size route (``iree.static``)."""
+    return any(r.code == "iree_ops" and r.severity == WARN for r in verdict.reasons)
 
 
 def iree_installed() -> bool:
@@ -159,7 +187,18 @@ def assess(
                 f"The module calls {foreign}, kernels that exist only inside jaxlib.",
                 use_jax + " Or export the function without them (e.g. no jnp.linalg).",
             )
-    for construct in unsupported_ops(description, prepared):
+    constructs = unsupported_ops(description, prepared)
+    static = bool(constructs) and set(constructs) <= SPECIALIZED and specializable(description)
+    for construct in constructs:
+        if static:
+            add(
+                "iree_ops",
+                WARN,
+                SPECIALIZED_MESSAGE.format(construct=construct),
+                "Nothing to do; the first call of each new batch size compiles (seconds; "
+                "cached). Save with batch_polymorphic=False for one static module.",
+            )
+            continue
         add(
             "iree_ops",
             INCOMPATIBLE,
