@@ -215,7 +215,7 @@ def _save_into(
     if code_ready is not None and code_dir_subpath:
         code_ready(os.path.join(path, code_dir_subpath), code_dir_subpath)
 
-    section, exp, stored, host_outputs = saving.write_model_files(
+    written = saving.write_model_files(
         exported,
         path,
         params=params,
@@ -225,6 +225,7 @@ def _save_into(
         platforms=platforms,
         **kwargs,
     )
+    section, exp = written.section, written.exported
     arg_names = None
     if callable(exported) and not hasattr(exported, "in_avals"):  # a function we exported
         from jaxexp_mlflow.export import argument_names
@@ -300,10 +301,11 @@ def _save_into(
         exp,
         mlflow_model,
         section,
-        params=stored,
+        params=written.params,
         input_example=input_example,
-        host_outputs=host_outputs,
+        host_outputs=written.host_outputs,
         batched=one_batch_axis(in_specs, out_specs),
+        params_proven=written.params_proven,
     )
 
 
