@@ -191,3 +191,25 @@ def test_compressed_params_are_still_restored_and_compared(tmp_path, counted, mo
             jax.jit(mlp_apply), target, params=params, input_example=batch(3), compression="zstd"
         )
     assert not target.exists()
+
+
+def test_buckets_off_at_save_runs_no_padded_batch(tmp_path, counted):
+    """``serving_config={"buckets": "off"}``: nothing will be padded, so no row proof runs (the
+    record says so, and a load that turns buckets on still calls each batch at its own size)."""
+    params = mlp_params()
+    path = tmp_path / "m"
+    mlflow.jaxexp.save_model(
+        jax.jit(mlp_apply),
+        path,
+        params=params,
+        input_example=batch(3),
+        serving_config={"buckets": "off"},
+    )
+    assert counted["runs"] == [3] and len(counted["compiles"]) == 1
+    assert _padding(path) == {
+        "rows_independent": False,
+        "proof": "not run: saved with serving_config buckets off",
+    }
+    pyfunc = mlflow.pyfunc.load_model(str(path), model_config={"buckets": [1, 8]})
+    assert not pyfunc._model_impl._bucketed  # not proven: each batch at its own size
+    np.testing.assert_allclose(pyfunc.predict(batch(5)), mlp_apply(params, batch(5)), rtol=1e-6)

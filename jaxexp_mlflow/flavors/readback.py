@@ -337,7 +337,8 @@ def read_back_and_record(
     """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
 
     ``batched`` (one symbolic batch axis everywhere): the loaded model's rows are also put to
-    the proof of ``runtime.rows`` on the same inputs, recorded as ``jaxexp.padding``.
+    the proof of ``runtime.rows`` on the same inputs, recorded as ``jaxexp.padding`` (not run,
+    and recorded not proven, when the saved ``serving_config`` turns buckets off).
 
     With an input example its outputs (computed from the params as stored) become the reference;
     without one, a synthetic probe's when the model runs here (``probes``), from the same
@@ -373,7 +374,15 @@ def read_back_and_record(
     else:
         reference = {}
     if batched and found.model is not None:
-        reference["padding"] = _prove_rows(found.model, exp, inputs, found.outputs)
+        from jaxexp_mlflow.runtime import buckets
+
+        if buckets.saved_off(section.serving):  # nothing to pad for: no padded run
+            reference["padding"] = {
+                "rows_independent": False,
+                "proof": "not run: saved with serving_config buckets off",
+            }
+        else:
+            reference["padding"] = _prove_rows(found.model, exp, inputs, found.outputs)
     if reference.get("reference") or reference.get("padding"):
         mlflow_model.add_flavor(FLAVOR_NAME, **dataclasses.replace(section, **reference).to_dict())
         write_mlmodel(mlflow_model, path)
