@@ -213,3 +213,29 @@ def test_buckets_off_at_save_runs_no_padded_batch(tmp_path, counted):
     pyfunc = mlflow.pyfunc.load_model(str(path), model_config={"buckets": [1, 8]})
     assert not pyfunc._model_impl._bucketed  # not proven: each batch at its own size
     np.testing.assert_allclose(pyfunc.predict(batch(5)), mlp_apply(params, batch(5)), rtol=1e-6)
+
+
+def test_the_proof_runs_each_distinct_padded_batch_once():
+    """On a plain function: a one-row batch meets two distinct padded batches of the four
+    kinds; one kind runs once; an unknown kind is the caller's error."""
+    seen = []
+
+    def call(leaves):
+        seen.append(leaves[0].copy())
+        return [np.tanh(leaves[0])]
+
+    x = np.arange(1, 5, dtype=np.float32).reshape(1, 4)
+    record = rows.prove(call, [x], source="t", exact=[np.tanh(x)])
+    assert record["rows_independent"] is True and len(seen) == 2
+    assert {tuple(b[-1]) for b in seen} == {tuple(x[0]), (0.0, 0.0, 0.0, 0.0)}
+    seen.clear()
+    assert rows.prove(call, [x], source="t", exact=[np.tanh(x)], fillers=("zeros",))[
+        "rows_independent"
+    ]
+    assert len(seen) == 1 and not seen[0][1:].any()
+    mixing = rows.prove(
+        lambda ls: [ls[0] - ls[0].mean(0)], [x], source="t", exact=[x - x], fillers=("zeros",)
+    )
+    assert mixing["rows_independent"] is False
+    with pytest.raises(ValueError, match="fillers"):
+        rows.prove(call, [x], source="t", fillers=("ones",))

@@ -132,7 +132,8 @@ def prove(
     save's reference run), so the unpadded batch is not run a second time. ``fillers``: the
     kinds of filler rows tried (:data:`FILLERS`; :data:`LOOP_FILLERS` for a decode loop); a
     padded batch identical to an earlier one is not run again.
-    Never raises: a proof that fails to run is a model not proven row-independent.
+    Never raises for the model's sake: a proof that fails to run is a model not proven
+    row-independent (an unknown kind in ``fillers`` is the caller's ``ValueError``).
     """
     leaves = [np.asarray(x) for x in leaves]
     if not leaves or any(x.ndim == 0 for x in leaves):
