@@ -239,3 +239,57 @@ def test_the_proof_runs_each_distinct_padded_batch_once():
     assert mixing["rows_independent"] is False
     with pytest.raises(ValueError, match="fillers"):
         rows.prove(call, [x], source="t", fillers=("ones",))
+
+
+CHILD = """
+import sys, jax, mlflow, numpy as np, jaxexp_mlflow
+from tests.models import batch
+events = []
+jax.monitoring.register_event_listener(lambda event, **kw: events.append(event))
+model = mlflow.jaxexp.load_model(sys.argv[1])
+x = jax.device_put(batch(3))
+events.clear()  # the load's own small helpers compile apart: the model's first call alone
+model(x)
+print(events.count("/jax/compilation_cache/cache_hits"),
+      events.count("/jax/compilation_cache/cache_misses"))
+"""
+
+
+def test_a_save_fills_the_compilation_cache_a_later_save_and_load_read(tmp_path, monkeypatch):
+    """The read-back compiles into the persistent cache as load_model does, with the params
+    committed as a restore commits them: a second save of the same function compiles nothing,
+    and a fresh process' load_model runs the example's shape from the cache."""
+    import os
+    import subprocess
+
+    monkeypatch.setenv("JAXEXP_COMPILATION_CACHE", str(tmp_path / "xla"))
+    events: list[str] = []
+
+    def on_event(event: str, **kw: object) -> None:
+        events.append(event)
+
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        params = mlp_params()
+        for name in ("first", "second"):
+            events.clear()
+            mlflow.jaxexp.save_model(
+                jax.jit(mlp_apply), tmp_path / name, params=params, input_example=batch(3)
+            )
+            if name == "first":
+                assert events.count("/jax/compilation_cache/cache_hits") == 0
+        assert events.count("/jax/compilation_cache/cache_hits") == 2  # reference + padded
+        assert events.count("/jax/compilation_cache/cache_misses") == 0
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path / "first")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["1", "0"]  # one hit, no miss
