@@ -102,11 +102,13 @@ def _fn(p, x):
     return x * jnp.sum(p["w"][:1])
 
 
-@pytest.mark.parametrize("bind", [False, True], ids=["restored", "bound"])
+@pytest.mark.parametrize("bind", [False, True], ids=["proven-from-memory", "over-the-limit"])
 def test_save_model_refuses_params_files_that_differ_from_the_params(tmp_path, monkeypatch, bind):
     """A file whose bytes differ from the params given (a byte flipped between TensorStore's
-    write and the read-back: the fault is injected there) is refused by the read-back, both
-    when it restores a second copy and when it binds big params: nothing is left at the path."""
+    write and the read-back: the fault is injected there) is refused by the read-back, which
+    binds the given params (their checksums were taken from memory; or over the restore limit)
+    rather than restore a second copy: nothing is left at the path. The compressed path, which
+    restores, is in tests/test_save_runs.py."""
     if bind:
         monkeypatch.setenv("JAXEXP_READBACK_RESTORE_MAX_BYTES", "0")
     real_save = orbax_io.save

@@ -216,7 +216,7 @@ def _save_into(
     if dir_ready is not None and code_dir_subpath:
         dir_ready(os.path.join(path, code_dir_subpath), code_dir_subpath)
 
-    section, exp, stored, host_outputs = saving.write_model_files(
+    written = saving.write_model_files(
         exported,
         path,
         params=params,
@@ -226,6 +226,7 @@ def _save_into(
         platforms=platforms,
         **kwargs,
     )
+    section, exp = written.section, written.exported
     if dir_ready is not None and isinstance(section.params, str):  # up during the read-back
         dir_ready(os.path.join(path, section.params), section.params)
     arg_names = None
@@ -303,10 +304,11 @@ def _save_into(
         exp,
         mlflow_model,
         section,
-        params=stored,
+        params=written.params,
         input_example=input_example,
-        host_outputs=host_outputs,
+        host_outputs=written.host_outputs,
         batched=one_batch_axis(in_specs, out_specs),
+        params_proven=written.params_proven,
     )
 
 

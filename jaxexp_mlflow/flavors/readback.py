@@ -10,10 +10,16 @@ temporary directory of ``store.atomic``), :func:`read_back`:
    deserialized, params restored to the export's avals on the host); a blob this JAX refuses
    is loaded through the route MLmodel records (``jaxexp.route``, ``flavors.save_route``);
 3. checks the deserialized export against the one saved (trees, avals, platforms, devices);
-4. with an input example, computes the reference outputs **with the restored params** and with
-   the params given to ``save_model``, through the same compiled function (one compilation, two
-   runs), and refuses the model when they differ (the params were not stored faithfully); the
-   outputs then become the stored reference result.
+4. with an input example, computes the reference outputs, which become the stored reference
+   result. Where the manifest's checksum of every array file was taken from the params in
+   memory while they were written (``params.memory_crc``; ``save_model``'s default, uncompressed
+   host arrays), step 2 has read every file against those checksums, which proves the files
+   hold the params given: the given arrays are bound (no second copy) and the model runs once,
+   computing exactly what ``load_model`` of the directory computes. Otherwise (compressed
+   params, arrays on an accelerator or sharded) the params are restored (up to
+   ``RESTORE_MAX_BYTES``) and the model runs with the restored and with the given params
+   through the same compiled function; they must agree, else the params were not stored
+   faithfully and the model is refused.
 
 :func:`check_reference` finally reads the stored reference arrays back and compares them bit for
 bit with what was computed. Every failure is a typed error (``jaxexp_mlflow.errors``) saying
@@ -79,14 +85,18 @@ def _same_export(saved: Any, loaded: Any) -> None:
         )
 
 
-def binds(params: Any) -> bool:
+def binds(params: Any, proven: bool = False) -> bool:
     """Whether the read-back binds these params (``{name: array}``) instead of restoring a
     second copy of them: more than ``RESTORE_MAX_BYTES`` (``JAXEXP_READBACK_RESTORE_MAX_BYTES``).
-    Then only the checkpoint's files (every CRC-32C), tree, shapes and dtypes are checked."""
+    Then only the checkpoint's files (every CRC-32C), tree, shapes and dtypes are checked.
+    ``proven``: every array file's checksum was taken from these params in memory
+    (``saving.Written.params_proven``): that check of the files proves them equal, at any size."""
     import jax
 
     if params is None or isinstance(params, str | os.PathLike):
         return False
+    if proven:
+        return True
     limit = int(os.environ.get("JAXEXP_READBACK_RESTORE_MAX_BYTES", RESTORE_MAX_BYTES))
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(params)) > limit
 
@@ -173,21 +183,28 @@ def read_back(
     params: Any = None,
     inputs: tuple | None = None,
     target: str | os.PathLike | None = None,
+    params_proven: bool = False,
 ) -> ReadBack:
     """Load the model at ``path`` as ``load_model`` would and run it on ``inputs`` if given.
 
     ``exported`` is the ``Exported`` that was saved; ``params`` the params as written
     (``{name: array}``, see ``saving.write_model_files``; None for none or for an on-disk
     checkpoint, which the model's copy is made of). ``target`` is the path the model is being
-    saved to (named in errors). Returns the outputs for ``inputs`` computed with the params read
-    back, and the loaded model.
+    saved to (named in errors). ``params_proven``: every array file's checksum in the manifest
+    was taken from ``params`` in memory (``saving.Written``), so the files checked against it
+    hold exactly ``params``, which are then bound and run once. Returns the outputs for
+    ``inputs`` (the model run with the params as stored), and the loaded model.
     """
     import jax
 
     from jaxexp_mlflow.flavors import save_route
-    from jaxexp_mlflow.runtime import compat, routes
+    from jaxexp_mlflow.runtime import cache, compat, routes
     from jaxexp_mlflow.runtime.loader import load_directory
 
+    # the persistent compilation cache, as load_model turns it on: a later save of the same
+    # function (a training hook's checkpoints, a re-log) and a later load's first call of the
+    # example's shape read the executables compiled here instead of compiling them again
+    cache.configure()
     path = Path(path)
     where = os.fspath(target if target is not None else path)
     t0 = time.perf_counter()
@@ -196,7 +213,7 @@ def read_back(
     route = save_route.recorded_name(conf)  # a blob this jax refuses: read through its route
     verdict = save_route.verdict_for(conf)
     result = ReadBack(loaded_here=verdict.status != compat.INCOMPATIBLE)
-    bind = params if binds(params) else None
+    bind = params if binds(params, params_proven) else None
     try:
         if route in (routes.BRIDGE, routes.RECORDED_ENV):
             model = save_route.load_for_readback(path, conf, bind)
@@ -206,6 +223,8 @@ def read_back(
                 _verify_params_files(path, conf)
         elif result.loaded_here:
             model = load_directory(path, conf, bind=bind, route=route)
+            if bind is not None:
+                _commit_params(model)
             loaded_exp, restored = model.exported, model.params
         else:
             model = None
@@ -247,6 +266,29 @@ def read_back(
     LAST_TIMINGS.clear()
     LAST_TIMINGS.update(result.seconds)
     return result
+
+
+def _commit_params(model: Any) -> None:
+    """Put the bound params where a restore puts them: committed to the placement's shardings
+    (the default device where it leaves the choice to JAX). The reference run then compiles the
+    very module ``load_model``'s first call compiles, whose executable the persistent cache
+    keeps (uncommitted arrays lower without sharding annotations: another cache key). A jax
+    array already there is not copied; numpy arrays are moved once rather than at every call."""
+    import jax
+
+    placement = model.placement
+    if not isinstance(model.params, dict):  # an export's own tree (a checkpoint's layout)
+        return
+    try:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        names = list(model.params)  # {name: array} in the export's leaf order
+        shardings = list(placement.in_shardings[: len(names)]) or [None] * len(names)
+        model.params = {
+            name: jax.device_put(model.params[name], s if s is not None else default)
+            for name, s in zip(names, shardings, strict=True)
+        }
+    except Exception:  # noqa: BLE001 - left as given: it runs the same, compiled apart
+        return
 
 
 def _as_model_params(params: Any, conf: dict[str, Any]) -> Any:
@@ -319,11 +361,13 @@ def read_back_and_record(
     input_example: Any,
     host_outputs: Any = None,
     batched: bool = False,
+    params_proven: bool = False,
 ) -> None:
     """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
 
     ``batched`` (one symbolic batch axis everywhere): the loaded model's rows are also put to
-    the proof of ``runtime.rows`` on the same inputs, recorded as ``jaxexp.padding``.
+    the proof of ``runtime.rows`` on the same inputs, recorded as ``jaxexp.padding`` (not run,
+    and recorded not proven, when the saved ``serving_config`` turns buckets off).
 
     With an input example its outputs (computed from the params as stored) become the reference;
     without one, a synthetic probe's when the model runs here (``probes``), from the same
@@ -331,6 +375,7 @@ def read_back_and_record(
     (``{name: array}``, from ``saving.write_model_files``), None for none or a checkpoint path.
     ``host_outputs``: for a function exported for platforms this machine lacks, the reference
     computed by a host lowering of it (the read-back then deserializes and restores only).
+    ``params_proven``: see :func:`read_back`.
     """
     from jaxexp_mlflow.export import as_args
     from jaxexp_mlflow.runtime import probes
@@ -338,7 +383,13 @@ def read_back_and_record(
 
     inputs = None if input_example is None else as_args(input_example)
     found = read_back(
-        path, exp, flavor_name=FLAVOR_NAME, params=params, inputs=inputs, target=target
+        path,
+        exp,
+        flavor_name=FLAVOR_NAME,
+        params=params,
+        inputs=inputs,
+        target=target,
+        params_proven=params_proven,
     )
     outputs, platform = found.outputs, None if found.model is None else found.model.platform
     if outputs is None and host_outputs is not None:
@@ -352,7 +403,15 @@ def read_back_and_record(
     else:
         reference = {}
     if batched and found.model is not None:
-        reference["padding"] = _prove_rows(found.model, exp, inputs, found.outputs)
+        from jaxexp_mlflow.runtime import buckets
+
+        if buckets.saved_off(section.serving):  # nothing to pad for: no padded run
+            reference["padding"] = {
+                "rows_independent": False,
+                "proof": "not run: saved with serving_config buckets off",
+            }
+        else:
+            reference["padding"] = _prove_rows(found.model, exp, inputs, found.outputs)
     if reference.get("reference") or reference.get("padding"):
         mlflow_model.add_flavor(FLAVOR_NAME, **dataclasses.replace(section, **reference).to_dict())
         write_mlmodel(mlflow_model, path)
@@ -364,23 +423,27 @@ def _prove_rows(model: Any, exp: Any, inputs: Any, outputs: Any = None) -> dict[
     """The ``jaxexp.padding`` record: ``runtime.rows.prove`` on the input example's leaves, or
     on the synthetic probe the reference was made of (a probe of the export's avals otherwise).
     ``outputs``: the read-back's run of the same model on the input example, reused as the
-    proof's unpadded run (one model run fewer per save)."""
+    proof's unpadded run (one model run fewer per save). A model that loops (a decode loop:
+    ``runtime.buckets.has_loop``) is proven on one padded batch (``rows.LOOP_FILLERS``)."""
     import jax
 
-    from jaxexp_mlflow.runtime import probes, rows
+    from jaxexp_mlflow.runtime import buckets, probes, rows
 
     def call(leaves: list[Any]) -> list[Any]:
         return probes.call_flat(model, leaves)
 
+    fillers = rows.LOOP_FILLERS if buckets.has_loop(model.exported) else rows.FILLERS
     if inputs is not None:
         exact = None if outputs is None else jax.tree.leaves(outputs)
-        return rows.prove(call, jax.tree.leaves(inputs), source="input example", exact=exact)
+        return rows.prove(
+            call, jax.tree.leaves(inputs), source="input example", exact=exact, fillers=fillers
+        )
     try:
         avals = list(exp.in_avals)[model._n_param_leaves :]
         leaves = probes.make(avals).leaves
     except Exception as err:  # noqa: BLE001 - no probe: not proven, never a failed save
         return {"rows_independent": False, "proof": f"no synthetic probe: {err}"[:300]}
-    return rows.prove(call, leaves, source="synthetic probe")
+    return rows.prove(call, leaves, source="synthetic probe", fillers=fillers)
 
 
 def write_mlmodel(mlflow_model: Model, path: str) -> None:

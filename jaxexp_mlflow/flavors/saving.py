@@ -182,6 +182,17 @@ def _prepare_for_iree(exp: Any, data: bytes, path: str | os.PathLike, n_params: 
         return {"problem": f"preparation failed: {type(err).__name__}: {err}"[:500]}
 
 
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What :func:`write_model_files` wrote and the read-back needs."""
+
+    section: FlavorSection  #: the MLmodel ``jaxexp`` section
+    exported: Any  #: the ``Exported`` (to infer the signature from)
+    params: Any  #: the params as stored, ``{name: array}`` (None: none, or a checkpoint path)
+    host_outputs: Any  #: the reference of a host lowering (exported for another platform)
+    params_proven: bool = False  #: every array file's checksum taken from ``params`` in memory
+
+
 def write_model_files(
     exported: Any,
     path: str | os.PathLike,
@@ -195,16 +206,18 @@ def write_model_files(
     durable: bool = True,
     polymorphic_shapes: Any = None,
     route: str | None = None,
-) -> tuple[FlavorSection, Any, Any, Any]:
+) -> Written:
     """Write blob and params into ``path``.
 
     ``durable`` is kept for the callers' sake: the params are never fsynced here, the model's
     atomic directory (``store.atomic``) fsyncs every file at once when ``durable``.
 
-    Returns the MLmodel ``jaxexp`` section (a ``store.section.FlavorSection``), the
-    ``Exported`` (to infer the signature from), the params as stored (``{name: array}``;
-    None for none or an on-disk checkpoint) and, for a function exported for platforms this
-    machine lacks, the reference outputs of a host lowering of it (else None). The reference
+    Returns a :class:`Written`: the MLmodel ``jaxexp`` section (a
+    ``store.section.FlavorSection``), the ``Exported`` (to infer the signature from), the params
+    as stored (``{name: array}``; None for none or an on-disk checkpoint), for a function
+    exported for platforms this machine lacks the reference outputs of a host lowering of it
+    (else None), and whether the manifest's checksum of every array file was taken from the
+    params in memory (``params_proven``: the read-back then binds them). The reference
     result (the input example's, or a synthetic probe's) is computed later, by the read-back
     of the finished directory (``flavors.readback``), with the params as stored.
     """
@@ -224,6 +237,7 @@ def write_model_files(
     )
     artifact.check_free_space(path, artifact.model_bytes(data, params, input_example))
     n_params = 0
+    proven = False  # every array's file checksum taken from the params in memory
     params_path = None
     params_conf: dict[str, Any] | None = None
     names_conf: dict[str, Any] = {}
@@ -262,9 +276,11 @@ def write_model_files(
             # durable=False: save_model's atomic directory fsyncs the whole model before its
             # rename; checksums from memory: the read-back then reads every file against them
             # (flavors.readback), proving the files hold the params given (docs/params.md)
+            report: dict[str, Any] = {}
             params_conf = params_codec.save_params(
-                arrays, target, durable=False, checksums="memory", **kw
+                arrays, target, durable=False, checksums="memory", report=report, **kw
             )
+            proven = _every_array_from_memory(report, exp)
         if not names_conf["param_keys"]:
             del names_conf["param_keys"]
     artifact.write_blob(path, data)
@@ -309,4 +325,14 @@ def write_model_files(
             check_runs(taken[0], section.to_dict(), description)
         else:  # the reference result is computed by the read-back
             _refuse_if_it_cannot_run_here(section.to_dict(), description)
-    return section, exp, arrays, host_outputs
+    return Written(section, exp, arrays, host_outputs, proven)
+
+
+def _every_array_from_memory(report: dict[str, Any], exp: Any) -> bool:
+    """Whether the manifest's checksum of every array's one chunk file was taken from the array
+    in memory (``params.save_params(report=)``), for an export run on one device: the
+    read-back's check of the files then proves the checkpoint equal to the params given, which
+    it can bind rather than restore (``flavors.readback``)."""
+    n = int(report.get("arrays", 0))
+    files = report.get("from_memory") or {}
+    return n > 0 and len(files) == n and int(getattr(exp, "nr_devices", 1)) == 1

@@ -52,6 +52,7 @@ def save_params(
     compression: str | None = DEFAULT_COMPRESSION,
     durable: bool = True,
     checksums: str = "files",
+    report: dict[str, Any] | None = None,
 ) -> dict:
     """Write the params pytree as an Orbax PyTree checkpoint at ``directory`` (must not exist).
 
@@ -67,6 +68,11 @@ def save_params(
     on a helper thread while Orbax writes them (``params.memory_crc``), with no read of the
     files: the caller must then check the files against the manifest, as ``save_model``'s
     read-back does (a file that differs from the params given is refused there).
+
+    ``report`` (a dict, filled in when given): ``arrays``, the number of arrays written, and
+    ``from_memory``, ``{chunk file: size}`` of the files whose checksum was taken from an array
+    in memory. One such file per array means that a check of the files against the manifest
+    proves every array of the checkpoint equal to the params given (``flavors.readback``).
     """
     import jax
 
@@ -98,7 +104,16 @@ def save_params(
     finally:
         if crcs is not None:
             crcs.join()
-    manifest.write_manifest(path, None if crcs is None else lambda found: crcs.files(path, found))
+    from_memory: dict[str, int] = {}
+
+    def known(found: dict[str, int]) -> dict[str, tuple[int, int]]:
+        given = crcs.files(path, found) if crcs is not None else {}
+        from_memory.update({rel: size for rel, (size, _) in given.items()})
+        return given
+
+    manifest.write_manifest(path, None if crcs is None else known)
+    if report is not None:
+        report.update(arrays=len(jax.tree.leaves(params)), from_memory=from_memory)
     if durable:
         fsync_tree(path)
     return describe_checkpoint(path)

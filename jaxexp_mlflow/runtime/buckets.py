@@ -91,6 +91,16 @@ def _parse_sizes(value: Any, max_batch: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def saved_off(serving: dict[str, Any] | None) -> bool:
+    """Whether a saved ``serving_config`` (the MLmodel ``jaxexp.serving`` section) turns buckets
+    off: then ``save_model`` runs no row proof for them (``flavors.readback``)."""
+    value = (serving or {}).get("buckets", None)
+    try:
+        return value is not None and _parse_sizes(value, DEFAULT_MAX_BATCH) == ()
+    except (TypeError, ValueError):  # a bad value is refused where it is read, not here
+        return False
+
+
 def resolve(
     config: dict[str, Any] | None,
     saved: dict[str, Any] | None = None,

@@ -17,6 +17,12 @@ padded batch at the same size ``n + k``. The model's rows are proven independent
   another kernel: XLA:CPU computes one row through a matrix-vector product, a few ulp off the
   matrix-matrix one; integers and booleans must be equal).
 
+Padded batches that come out identical (a one-row example: ``last``, ``first`` and ``reversed``
+all repeat its row) are run once: the same executable on the same inputs gives the same rows.
+A model whose run is a whole decode loop (``runtime.buckets.has_loop``: a ``generate``) is
+proven on one padded batch, :data:`LOOP_FILLERS`, rows that differ from the real ones, judged
+against the unpadded run only (docs/saving.md says what that leaves unproven).
+
 The verdict is recorded in MLmodel (``jaxexp.padding``); pyfunc pads only a model recorded
 ``rows_independent: true``. A model saved before the record existed, or whose proof could not
 run here, is called at each batch's own size.
@@ -31,6 +37,9 @@ import numpy as np
 
 #: The filler rows tried, in order: ``last`` is the one serving pads with.
 FILLERS = ("last", "first", "zeros", "reversed")
+#: The one filler of a model that loops (each padded run is a whole decode): zeros, rows that
+#: differ from the real ones (a ``last`` filler repeats a real row, which hides a batch mean).
+LOOP_FILLERS = ("zeros",)
 #: Filler rows added: at least 3 (so a one-row example meets several kinds), at most 16.
 MIN_FILL, MAX_FILL = 3, 16
 #: Rows are compared with the unpadded run within this many ulp of the output's magnitude.
@@ -113,14 +122,18 @@ def prove(
     *,
     source: str,
     exact: Sequence[Any] | None = None,
+    fillers: Sequence[str] = FILLERS,
 ) -> dict[str, Any]:
     """Run ``call`` (flat input leaves -> flat output leaves, every leaf batched along axis 0)
     on ``leaves`` as they are and padded with each filler; the ``jaxexp.padding`` record.
 
     ``source`` says what the rows came from (``"input example"``, ``"synthetic probe"``).
     ``exact``: the flat outputs of ``call(leaves)`` when the caller already has them (the
-    save's reference run), so the unpadded batch is not run a second time.
-    Never raises: a proof that fails to run is a model not proven row-independent.
+    save's reference run), so the unpadded batch is not run a second time. ``fillers``: the
+    kinds of filler rows tried (:data:`FILLERS`; :data:`LOOP_FILLERS` for a decode loop); a
+    padded batch identical to an earlier one is not run again.
+    Never raises for the model's sake: a proof that fails to run is a model not proven
+    row-independent (an unknown kind in ``fillers`` is the caller's ``ValueError``).
     """
     leaves = [np.asarray(x) for x in leaves]
     if not leaves or any(x.ndim == 0 for x in leaves):
@@ -129,13 +142,20 @@ def prove(
     if n < 1 or any(x.shape[0] != n for x in leaves):
         return _record(False, f"the {source}'s inputs do not share one batch size")
     k = fill_count(n)
+    fillers = tuple(fillers)
+    if not fillers or any(how not in FILLERS for how in fillers):
+        raise ValueError(f"fillers={fillers!r}: expected kinds of {FILLERS}")
+    runs: list[list[np.ndarray]] = []  # the padded batches run
     try:
         exact = [np.asarray(o) for o in (call(leaves) if exact is None else exact)]
         if any(o.ndim == 0 or o.shape[0] != n for o in exact):
             return _record(False, "an output has no batch axis of the inputs' size")
         first: list[np.ndarray] | None = None
-        for how in FILLERS:
+        for how in fillers:
             padded = [np.concatenate([x, filler(x, k, how)]) for x in leaves]
+            if any(_same_batch(padded, done) for done in runs):
+                continue  # the same inputs to the same executable: the same rows
+            runs.append(padded)
             real = [np.asarray(o)[:n] for o in call(padded)]
             if first is None:
                 first = real
@@ -153,16 +173,31 @@ def prove(
                     return _record(
                         False,
                         f"output {i} of the {source}'s {n} real rows depends on the filler "
-                        f"rows ('{FILLERS[0]}' and '{how}' padding to {n + k} rows disagree)",
+                        f"rows ('{fillers[0]}' and '{how}' padding to {n + k} rows disagree)",
                     )
     except Exception as err:  # noqa: BLE001 - unproven, never a failed save
         return _record(False, f"the proof did not run: {type(err).__name__}: {str(err)[:300]}")
-    fillers = ", ".join(FILLERS)
+    kinds = ", ".join(fillers)
+    if len(fillers) == 1:
+        return _record(
+            True,
+            f"the {source}'s {n} rows padded to {n + k} with one kind of filler rows ({kinds}) "
+            "give the unpadded rows within rounding",
+        )
+    same = f"; {len(fillers) - len(runs)} identical padded batches run once" * (
+        len(runs) < len(fillers)
+    )
     return _record(
         True,
-        f"the {source}'s {n} rows padded to {n + k} with {len(FILLERS)} kinds of filler rows "
-        f"({fillers}) give the same real rows bit for bit, and the unpadded rows within rounding",
+        f"the {source}'s {n} rows padded to {n + k} with {len(fillers)} kinds of filler rows "
+        f"({kinds}) give the same real rows bit for bit, and the unpadded rows within rounding"
+        + same,
     )
+
+
+def _same_batch(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> bool:
+    """Whether two padded batches hold the same bytes, leaf by leaf."""
+    return all(x.shape == y.shape and x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True))
 
 
 def _record(independent: bool, proof: str) -> dict[str, Any]:
