@@ -28,9 +28,17 @@ out = {"impl": impl, "jax_after_load": "jax" in sys.modules}
 x = np.load(sys.argv[2])
 out["y"] = model.predict(x).tolist()
 out["jax_after_predict"] = "jax" in sys.modules
-if len(sys.argv) > 3:  # then an input the lite path leaves to jax: float64, cast by the contract
+if len(sys.argv) > 3:
+    # float64 (what MLflow's server makes of JSON numbers): cast by the contract, still lite
     out["y64"] = model.predict(x.astype(np.float64)).tolist()
     out["jax_after_cast"] = "jax" in sys.modules
+    try:  # a NaN: the contract's typed refusal, as on the JAX path
+        model.predict(np.full_like(x, np.nan))
+    except Exception as err:
+        out["nan_error"] = type(err).__name__
+    # a list: an input form the lite path leaves to the JAX path
+    out["ylist"] = model.predict(x.tolist()).tolist()
+    out["jax_after_list"] = "jax" in sys.modules
 print("RESULT " + json.dumps(out))
 """
 
@@ -105,9 +113,12 @@ def test_fresh_process_answers_without_jax(mlp_dir, tmp_path):
     got = np.asarray(second["y"], np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert got.tobytes() == np.asarray(first["y"], np.float32).tobytes()
-    # an input the lite path does not take as it is: loaded through jax, the same answer
-    assert second["jax_after_cast"]
-    np.testing.assert_allclose(np.asarray(second["y64"], np.float32), want, rtol=1e-5, atol=1e-6)
+    assert not second["jax_after_cast"]
+    assert np.asarray(second["y64"], np.float32).tobytes() == got.tobytes()
+    assert second["nan_error"] == "InputError"
+    # an input form the lite path does not take: loaded through jax, the same answer
+    assert second["jax_after_list"]
+    np.testing.assert_allclose(np.asarray(second["ylist"], np.float32), want, rtol=1e-5, atol=1e-6)
 
     # JAXEXP_LITE=0: through jax as before
     off = child(model_dir, x_file, cache, JAXEXP_LITE="0")
@@ -140,3 +151,47 @@ def test_no_entry_when_jax_was_imported_first(mlp_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["JaxExpPyfunc", "(2,", "4)"]
     assert not list((cache / lite.LITE_SUBDIR).glob("*.lite"))
+
+
+def _jax_loaded(pid: int) -> bool | None:
+    """Whether process ``pid`` or a descendant has imported jax (jaxlib's ``utils`` module is
+    loaded by ``import jax``, not by the lite path); None off Linux."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        return any("jaxlib/utils" in m.path for p in procs for m in p.memory_maps())
+    except (psutil.Error, OSError, NotImplementedError):
+        return None
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_from_the_lite_store(mlp_dir, tmp_path):
+    from tests.test_serving import server_env, start_server, stop_server
+
+    model_dir, params = mlp_dir
+    cache = tmp_path / "cache"
+    x = batch(2)
+    x_file = tmp_path / "x.npy"
+    np.save(x_file, x)
+    child(model_dir, x_file, cache)  # stores bucket 2 (the server's buckets are 1, 2, 4, ...)
+    assert list((cache / lite.LITE_SUBDIR).glob("*.lite"))
+    env = {**server_env(tmp_path), "JAXEXP_COMPILATION_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    proc, url = start_server(str(model_dir), "local", env, tmp_path / "server.log")
+    try:
+        assert _jax_loaded(proc.pid) in (False, None)  # up without importing jax
+        want = np.asarray(jax.jit(mlp_apply)(params, x))
+        import requests
+
+        # JSON numbers reach predict as float64: cast by the contract, answered from the store
+        got = requests.post(f"{url}/invocations", json={"inputs": x.tolist()}, timeout=60)
+        assert got.status_code == 200, got.text
+        np.testing.assert_allclose(got.json()["predictions"], want, rtol=1e-5, atol=1e-6)
+        # a form the store does not take (a DataFrame): through jax, the same answer
+        frame = {"dataframe_split": {"columns": [f"c{i}" for i in range(8)], "data": x.tolist()}}
+        got = requests.post(f"{url}/invocations", json=frame, timeout=120)
+        assert got.status_code == 200, got.text
+        np.testing.assert_allclose(got.json()["predictions"], want, rtol=1e-5, atol=1e-6)
+    finally:
+        stop_server(proc)

@@ -4,8 +4,9 @@
 model. A model whose batch buckets an earlier process stored in the lite store
 (``runtime/lite.py``: executables with the params folded in as constants) is loaded here from
 its MLmodel alone, and a numpy batch of the input's exact dtype and shape is padded to its
-bucket and run on jaxlib's CPU client (``internals/jaxlib_private.py``). Anything else (another
-input form, a bucket not stored, a non-finite value to refuse, any attribute besides
+bucket and run on jaxlib's CPU client (``internals/jaxlib_private.py``); another numpy dtype is
+cast (or refused) by the contract's ``convert`` first, as on the JAX path. Anything else
+(another input form, a bucket not stored, a batch over the largest bucket, any attribute besides
 ``predict``) loads the model through jax as always, once, and goes there from then on: the
 answers and the errors are the JAX path's.
 
@@ -31,9 +32,13 @@ import numpy as np
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import lite
 from jaxexp_mlflow.runtime import rows as rows_mod
+from jaxexp_mlflow.serving.casts import convert
 
 _logger = logging.getLogger(__name__)
 
+#: "0": a server loaded lite stays lite until a request needs jax (default: its first request
+#: starts loading through jax in the background, and the other buckets compile meanwhile)
+ENV_LITE_SERVER_UPGRADE = "JAXEXP_LITE_SERVER_UPGRADE"
 _GPU_PLUGINS = ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin")
 
 
@@ -91,7 +96,12 @@ def shape_of(flavor: dict[str, Any], config: dict[str, Any], serving: bool) -> A
 
 
 class LitePyfunc:
-    """A pyfunc implementation that runs stored lite executables until it needs jax."""
+    """A pyfunc implementation that runs stored lite executables until it needs jax.
+
+    ``upgrade_later`` (a scoring server): the first ``predict`` starts loading through jax in
+    the background (answering itself from the store where it can), so that the server's other
+    buckets compile meanwhile as they do for a server loaded through jax, after ``/ping``.
+    """
 
     def __init__(
         self,
@@ -102,6 +112,7 @@ class LitePyfunc:
         full: Any,
         *,
         allow_nan: bool,
+        upgrade_later: bool = False,
     ) -> None:
         self._found = found  # bucket size -> (directory, key) of its stored entry
         self._exes: dict[int, Any] = {}
@@ -129,22 +140,33 @@ class LitePyfunc:
             out = out if size == n else out[:n]
             return out if wire is None else out.astype(wire)
 
+        def accept(data: np.ndarray) -> np.ndarray:
+            """The JAX path's single-array check: the array as it is, else ``convert``'s cast
+            (which raises its typed error for what it refuses, as the JAX path does)."""
+            shape = data.shape
+            if data.dtype == target and shape[1:] == tail and 0 < shape[0]:
+                if not floats:
+                    return data
+                if data.size <= 32:
+                    if finite_number(sum(data.ravel().tolist())):
+                        return data
+                elif all_true(isfinite(data), axis=None):
+                    return data
+            return convert(data, spec, allow_nan=allow_nan)
+
+        kick = [bool(upgrade_later)]  # a server loads jax meanwhile, from its first request
+
         def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
-            full = self._full
-            if full is None and type(data) is ndarray and data.ndim == rank:
-                n = data.shape[0]
-                if data.dtype == target and data.shape[1:] == tail and 0 < n <= largest:
-                    ok = not floats
-                    if floats:
-                        ok = (
-                            finite_number(sum(data.ravel().tolist()))
-                            if data.size <= 32
-                            else bool(all_true(isfinite(data), axis=None))
-                        )
-                    if ok:
-                        got = run(data, n)
-                        if got is not None:
-                            return got
+            if kick[0]:
+                kick[0] = False
+                self.upgrade_in_background()
+            if self._full is None and type(data) is ndarray and data.ndim == rank:
+                x = accept(data)
+                n = x.shape[0]
+                if n <= largest:
+                    got = run(x, n)
+                    if got is not None:
+                        return got
             return self._upgrade().predict(data, params)
 
         predict.__signature__ = inspect.signature(predict)  # type: ignore[attr-defined]
@@ -160,7 +182,7 @@ class LitePyfunc:
             return None
         with self._lock:
             exe = self._exes.get(size)
-            if exe is not None:
+            if exe is not None or self._full is not None:  # loaded through jax meanwhile
                 return exe
             entry = lite.read_entry(*where)
             if entry is None:
@@ -184,6 +206,21 @@ class LitePyfunc:
                 self._full = self._load_full()
                 self._exes.clear()
             return self._full
+
+    def upgrade_in_background(self) -> threading.Thread:
+        """Load through jax on a background thread (a server's other buckets then compile
+        meanwhile, as a server loaded through jax does); a failure is logged, and met again,
+        typed, by the request that needs it."""
+
+        def upgrade() -> None:
+            try:
+                self._upgrade()
+            except Exception as err:  # noqa: BLE001 - a request meets it again
+                _logger.warning("jaxexp: loading the model through jax failed: %s", err)
+
+        thread = threading.Thread(target=upgrade, name="jaxexp-lite-upgrade", daemon=True)
+        thread.start()
+        return thread
 
     def __getattr__(self, name: str) -> Any:
         # anything besides predict (the raw model, the contract, the buckets): the JAX path's
@@ -258,13 +295,44 @@ def try_lite(
         os.environ.get("JAXEXP_ALLOW_NAN", (flavor.get("serving") or {}).get("allow_nan")),
     )
     allow_nan = str(allow).lower() in ("1", "true", "on", "yes")
-    return LitePyfunc(spec, out, policy, found, full, allow_nan=allow_nan)
+    later = serving and os.environ.get(ENV_LITE_SERVER_UPGRADE, "1") != "0"
+    _logger.info("jaxexp: buckets %s run without jax (the lite store)", sorted(found))
+    return LitePyfunc(spec, out, policy, found, full, allow_nan=allow_nan, upgrade_later=later)
+
+
+#: model_config keys and variables that change how a model is served, not its executables
+_SERVING_ONLY = ("buckets", "max_batch", "precompile", "allow_nan", "max_request_bytes")
+_SERVING_ONLY_ENV = (
+    "JAXEXP_COMPILATION_CACHE",
+    "JAXEXP_LITE",
+    "JAXEXP_PYFUNC_CACHE",
+    "JAXEXP_MAX_",
+    "JAXEXP_SERVE_",
+    "JAXEXP_BODY_TIMEOUT_S",
+    "JAXEXP_PROGRESS",
+    "JAXEXP_DEBUG",
+    "JAXEXP_TRANSFER_",
+    "JAXEXP_FSYNC_",
+    "JAXEXP_EARLY_UPLOAD",
+    "JAXEXP_IREE_",
+)
 
 
 def lite_identity(identity: tuple) -> list:
-    """The model identity of ``serving.pyfunc.model_identity`` without its last element
-    (whether this process serves): the same executable either way."""
-    return list(identity[:-1])
+    """The model identity of ``serving.pyfunc.model_identity`` (real path, MLmodel, blob and
+    manifest digests, config, ``JAXEXP_*`` variables, whether serving) less what changes how
+    the model is served but not an executable of a given input shape: the bucket settings,
+    the input checks, the caches, whether this process serves."""
+    import json
+
+    path, mlmodel, blob, manifest, config, env = identity[:6]
+    config = {k: v for k, v in json.loads(config).items() if k not in _SERVING_ONLY}
+    env = [
+        (k, v)
+        for k, v in env
+        if not k.startswith(_SERVING_ONLY_ENV) and k[len("JAXEXP_") :].lower() not in _SERVING_ONLY
+    ]
+    return [path, mlmodel, blob, manifest, config, env]
 
 
 class LiteWriter:
