@@ -28,7 +28,16 @@ out = {"impl": impl, "jax_after_load": "jax" in sys.modules}
 x = np.load(sys.argv[2])
 out["y"] = model.predict(x).tolist()
 out["jax_after_predict"] = "jax" in sys.modules
-if len(sys.argv) > 3:
+if sys.argv[3:] == ["fork"]:  # a forked child: the parent's client is not its own
+    import os
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, json.dumps(model.predict(x).tolist()).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    out["y_forked"] = json.loads(os.read(r, 1 << 20))
+elif len(sys.argv) > 3:
     # float64 (what MLflow's server makes of JSON numbers): cast by the contract, still lite
     out["y64"] = model.predict(x.astype(np.float64)).tolist()
     out["jax_after_cast"] = "jax" in sys.modules
@@ -119,6 +128,12 @@ def test_fresh_process_answers_without_jax(mlp_dir, tmp_path):
     # an input form the lite path does not take: loaded through jax, the same answer
     assert second["jax_after_list"]
     np.testing.assert_allclose(np.asarray(second["ylist"], np.float32), want, rtol=1e-5, atol=1e-6)
+
+    # a child forked after a lite prediction answers through jax, the same
+    forked = child(model_dir, x_file, cache, "fork")
+    np.testing.assert_allclose(
+        np.asarray(forked["y_forked"], np.float32), want, rtol=1e-5, atol=1e-6
+    )
 
     # JAXEXP_LITE=0: through jax as before
     off = child(model_dir, x_file, cache, JAXEXP_LITE="0")

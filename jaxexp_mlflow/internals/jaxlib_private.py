@@ -16,6 +16,7 @@ Nothing here imports jax; :func:`serialize` takes a ``jax.stages.Compiled`` made
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -85,7 +86,8 @@ def available() -> bool:
 def _client() -> dict[str, Any]:
     """The process's one lite CPU client, its device and the input sharding (made once)."""
     with _LOCK:
-        if not _STATE:
+        if _STATE.get("pid") != os.getpid():  # none yet, or a forked child's inherited one
+            _STATE.clear()
             _jax, xc = _modules()
             client = xc.make_cpu_client()
             device = client.local_devices()[0]
@@ -101,6 +103,7 @@ def _client() -> dict[str, Any]:
                     return xc.DeviceList((device,))
 
             _STATE.update(
+                pid=os.getpid(),
                 jax=_jax,
                 client=client,
                 device=device,
@@ -152,13 +155,17 @@ class CpuExecutable:
         except Exception as err:  # noqa: BLE001 - any jaxlib refusal means: go through jax
             raise LiteUnavailable(f"the stored executable did not load: {err}") from err
         self._state = state
+        self._pid = state["pid"]
         self._handlers = [
             state["jax"].array_result_handler(_Aval(s, d), state["sharding"], True, True)
             for s, d in outputs
         ]
 
     def __call__(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The outputs on ``inputs`` (C-contiguous numpy arrays of the compiled shapes)."""
+        """The outputs on ``inputs`` (C-contiguous numpy arrays of the compiled shapes).
+        Raises :class:`LiteUnavailable` in a forked child (the client is its parent's)."""
+        if os.getpid() != self._pid:
+            raise LiteUnavailable("this executable was loaded by the parent of this process")
         state = self._state
         put, jax_ = state["jax"].batched_device_put, state["jax"]
         dev, sharding, sem = state["device"], state["sharding"], state["semantics"]

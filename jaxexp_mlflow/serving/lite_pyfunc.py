@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow.internals.jaxlib_private import LiteUnavailable
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import lite
 from jaxexp_mlflow.runtime import rows as rows_mod
@@ -136,7 +137,12 @@ class LitePyfunc:
                 exe = self._executable(size, (size, *out_shape), out_dtype)
                 if exe is None:
                     return None
-            out = exe([np.ascontiguousarray(x if size == n else pad_rows(x, size))])[0]
+            try:
+                out = exe([np.ascontiguousarray(x if size == n else pad_rows(x, size))])[0]
+            except LiteUnavailable:  # a forked child: through jax from now on
+                exes.clear()
+                self._found.clear()
+                return None
             out = out if size == n else out[:n]
             return out if wire is None else out.astype(wire)
 
