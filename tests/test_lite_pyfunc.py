@@ -116,7 +116,10 @@ def test_fresh_process_answers_without_jax(mlp_dir, tmp_path):
     stored = list((cache / lite.LITE_SUBDIR).glob("*.lite"))
     assert len(stored) == 1
 
+    written = stored[0].stat().st_mtime_ns
     second = child(model_dir, x_file, cache, "cast")
+    # its JAX path (after the list input) found bucket 4 stored: nothing compiled or written
+    assert [p.stat().st_mtime_ns for p in (cache / lite.LITE_SUBDIR).glob("*.lite")] == [written]
     assert second["impl"] == "LitePyfunc"
     assert not second["jax_after_load"] and not second["jax_after_predict"]
     got = np.asarray(second["y"], np.float32)

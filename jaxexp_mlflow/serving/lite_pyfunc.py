@@ -356,6 +356,7 @@ class LiteWriter:
         self._identity = lite_identity(identity)
         self._setting = setting
         self._config = dict(jax.config.values)
+        self._environment = lite.environment()
         self._done: set[tuple] = set()
         self._lock = threading.Lock()
 
@@ -366,10 +367,16 @@ class LiteWriter:
             if key in self._done:
                 return
             self._done.add(key)
+        directory = lite.lite_dir(self._setting)
+        if directory is None or lite.has_entry(directory, self._key(x)):
+            return  # stored already (e.g. by the process before, whose lite path this one left)
         from jaxexp_mlflow.runtime import executables
 
         x = np.array(x, copy=True)
         executables.run_later(lambda: self.write(x, out))
+
+    def _key(self, x: np.ndarray) -> str:
+        return lite.entry_key(self._identity, self._environment, x.shape, x.dtype)
 
     def write(self, x: np.ndarray, out: Any) -> bool:
         """Compile, prove and store the folded executable of ``x``'s shape; whether it was
@@ -410,7 +417,7 @@ class LiteWriter:
         again = jaxlib_private.CpuExecutable(payload, [(got.shape, got.dtype)])([x])[0]
         if again.dtype != got.dtype or again.tobytes() != got.tobytes():
             return False
-        key = lite.entry_key(self._identity, lite.environment(), x.shape, x.dtype)
+        key = self._key(x)
         header = {"output": [list(got.shape), str(got.dtype)]}
         lite.write_entry(directory, key, header, payload)
         return True
