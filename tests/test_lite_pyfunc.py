@@ -77,9 +77,18 @@ def child(model_dir: Path, x_file: Path, cache: Path, *extra: str, **env: str) -
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+#: jaxlib releases checked to have every name the lite path needs (docs/internals.md)
+LITE_JAXLIBS = ("0.10.2",)
+needs_lite = pytest.mark.skipif(
+    not jaxlib_private.available(), reason="this jaxlib has no lite path (models load via jax)"
+)
+
+
 def test_private_names_present():
-    # the public fallback (load through jax) is what runs where one is gone; here all are
-    assert jaxlib_private.available()
+    # the public fallback (load through jax) is what runs where one is gone
+    import jaxlib
+
+    assert jaxlib_private.available() == (jaxlib.__version__ in LITE_JAXLIBS)
     assert set(jaxlib_private.PRIVATE_NAMES) >= {
         "Client.deserialize_executable",
         "_jax.batched_device_put",
@@ -87,6 +96,7 @@ def test_private_names_present():
     }
 
 
+@needs_lite
 def test_cpu_executable_runs_a_jax_executable_exactly():
     f = jax.jit(lambda w, x: jax.nn.relu(x @ w) * 2.0)
     w = np.linspace(-1, 1, 24, dtype=np.float32).reshape(8, 3)
@@ -114,6 +124,12 @@ def test_fresh_process_answers_without_jax(mlp_dir, tmp_path):
     first = child(model_dir, x_file, cache)  # through jax; stores bucket 4 for the lite path
     assert first["impl"] == "JaxExpPyfunc" and first["jax_after_load"]
     stored = list((cache / lite.LITE_SUBDIR).glob("*.lite"))
+    if not jaxlib_private.available():  # the public fallback: through jax, nothing stored
+        assert not stored
+        again = child(model_dir, x_file, cache)
+        assert again["impl"] == "JaxExpPyfunc"
+        np.testing.assert_allclose(np.asarray(again["y"], np.float32), want, rtol=1e-5, atol=1e-6)
+        return
     assert len(stored) == 1
 
     written = stored[0].stat().st_mtime_ns
@@ -183,6 +199,7 @@ def _jax_loaded(pid: int) -> bool | None:
         return None
 
 
+@needs_lite
 @pytest.mark.slow
 def test_mlflow_models_serve_answers_from_the_lite_store(mlp_dir, tmp_path):
     from tests.test_serving import server_env, start_server, stop_server

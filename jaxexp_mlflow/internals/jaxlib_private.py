@@ -39,8 +39,9 @@ PRIVATE_NAMES: dict[str, tuple[str, str]] = {
         "the lite path is off",
     ),
     "_jax.array_result_handler": (
-        "wrap the output buffer without jax's array class (_skip_checks)",
-        "the lite path is off",
+        "wrap the output buffer without jax's array class (_skip_checks, jaxlib 0.10; jaxlib "
+        "0.12 has no _skip_checks and imports jax to wrap an output)",
+        "the lite path is off (jaxlib 0.12): models load through jax",
     ),
     "_jax.buffer_to_dlpack_managed_tensor": (
         "read the output into numpy without a copy (DLPack)",
@@ -69,18 +70,28 @@ def available() -> bool:
         _jax, xc = _modules()
     except ImportError:
         return False
-    return all(
-        hasattr(obj, attr)
-        for obj, attr in (
-            (xc, "make_cpu_client"),
-            (_jax, "Client"),
-            (_jax, "batched_device_put"),
-            (_jax, "SingleDeviceSharding"),
-            (_jax, "array_result_handler"),
-            (_jax, "buffer_to_dlpack_managed_tensor"),
-            (_jax, "HostBufferSemantics"),
+    return (
+        all(
+            hasattr(obj, attr)
+            for obj, attr in (
+                (xc, "make_cpu_client"),
+                (_jax, "Client"),
+                (_jax, "batched_device_put"),
+                (_jax, "SingleDeviceSharding"),
+                (_jax, "array_result_handler"),
+                (_jax, "buffer_to_dlpack_managed_tensor"),
+                (_jax, "HostBufferSemantics"),
+            )
         )
-    ) and hasattr(_jax.Client, "deserialize_executable")
+        and hasattr(_jax.Client, "deserialize_executable")
+        and _skips_checks(_jax)
+    )
+
+
+def _skips_checks(_jax: Any) -> bool:
+    """Whether ``array_result_handler`` takes ``_skip_checks`` (jaxlib 0.10; gone in 0.12,
+    where wrapping an output imports jax: the lite path is then off)."""
+    return "_skip_checks" in (getattr(_jax.array_result_handler, "__doc__", None) or "")
 
 
 def _client() -> dict[str, Any]:
@@ -156,10 +167,13 @@ class CpuExecutable:
             raise LiteUnavailable(f"the stored executable did not load: {err}") from err
         self._state = state
         self._pid = state["pid"]
-        self._handlers = [
-            state["jax"].array_result_handler(_Aval(s, d), state["sharding"], True, True)
-            for s, d in outputs
-        ]
+        try:
+            self._handlers = [
+                state["jax"].array_result_handler(_Aval(s, d), state["sharding"], True, True)
+                for s, d in outputs
+            ]
+        except TypeError as err:
+            raise LiteUnavailable(f"this jaxlib wraps outputs otherwise: {err}") from err
 
     def __call__(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The outputs on ``inputs`` (C-contiguous numpy arrays of the compiled shapes).
