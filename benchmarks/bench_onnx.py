@@ -125,14 +125,36 @@ sys.path.insert(0, sys.argv[3])
 model = mlflow.pyfunc.load_model(sys.argv[1])
 x = np.load(sys.argv[2])
 y = model.predict(x)
-print("BENCH " + json.dumps({"first_s": time.time() - t0}))
+cpu = sum(os.times()[:2])
+print("BENCH " + json.dumps({"first_s": time.time() - t0, "cpu_s": cpu}))
 """
 
 
-def first_prediction(path: Path, x_file: Path, env: dict) -> float:
+def first_prediction(path: Path, x_file: Path, env: dict) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system) of a fresh process to its first prediction."""
     from bench_cold_start import spawn
 
-    return spawn(CHILD, [str(path), str(x_file), str(HERE)], env)["first_s"]
+    got = spawn(CHILD, [str(path), str(x_file), str(HERE)], env)
+    return got["first_s"], got["cpu_s"]
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its live descendants (Linux)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, (0, 0.0))[1]
+        todo.extend(c for c, (parent, _) in stats.items() if parent == p)
+    return total
 
 
 def free_port() -> int:
@@ -141,8 +163,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ping_time(path: Path, env: dict, limit: float = 600.0) -> float:
-    """Seconds from spawning ``mlflow models serve`` to its first ``/ping`` 200."""
+def ping_time(path: Path, env: dict, limit: float = 600.0) -> tuple[float, float]:
+    """Seconds from spawning ``mlflow models serve`` to its first ``/ping`` 200, and the CPU
+    seconds its processes had used by then (less sensitive to a loaded machine)."""
     port = free_port()
     mlflow = str(Path(sys.executable).parent / "mlflow")
     cmd = [mlflow, "models", "serve", "-m", str(path), "-p", str(port), "--env-manager", "local"]
@@ -153,7 +176,7 @@ def ping_time(path: Path, env: dict, limit: float = 600.0) -> float:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=1) as r:
                     if r.status == 200:
-                        return time.time() - t0
+                        return time.time() - t0, tree_cpu(proc.pid)
             except OSError:
                 time.sleep(0.05)
             if proc.poll() is not None:
@@ -175,6 +198,13 @@ def row(rows: list, model: str, figure: str, ours: float, peer: float) -> None:
         f"{model:12} {figure:34} ours {ours:10.6f} peer {peer:10.6f}  ratio {ratio:6.2f}",
         flush=True,
     )
+
+
+def medians(rows: list, model: str, figure: str, ours: list, peer: list) -> None:
+    """Rows for the median wall and CPU seconds of ``(wall, cpu)`` pairs, ours and peer."""
+    for i, unit in enumerate(("s", "CPU s")):
+        mid = [statistics.median(x[i] for x in side) for side in (ours, peer)]
+        row(rows, model, f"{figure} ({unit})", *mid)
 
 
 def measure(
@@ -233,19 +263,13 @@ def measure(
         for _ in range(max(1, min(rounds, 3))):
             a.append(first_prediction(ours_dir, x_file, env))
             b.append(first_prediction(peer_dir, x_file, env))
-        row(
-            rows,
-            name,
-            "fresh process -> first pyfunc (s)",
-            statistics.median(a),
-            statistics.median(b),
-        )
+        medians(rows, name, "fresh process -> first pyfunc", a, b)
     if "ping" not in skip:
         a, b = [], []
         for _ in range(max(1, min(rounds, 2))):
             a.append(ping_time(ours_dir, env))
             b.append(ping_time(peer_dir, env))
-        row(rows, name, "serve start -> /ping (s)", statistics.median(a), statistics.median(b))
+        medians(rows, name, "serve start -> /ping", a, b)
 
 
 def main() -> None:
@@ -261,6 +285,9 @@ def main() -> None:
     target = 0.2 if args.quick else 1.0  # seconds of calls per measurement
     skip = set(filter(None, args.skip.split(",")))
 
+    from bench_cold_start import compile_package
+
+    print(compile_package(), flush=True)  # as bench_cold_start: an installed wheel has bytecode
     load0 = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench-onnx-"))
     convert(onnx_python(args.onnx_python), tmp / "onnx")

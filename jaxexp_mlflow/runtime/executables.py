@@ -154,11 +154,22 @@ def store_later(digest: str, compiled: Any, args: tuple, outs: Any) -> None:
     call. The inputs are copied (a caller may reuse its buffers); :func:`flush` waits for what
     is queued, and runs at interpreter exit so that a normal exit finishes its writes. A
     forked child (which inherits the queue but not the thread) starts its own."""
+    leaves = tuple(np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in args)
+    _queue().put((digest, compiled, leaves, outs))
+
+
+def run_later(job: Any) -> None:
+    """Run ``job()`` on the store's worker thread (after what is queued; :func:`flush` waits
+    for it too): work that may follow a first call, off the caller's path."""
+    _queue().put(job)
+
+
+def _queue() -> Any:
+    """The store's job queue, its worker started once per process."""
     import atexit
     import queue
 
     global _QUEUE, _QUEUE_PID
-    leaves = tuple(np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in args)
     with _QUEUE_LOCK:
         if _QUEUE is None or _QUEUE_PID != os.getpid():
             _QUEUE, _QUEUE_PID = queue.Queue(), os.getpid()
@@ -166,7 +177,7 @@ def store_later(digest: str, compiled: Any, args: tuple, outs: Any) -> None:
                 target=_store_worker, args=(_QUEUE,), name="jaxexp-store", daemon=True
             ).start()
             atexit.register(flush)
-        _QUEUE.put((digest, compiled, leaves, outs))
+        return _QUEUE
 
 
 def flush() -> None:
@@ -180,7 +191,10 @@ def _store_worker(jobs: Any) -> None:
     while True:
         job = jobs.get()
         try:
-            write_executable(*job)
+            if callable(job):
+                job()
+            else:
+                write_executable(*job)
         finally:
             del job
             jobs.task_done()
@@ -329,6 +343,9 @@ class Executables:
         self._base: str | None = None
         self.compiles = 0
         self.loaded = 0
+        #: called as ``on_first(leaves, outs)`` after each shape's first call (e.g. the lite
+        #: store's writer, serving/lite_pyfunc.py); never on the hot path
+        self.on_first: Any = None
 
     def _get(self, key: tuple) -> Any:
         """The executable kept for ``key`` (now the most recently used), or None."""
@@ -433,6 +450,11 @@ class Executables:
             pass
         return exe
 
+    @property
+    def function(self) -> Any:
+        """The Python function ``jitted`` traces (None when it says none)."""
+        return getattr(self._jit, "__wrapped__", None)
+
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """``jitted.lower``."""
         return self._jit.lower(*args, **kwargs)
@@ -470,6 +492,7 @@ class Executables:
             else:
                 self.loaded += prepared is None
                 self._keep(key, exe)
+                self._first_done(leaves, outs)
                 return outs
         if prepared is not None and not prepared.stored:
             exe = prepared.exe
@@ -483,7 +506,16 @@ class Executables:
         self._keep(key, exe)
         if self._store:
             store_later(digest, exe, args, outs)
+        self._first_done(leaves, outs)
         return outs
+
+    def _first_done(self, leaves: tuple, outs: Any) -> None:
+        hook = self.on_first
+        if hook is not None:
+            try:
+                hook(leaves, outs)
+            except Exception as err:  # noqa: BLE001 - a hook never fails the call
+                _logger.debug("jaxexp: on_first hook failed: %s", err)
 
     def _to_jit(self, key: tuple, args: tuple) -> Any:
         self._keep(key, self._jit)

@@ -24,7 +24,7 @@ from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import executables as executables_mod
 from jaxexp_mlflow.runtime import rows as rows_mod
-from jaxexp_mlflow.serving import serving_guard
+from jaxexp_mlflow.serving import lite_pyfunc, serving_guard
 from jaxexp_mlflow.serving.inputs import (
     ENV_ALLOW_NAN,
     InputContract,
@@ -443,7 +443,8 @@ def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = N
         if impl is not None:
             _CACHE.move_to_end(key)
             return impl
-    impl = _load_uncached(model_dir, config, model_files)
+    serving = in_scoring_server()  # stored buckets run without importing jax (lite_pyfunc)
+    impl = lite_pyfunc.load(model_dir, config, model_files, key, _load_uncached, register, serving)
     with _CACHE_LOCK:
         _CACHE[key] = impl
         while len(_CACHE) > _CACHE_SIZE:

@@ -1,0 +1,134 @@
+"""The lite store: XLA:CPU executables of pyfunc buckets that run without importing jax.
+
+An entry holds one batch bucket of one model, compiled with the params folded in as constants
+(no params to read, and XLA specialises on them), and the output's shape and dtype. It is keyed
+by what determines it without asking jax: the model's identity (real path, MLmodel and blob
+digests, params manifest, model_config, ``JAXEXP_*`` variables), the padded input's shape and
+dtype, the jax/jaxlib/jaxexp versions, every ``JAX_*``/``XLA_FLAGS`` variable and the host CPU.
+jax's configuration can only come from those variables in a process that had not imported jax
+before the model loaded, and only such a process writes entries (``serving/lite_pyfunc.py``).
+
+Entries live in the subdirectory ``jaxexp-lite`` of the compilation cache directory a fresh
+process would use (``JAX_COMPILATION_CACHE_DIR``, else ``runtime/cache.resolve``), written like
+the executable store's (atomically, a sha256 over the payload, read only when owned by this
+user): an executable is machine code, trusted like JAX's own cache; the model directory never is.
+Nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+LITE_SUBDIR = "jaxexp-lite"
+ENV_LITE = "JAXEXP_LITE"
+ENV_LITE_MAX_BYTES = "JAXEXP_LITE_MAX_PARAM_BYTES"
+#: params folded into an executable at most this large (bigger models keep params as arguments)
+DEFAULT_LITE_MAX_BYTES = 64 << 20
+MAX_ENTRIES = 256
+
+
+def enabled() -> bool:
+    """``JAXEXP_LITE`` is not ``0``/``off``/``false``/``no``."""
+    return os.environ.get(ENV_LITE, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def max_param_bytes() -> int:
+    """Largest params (bytes) folded into a lite executable (``JAXEXP_LITE_MAX_PARAM_BYTES``)."""
+    return int(os.environ.get(ENV_LITE_MAX_BYTES, DEFAULT_LITE_MAX_BYTES))
+
+
+def lite_dir(setting: Any = None) -> Path | None:
+    """Where lite entries live for the pyfunc ``compilation_cache`` setting, as a process that
+    has not imported jax would configure it (None: cache off, or remote)."""
+    from jaxexp_mlflow.runtime.cache import resolve
+
+    current = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    directory = Path(os.path.expanduser(current)) if current else resolve(setting)
+    if directory is None or "://" in str(directory):
+        return None
+    return directory / LITE_SUBDIR
+
+
+def environment() -> dict[str, Any]:
+    """What of this process determines an executable besides the model, without jax."""
+    from importlib import metadata
+
+    from jaxexp_mlflow import __version__
+    from jaxexp_mlflow.runtime.cache import host_cpu
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    env = sorted(
+        (k, v)
+        for k, v in os.environ.items()
+        if k.startswith(("JAX_", "XLA_", "LIBTPU")) and k != "JAX_COMPILATION_CACHE_DIR"
+    )
+    return {
+        "lite": 1,
+        "jaxexp": __version__,
+        "jax": version("jax"),
+        "jaxlib": version("jaxlib"),
+        "env": env,
+        "cpu": host_cpu(),
+    }
+
+
+def entry_key(identity: Any, environment: dict[str, Any], shape: tuple, dtype: Any) -> str:
+    """The digest an entry is stored under."""
+    text = json.dumps([identity, environment, list(shape), str(dtype)], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _path(directory: Path, key: str) -> Path:
+    return directory / f"{key}.lite"
+
+
+def has_entry(directory: Path, key: str) -> bool:
+    """Whether an entry file exists for ``key`` (not yet read nor checked)."""
+    return _path(directory, key).is_file()
+
+
+def write_entry(directory: Path, key: str, header: dict[str, Any], payload: bytes) -> None:
+    """Store ``payload`` (a serialized executable) and its ``header`` under ``key``."""
+    from jaxexp_mlflow.runtime.executables import _write_entry
+
+    head = json.dumps(header, sort_keys=True).encode()
+    _write_entry(directory, _path(directory, key), len(head).to_bytes(4, "little") + head + payload)
+    entries = [p for p in directory.glob("*.lite") if p.is_file()]
+    if len(entries) > MAX_ENTRIES:  # the oldest go first
+        entries.sort(key=lambda p: p.stat().st_mtime)
+        for old in entries[: len(entries) - MAX_ENTRIES]:
+            old.unlink(missing_ok=True)
+
+
+def read_entry(directory: Path, key: str) -> tuple[dict[str, Any], bytes] | None:
+    """The header and payload stored under ``key``; None when absent, not ours or damaged."""
+    from jaxexp_mlflow.runtime.executables import _read_entry
+
+    try:
+        data = _read_entry(_path(directory, key))
+    except OSError:
+        return None
+    if data is None or len(data) < 4:
+        return None
+    n = int.from_bytes(data[:4], "little")
+    try:
+        header = json.loads(data[4 : 4 + n])
+    except ValueError:
+        return None
+    if not isinstance(header, dict):
+        return None
+    return header, data[4 + n :]
+
+
+def remove_entry(directory: Path, key: str) -> None:
+    """Drop the entry stored under ``key`` (one that failed to load)."""
+    _path(directory, key).unlink(missing_ok=True)

@@ -1,0 +1,232 @@
+"""The lite pyfunc (issue 38, start-up): a fresh process answers stored buckets without jax."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import mlflow
+import numpy as np
+import pytest
+
+import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
+from jaxexp_mlflow.internals import jaxlib_private
+from jaxexp_mlflow.runtime import lite
+from tests.models import batch, export_mlp, mlp_apply, mlp_params
+
+CHILD = r"""
+import json, sys
+import numpy as np
+import mlflow.pyfunc
+model = mlflow.pyfunc.load_model(sys.argv[1], model_config={"buckets": [1, 2, 4]})
+impl = type(model._model_impl).__name__
+out = {"impl": impl, "jax_after_load": "jax" in sys.modules}
+x = np.load(sys.argv[2])
+out["y"] = model.predict(x).tolist()
+out["jax_after_predict"] = "jax" in sys.modules
+if sys.argv[3:] == ["fork"]:  # a forked child: the parent's client is not its own
+    import os
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, json.dumps(model.predict(x).tolist()).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    out["y_forked"] = json.loads(os.read(r, 1 << 20))
+elif len(sys.argv) > 3:
+    # float64 (what MLflow's server makes of JSON numbers): cast by the contract, still lite
+    out["y64"] = model.predict(x.astype(np.float64)).tolist()
+    out["jax_after_cast"] = "jax" in sys.modules
+    try:  # a NaN: the contract's typed refusal, as on the JAX path
+        model.predict(np.full_like(x, np.nan))
+    except Exception as err:
+        out["nan_error"] = type(err).__name__
+    # a list: an input form the lite path leaves to the JAX path
+    out["ylist"] = model.predict(x.tolist()).tolist()
+    out["jax_after_list"] = "jax" in sys.modules
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def mlp_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "mlp"
+    params = mlp_params()
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
+    return path, params
+
+
+def child(model_dir: Path, x_file: Path, cache: Path, *extra: str, **env: str) -> dict:
+    """Load and predict in a fresh process (jax not imported before the load)."""
+    run_env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    run_env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    run_env.update(env)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model_dir), str(x_file), *extra],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+#: jaxlib releases checked to have every name the lite path needs (docs/internals.md)
+LITE_JAXLIBS = ("0.10.2",)
+needs_lite = pytest.mark.skipif(
+    not jaxlib_private.available(), reason="this jaxlib has no lite path (models load via jax)"
+)
+
+
+def test_private_names_present():
+    # the public fallback (load through jax) is what runs where one is gone
+    import jaxlib
+
+    assert jaxlib_private.available() == (jaxlib.__version__ in LITE_JAXLIBS)
+    assert set(jaxlib_private.PRIVATE_NAMES) >= {
+        "Client.deserialize_executable",
+        "_jax.batched_device_put",
+        "_jax.buffer_to_dlpack_managed_tensor",
+    }
+
+
+@needs_lite
+def test_cpu_executable_runs_a_jax_executable_exactly():
+    f = jax.jit(lambda w, x: jax.nn.relu(x @ w) * 2.0)
+    w = np.linspace(-1, 1, 24, dtype=np.float32).reshape(8, 3)
+    x = batch(5)
+    compiled = f.lower(w, x).compile()
+    want = np.asarray(compiled(w, x))
+    exe = jaxlib_private.CpuExecutable(
+        jaxlib_private.serialize(compiled), [(want.shape, want.dtype)]
+    )
+    (got,) = exe([w, x])
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    with pytest.raises(jaxlib_private.LiteUnavailable):
+        jaxlib_private.CpuExecutable(b"not an executable", [(want.shape, want.dtype)])
+
+
+@pytest.mark.slow
+def test_fresh_process_answers_without_jax(mlp_dir, tmp_path):
+    model_dir, params = mlp_dir
+    cache = tmp_path / "cache"
+    x = batch(3)  # bucket 4: padded, then sliced back
+    x_file = tmp_path / "x.npy"
+    np.save(x_file, x)
+    want = np.asarray(jax.jit(mlp_apply)(params, x))
+
+    first = child(model_dir, x_file, cache)  # through jax; stores bucket 4 for the lite path
+    assert first["impl"] == "JaxExpPyfunc" and first["jax_after_load"]
+    stored = list((cache / lite.LITE_SUBDIR).glob("*.lite"))
+    if not jaxlib_private.available():  # the public fallback: through jax, nothing stored
+        assert not stored
+        again = child(model_dir, x_file, cache)
+        assert again["impl"] == "JaxExpPyfunc"
+        np.testing.assert_allclose(np.asarray(again["y"], np.float32), want, rtol=1e-5, atol=1e-6)
+        return
+    assert len(stored) == 1
+
+    written = stored[0].stat().st_mtime_ns
+    second = child(model_dir, x_file, cache, "cast")
+    # its JAX path (after the list input) found bucket 4 stored: nothing compiled or written
+    assert [p.stat().st_mtime_ns for p in (cache / lite.LITE_SUBDIR).glob("*.lite")] == [written]
+    assert second["impl"] == "LitePyfunc"
+    assert not second["jax_after_load"] and not second["jax_after_predict"]
+    got = np.asarray(second["y"], np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert got.tobytes() == np.asarray(first["y"], np.float32).tobytes()
+    assert not second["jax_after_cast"]
+    assert np.asarray(second["y64"], np.float32).tobytes() == got.tobytes()
+    assert second["nan_error"] == "InputError"
+    # an input form the lite path does not take: loaded through jax, the same answer
+    assert second["jax_after_list"]
+    np.testing.assert_allclose(np.asarray(second["ylist"], np.float32), want, rtol=1e-5, atol=1e-6)
+
+    # a child forked after a lite prediction answers through jax, the same
+    forked = child(model_dir, x_file, cache, "fork")
+    np.testing.assert_allclose(
+        np.asarray(forked["y_forked"], np.float32), want, rtol=1e-5, atol=1e-6
+    )
+
+    # JAXEXP_LITE=0: through jax as before
+    off = child(model_dir, x_file, cache, JAXEXP_LITE="0")
+    assert off["impl"] == "JaxExpPyfunc" and off["jax_after_load"]
+
+    # a damaged entry is not run: the load goes through jax and answers the same
+    data = bytearray(stored[0].read_bytes())
+    data[-1] ^= 0xFF
+    stored[0].write_bytes(bytes(data))
+    damaged = child(model_dir, x_file, cache)
+    assert damaged["jax_after_predict"]
+    np.testing.assert_allclose(np.asarray(damaged["y"], np.float32), want, rtol=1e-5, atol=1e-6)
+
+
+def test_no_entry_when_jax_was_imported_first(mlp_dir, tmp_path):
+    # jax imported before the load: its config may not be the environment's, so nothing is
+    # stored for the lite path (and no lite path is taken)
+    model_dir, _ = mlp_dir
+    cache = tmp_path / "cache"
+    code = (
+        "import sys, jax, numpy as np, mlflow.pyfunc\n"
+        "m = mlflow.pyfunc.load_model(sys.argv[1], model_config={'buckets': [2]})\n"
+        "print(type(m._model_impl).__name__, m.predict(np.zeros((2, 8), np.float32)).shape)\n"
+    )
+    env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir)], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["JaxExpPyfunc", "(2,", "4)"]
+    assert not list((cache / lite.LITE_SUBDIR).glob("*.lite"))
+
+
+def _jax_loaded(pid: int) -> bool | None:
+    """Whether process ``pid`` or a descendant has imported jax (jaxlib's ``utils`` module is
+    loaded by ``import jax``, not by the lite path); None off Linux."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        return any("jaxlib/utils" in m.path for p in procs for m in p.memory_maps())
+    except (psutil.Error, OSError, NotImplementedError):
+        return None
+
+
+@needs_lite
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_from_the_lite_store(mlp_dir, tmp_path):
+    from tests.test_serving import server_env, start_server, stop_server
+
+    model_dir, params = mlp_dir
+    cache = tmp_path / "cache"
+    x = batch(2)
+    x_file = tmp_path / "x.npy"
+    np.save(x_file, x)
+    child(model_dir, x_file, cache)  # stores bucket 2 (the server's buckets are 1, 2, 4, ...)
+    assert list((cache / lite.LITE_SUBDIR).glob("*.lite"))
+    env = {**server_env(tmp_path), "JAXEXP_COMPILATION_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    proc, url = start_server(str(model_dir), "local", env, tmp_path / "server.log")
+    try:
+        assert _jax_loaded(proc.pid) in (False, None)  # up without importing jax
+        want = np.asarray(jax.jit(mlp_apply)(params, x))
+        import requests
+
+        # JSON numbers reach predict as float64: cast by the contract, answered from the store
+        got = requests.post(f"{url}/invocations", json={"inputs": x.tolist()}, timeout=60)
+        assert got.status_code == 200, got.text
+        np.testing.assert_allclose(got.json()["predictions"], want, rtol=1e-5, atol=1e-6)
+        # a form the store does not take (a DataFrame): through jax, the same answer
+        frame = {"dataframe_split": {"columns": [f"c{i}" for i in range(8)], "data": x.tolist()}}
+        got = requests.post(f"{url}/invocations", json=frame, timeout=120)
+        assert got.status_code == 200, got.text
+        np.testing.assert_allclose(got.json()["predictions"], want, rtol=1e-5, atol=1e-6)
+    finally:
+        stop_server(proc)
