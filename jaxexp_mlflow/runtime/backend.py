@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 #: Backends ``load_model``/pyfunc can run a model on: JAX, or IREE without importing JAX
@@ -24,3 +25,10 @@ def _check_backend(backend: Any) -> str:
             f"backend={backend!r} is not supported: expected one of {list(BACKENDS)}."
         )
     return name
+
+
+def backend_of(config: dict[str, Any], flavor_conf: dict[str, Any]) -> str:
+    """The engine a pyfunc load runs on: ``model_config``'s ``backend``, else
+    ``$JAXEXP_BACKEND``, else the saved serving config's, else JAX."""
+    saved = flavor_conf.get("serving") or {}
+    return _check_backend(config.get("backend", os.environ.get(ENV_BACKEND, saved.get("backend"))))

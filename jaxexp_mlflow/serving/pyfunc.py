@@ -24,6 +24,7 @@ from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import executables as executables_mod
 from jaxexp_mlflow.runtime import rows as rows_mod
+from jaxexp_mlflow.runtime.backend import backend_of
 from jaxexp_mlflow.serving import lite_pyfunc, serving_guard
 from jaxexp_mlflow.serving.inputs import (
     ENV_ALLOW_NAN,
@@ -443,8 +444,13 @@ def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = N
         if impl is not None:
             _CACHE.move_to_end(key)
             return impl
-    serving = in_scoring_server()  # stored buckets run without importing jax (lite_pyfunc)
-    impl = lite_pyfunc.load(model_dir, config, model_files, key, _load_uncached, register, serving)
+    if backend_of(config, model_files.flavor) == "iree":  # runs without jax or jaxlib as it is
+        impl = _load_uncached(model_dir, config, model_files)
+    else:  # stored buckets run without importing jax (lite_pyfunc)
+        serving = in_scoring_server()
+        impl = lite_pyfunc.load(
+            model_dir, config, model_files, key, _load_uncached, register, serving
+        )
     with _CACHE_LOCK:
         _CACHE[key] = impl
         while len(_CACHE) > _CACHE_SIZE:
@@ -457,7 +463,6 @@ def _load_uncached(
 ) -> JaxExpPyfunc:
     """Read, judge and load the model at ``model_dir`` into a new ``JaxExpPyfunc``
     (``model_files``: the directory as the caller has just read it, ``store.model_files``)."""
-    from jaxexp_mlflow.runtime.backend import ENV_BACKEND, _check_backend
     from jaxexp_mlflow.serving import signature as sig
     from jaxexp_mlflow.store.model_files import read_model_files
 
@@ -465,9 +470,7 @@ def _load_uncached(
         model_files = read_model_files(model_dir)
     flavor_conf = model_files.flavor
     saved = dict(flavor_conf.get("serving") or {})
-    backend = _check_backend(
-        config.get("backend", os.environ.get(ENV_BACKEND, saved.get("backend")))
-    )
+    backend = backend_of(config, flavor_conf)
     load_options = {k: config[k] for k in ("allow_other_platform", "data_parallel") if k in config}
     if config.get("route") is not None:  # taken as asked, never chosen (runtime/routes.py)
         from jaxexp_mlflow.runtime.routes import check_name
