@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -122,6 +123,20 @@ def result_of(proc: subprocess.CompletedProcess) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def llm_example() -> Any:
+    """examples/llm.py as a module (examples/ is no package), loaded once per process."""
+    import importlib.util
+
+    name = "llm_example"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "examples" / "llm.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 @pytest.fixture(autouse=True, scope="session")

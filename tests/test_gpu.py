@@ -316,12 +316,9 @@ def test_llm_generates_here_as_the_raw_jitted_call(tmp_path):
     ``fori_loop`` in one function), saved here, loaded with its params in this accelerator's
     memory, generating the raw ``jax.jit(generate)``'s tokens through ``load_model`` and pyfunc;
     ``jaxexp verify`` in a fresh process reproduces the stored reference."""
-    import importlib.util
+    from tests.conftest import llm_example
 
-    spec = importlib.util.spec_from_file_location("llm_example_gpu", REPO / "examples" / "llm.py")
-    llm = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = llm  # dataclasses look their module up
-    spec.loader.exec_module(llm)
+    llm = llm_example()
     cfg = llm.CONFIGS["tiny"]
     params = llm.init_params(cfg, jax.random.key(0))
     ids = llm.prompt(cfg, batch=2)

@@ -9,7 +9,6 @@ models serve`` must be the raw jitted call's tokens, exactly.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import requests
 
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
+from tests.conftest import llm_example
 from tests.test_serving import server_env, start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,11 +29,7 @@ JAXEXP = Path(sys.executable).with_name("jaxexp")
 
 
 def _example() -> object:
-    spec = importlib.util.spec_from_file_location("llm_example", REPO / "examples" / "llm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return llm_example()
 
 
 llm = _example()

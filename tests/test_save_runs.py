@@ -6,7 +6,6 @@ that differs from what was given, on every path."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -23,17 +22,14 @@ from jaxexp_mlflow.params import restore as params_restore
 from jaxexp_mlflow.runtime import rows
 from jaxexp_mlflow.runtime.model import JaxExpModel
 from jaxexp_mlflow.store import artifact
+from tests.conftest import llm_example
 from tests.models import batch, mlp_apply, mlp_params
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _llm() -> object:
-    spec = importlib.util.spec_from_file_location("llm_example", REPO / "examples" / "llm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return llm_example()
 
 
 @pytest.fixture
