@@ -6,9 +6,10 @@ contiguous parts, one per thread (the calling thread takes the first); each part
 computed from 0 and the parts are joined in file order with ``crc32c_combine``, so the result is
 the CRC-32C of the whole file, the bytes between and after the regions included.
 
-``google_crc32c.extend`` holds the GIL on a buffer that is not ``bytes``, so two checksums never
-run at once; a read on one thread runs beside the checksum on another, which on two cores keeps
-both busy (``benchmarks/bench_params.py``, BENCHMARKS.md).
+The checksum is ``internals.crc32c_private.extend``: Google's crc32c library called with the GIL
+released, so the threads' reads and checksums all run at once (``google_crc32c.extend``, its
+public fallback, holds the GIL on a buffer that is not ``bytes``: then two checksums never
+overlap; ``benchmarks/bench_params.py``, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ def _split(segments: list[tuple[int, int, Any]], parts: int) -> list[list[tuple[
 
 def _run(fd: int, part: list[tuple[int, int, Any]], what: str, block: int) -> tuple[int, int]:
     """Read and checksum one part; returns ``(crc32c from 0, bytes)``."""
-    import google_crc32c
     import numpy as np
+
+    from jaxexp_mlflow.internals.crc32c_private import extend
 
     value = 0
     gaps = sum(n for _, n, dst in part if dst is None)  # bytes only checksummed
@@ -113,7 +115,7 @@ def _run(fd: int, part: list[tuple[int, int, Any]], what: str, block: int) -> tu
                     f"{offset + done}, found end of file. The checkpoint is damaged; download "
                     "the model again."
                 )
-            value = google_crc32c.extend(value, np.frombuffer(view[:got], np.uint8))
+            value = extend(value, view[:got])
             done += got
     return int(value), sum(n for _, n, _ in part)
 

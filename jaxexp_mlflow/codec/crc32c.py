@@ -1,8 +1,9 @@
-"""CRC-32C of buffers and files through ``google_crc32c``'s public API (no JAX, no copies).
+"""CRC-32C of buffers and files through ``google_crc32c`` (no JAX, no copies).
 
-``google_crc32c.extend`` takes any read-only buffer that has no release hook; a numpy view of
-the bytes is one, so a ``memoryview``, ``bytearray`` or mapping is checksummed in place, in
-hardware (SSE4.2 / ARMv8 CRC) at several GB/s (``benchmarks/bench_params.py``).
+A ``memoryview``, ``bytearray`` or mapping is checksummed in place, in hardware (SSE4.2 / ARMv8
+CRC) at several GB/s (``benchmarks/bench_params.py``), with the GIL released where
+``internals.crc32c_private`` finds google_crc32c's bundled library (else through its public
+``google_crc32c.extend``).
 """
 
 from __future__ import annotations
@@ -61,15 +62,14 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 
 def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC-32C of ``data`` continuing from ``value``."""
-    import google_crc32c
-    import numpy as np
+    from jaxexp_mlflow.internals.crc32c_private import extend
 
     view = memoryview(data)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     if not view.nbytes:
         return value
-    return int(google_crc32c.extend(value, np.frombuffer(view, np.uint8)))
+    return extend(value, view)
 
 
 def file_crc32c(fd: int, size: int, offset: int = 0, value: int = 0) -> int:

@@ -15,7 +15,8 @@ layout this module misjudged, a flipped bit) is then refused before the model is
 Only what is unambiguous is taken from memory: a C-contiguous host array (numpy, or a jax array
 on one CPU device, viewed without a copy) stored as one uncompressed chunk file of exactly its
 bytes (``codec.zarr.array_meta`` judges the layout). Every other file is checksummed from disk
-as before. Uses only public APIs (``google_crc32c.extend``, ``jax.Array``, numpy).
+as before. Uses public APIs (``jax.Array``, numpy) and ``internals.crc32c_private.extend``
+(google_crc32c's library with the GIL released; ``google_crc32c.extend`` where it is not found).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-#: Bytes checksummed per call: ``google_crc32c.extend`` holds the GIL, so Orbax's own Python
-#: threads get it back between blocks (~0.3 ms each).
+#: Bytes checksummed per call: where the checksum holds the GIL (the public fallback), Orbax's
+#: own Python threads get it back between blocks (~0.3 ms each).
 _BLOCK = 4 << 20
 
 
@@ -72,13 +73,13 @@ class MemoryChecksums:
         self._thread = threading.Thread(target=self._run, name="jaxexp-params-crc32c", daemon=True)
 
     def _run(self) -> None:
-        import google_crc32c
+        from jaxexp_mlflow.internals.crc32c_private import extend
 
         try:
             for name, _, view in self._leaves:
                 value = 0
                 for start in range(0, view.size, _BLOCK):
-                    value = google_crc32c.extend(value, view[start : start + _BLOCK])
+                    value = extend(value, view[start : start + _BLOCK])
                 self._crcs[name] = int(value)
         except BaseException as err:  # noqa: BLE001 - the files are checksummed instead
             self._failed = err
