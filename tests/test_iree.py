@@ -300,5 +300,5 @@ def test_batch1_function_is_compiled_in_and_agrees(mlp_dir, monkeypatch):
     expected = np.asarray(flavor.load_model(str(mlp_dir))(x))
     np.testing.assert_allclose(model(x[:1]), expected[:1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(model(x), expected, rtol=1e-5, atol=1e-5)
-    (seen_1,) = [f for k, (_, (_, f)) in model._shapes_seen.items() if k[0][0] == 1]
+    (seen_1,) = [r.function for k, (_, r) in model._shapes_seen.items() if k[0][0] == 1]
     assert seen_1 is model._batch1[1]

@@ -179,3 +179,55 @@ def test_single_channel_convolution_becomes_im2col(cnn):
     entry = sized_entry(specialize.STATIC, blob.describe(data, source="t"), 4, 2)
     text = specialize.static_main(reader.read_module(data), entry.inputs, entry.outputs)
     assert "stablehlo.convolution" not in text and "stablehlo.dot_general" in text
+
+
+def test_large_batches_run_on_the_task_driver(cnn):
+    """Where no driver was asked for, a bucket of TASK_MIN_ROWS rows or more runs on IREE's
+    thread pool (``local-task``, a device of its own), smaller ones on the calling thread; the
+    outputs are JAX's either way. A driver asked for is kept for every size."""
+    from jaxexp_mlflow.iree.static import TASK_DRIVER, TASK_MIN_ROWS
+
+    f, params, path = cnn
+    model = mlflow.jaxexp.load_model(path, backend="iree")
+    assert model.splits_drivers
+    assert model.driver_for(TASK_MIN_ROWS // 2) == "local-sync"
+    assert model.driver_for(TASK_MIN_ROWS) == TASK_DRIVER
+    for n in (1, TASK_MIN_ROWS + 8, 2):  # 40 rows: the 64-row bucket
+        x = images(n, seed=n)
+        np.testing.assert_allclose(model(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
+    small, large = model._functions[1], model._functions[2 * TASK_MIN_ROWS]
+    assert small.device is not large.device and large.device is model._task[0].device
+    chosen = mlflow.jaxexp.load_model(path, backend="iree", iree_driver="local-sync")
+    assert not chosen.splits_drivers and chosen.driver_for(1024) == "local-sync"
+    x = images(TASK_MIN_ROWS, seed=5)
+    np.testing.assert_allclose(chosen(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
+    assert chosen._task is None
+
+
+def test_branches_and_a_multi_platform_export_run_per_batch_size(tmp_path):
+    """A ``lax.cond`` and an export for ``("cpu", "cuda")`` (which dispatches on a platform
+    index, its first argument) both lower to ``stablehlo.case``, whose branches are specialized
+    too; the task driver's modules get the platform index uploaded to their own device."""
+    from jaxexp_mlflow.iree.static import TASK_MIN_ROWS
+
+    def f(params, x):
+        h = jax.lax.cond(params["v"][0, 0] > 0, jnp.tanh, jnp.sin, x @ params["w"])
+        return h @ params["v"]
+
+    rng = np.random.default_rng(1)
+    params = {
+        k: rng.standard_normal(s).astype(np.float32) for k, s in (("w", (6, 8)), ("v", (8, 2)))
+    }
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    (b,) = jax.export.symbolic_shape("b")
+    exp = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"))(
+        spec, jax.ShapeDtypeStruct((b, 6), np.float32)
+    )
+    rows = lambda n: rng.standard_normal((n, 6)).astype(np.float32)  # noqa: E731
+    mlflow.jaxexp.save_model(exp, tmp_path / "m", params=params, input_example=rows(3))
+    model = mlflow.jaxexp.load_model(tmp_path / "m", backend="iree")
+    assert isinstance(model, StaticIreeModel) and model._platform_arg is not None
+    for n in (3, TASK_MIN_ROWS):
+        x = rows(n)
+        np.testing.assert_allclose(model(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
+    assert model._task is not None and model._task[2] is not None

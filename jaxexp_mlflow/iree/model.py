@@ -24,7 +24,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -300,7 +300,9 @@ class IreeModel:
         self.description = description
         self.verdict: Any = None
         self._rt = rt
-        self._config = rt.Config(driver or os.environ.get(ENV_DRIVER) or DEFAULT_DRIVER)
+        #: the driver asked for (argument or environment); None: ours to choose
+        self.driver_chosen = driver or os.environ.get(ENV_DRIVER) or None
+        self._config = rt.Config(self.driver_chosen or DEFAULT_DRIVER)
         instance = self._config.vm_instance
         self._source = source
         if isinstance(vmfb, Path):
@@ -310,7 +312,9 @@ class IreeModel:
         # params bound into the module (``specialize.bind_arguments``) come from a parameter
         # provider, read by each context's initializer once; else they are call arguments
         self._bound = bound_params and bool(params)
-        self._param_module = self._parameters(params, description, platform_index)
+        self._platform_index = platform_index
+        self._param_index = self._parameter_index(params, description, platform_index)
+        self._param_module = self._parameters(self._config)
         self._context = self._new_context(module)
         main = self._context.modules[module.name]["main"]
         self._vm_context, self._vm_function = main._vm_context, main.vm_function
@@ -364,6 +368,7 @@ class IreeModel:
             if i >= n or not self._bound
         ]
         self._n_args = len(self._arg_plan)
+        self._runner = Runner(self._vm_context, self._vm_function, self._device, self._arg_plan)
         self._buffer_view = rt.HalBufferView
         # the batch-1 function, where compiled in: the input shapes it takes, and it
         self._batch1 = self._batch1_function(module, passed)
@@ -385,12 +390,12 @@ class IreeModel:
         check_interface(function, want, outs, self._source)
         return inputs, function
 
-    def _parameters(self, params: list, description: Any, platform_index: int | None) -> Any:
-        """The io_parameters module serving the kept params under the names
+    def _parameter_index(self, params: list, description: Any, platform_index: int | None) -> Any:
+        """The parameter index of the kept params under the names
         ``specialize.bind_arguments`` gave them; None where the params are not bound."""
         if not self._bound:
             return None
-        from jaxexp_mlflow.iree.specialize import SCOPE, parameter_name
+        from jaxexp_mlflow.iree.specialize import parameter_name
 
         rt = self._rt
         index = rt.ParameterIndex()
@@ -402,25 +407,38 @@ class IreeModel:
                 arr = arr.view(_bits(arr.dtype))
                 self._param_arrays.append(arr)  # the index reads from it: kept alive
                 index.add_buffer(parameter_name(j + offset), arr)
-        provider = index.create_provider(scope=SCOPE)
-        return rt.create_io_parameters_module(self._config.vm_instance, provider)
+        return index
 
-    def _new_context(self, module: Any) -> Any:
-        """A VM context running ``module`` (with the parameter module where params are bound)."""
-        modules = [module] if self._param_module is None else [self._param_module, module]
-        return self._rt.SystemContext(vm_modules=modules, config=self._config)
+    def _parameters(self, config: Any) -> Any:
+        """The io_parameters module serving the bound params to contexts of ``config``; None
+        where the params are not bound."""
+        if self._param_index is None:
+            return None
+        from jaxexp_mlflow.iree.specialize import SCOPE
 
-    def _function_for(self, key: tuple, env: dict[str, int]) -> tuple[Any, Any]:
-        """The VM context and function that run inputs of shapes ``key`` (dimension variables
-        ``env``): the batch-1 function where compiled in and called for, else ``main``."""
+        provider = self._param_index.create_provider(scope=SCOPE)
+        return self._rt.create_io_parameters_module(config.vm_instance, provider)
+
+    def _new_context(self, module: Any, config: Any = None, param_module: Any = None) -> Any:
+        """A VM context running ``module`` on ``config`` (default: the model's own), with the
+        parameter module where params are bound."""
+        config = config or self._config
+        params = param_module if config is not self._config else self._param_module
+        modules = [module] if params is None else [params, module]
+        return self._rt.SystemContext(vm_modules=modules, config=config)
+
+    def _function_for(self, key: tuple, env: dict[str, int]) -> Runner:
+        """What runs inputs of shapes ``key`` (dimension variables ``env``): the batch-1
+        function where compiled in and called for, else ``main``."""
         if self._batch1 is not None and key == self._batch1[0]:
-            return self._vm_context, self._batch1[1]
-        return self._vm_context, self._vm_function
+            return self._runner._replace(function=self._batch1[1])
+        return self._runner
 
     # -- conversion ------------------------------------------------------------------------------
 
-    def _upload(self, arr: Any, index: int | None) -> Any:
+    def _upload(self, arr: Any, index: int | None, device: Any = None) -> Any:
         rt = self._rt
+        device = device or self._device
         arr = np.asarray(arr)
         arr = np.ascontiguousarray(arr).reshape(arr.shape)  # ascontiguousarray makes 0-d 1-d
         et = (
@@ -429,10 +447,10 @@ class IreeModel:
             else getattr(rt.HalElementType, _ELEMENT_TYPES[arr.dtype.name])
         )
         arr = arr.view(_bits(arr.dtype))
-        return self._device.allocator.allocate_buffer_copy(
+        return device.allocator.allocate_buffer_copy(
             memory_type=rt.MemoryType.DEVICE_LOCAL,
             allowed_usage=rt.BufferUsage.DEFAULT,
-            device=self._device,
+            device=device,
             buffer=arr,
             element_type=et,
         )
@@ -469,13 +487,13 @@ class IreeModel:
             seen = ([_resolve(a, env) for a in self.out_avals], self._function_for(key, env))
             if len(self._shapes_seen) < 1024:
                 self._shapes_seen[key] = seen
-        expected, (context, function) = seen
+        expected, runner = seen
         rt = self._rt
         args = rt.VmVariantList(self._n_args)
-        for ref, j in self._arg_plan:
-            args.push_ref(ref if j < 0 else self._upload(arrays[j], n + j))
+        for ref, j in runner.plan:
+            args.push_ref(ref if j < 0 else self._upload(arrays[j], n + j, runner.device))
         results = rt.VmVariantList(len(self._out_dtypes))
-        context.invoke(function, args, results)
+        runner.context.invoke(runner.function, args, results)
         if results.size != len(self._out_dtypes):
             raise ArtifactError(
                 f"{self._source} returned {results.size} results, expected "
@@ -551,6 +569,16 @@ class IreeModel:
     def __repr__(self) -> str:
         d = self.description
         return f"IreeModel({d.fun_name!r}, in={list(d.in_avals)}, out={list(d.out_avals)})"
+
+
+class Runner(NamedTuple):
+    """What runs one input shape: a VM context and function, the device its inputs are
+    uploaded to, and the call's argument plan (``(ref, -1)`` fixed, ``(None, j)`` input j)."""
+
+    context: Any
+    function: Any
+    device: Any
+    plan: list[tuple[Any, int]]
 
 
 def _resolve(aval: shapes.Aval, env: dict[str, int]) -> tuple[int | None, ...]:

@@ -42,10 +42,14 @@ from jaxexp_mlflow.iree import rewrites
 
 #: The ``compiler.Entry`` name that means: ``main`` itself, specialized to the entry's shapes.
 #: Part of the compile cache key: its suffix is bumped whenever what is compiled changes.
-STATIC = "jaxexp_static_main.2"
+STATIC = "jaxexp_static_main.3"
 #: The pass after which IREE's input pipeline prints the module (VHLO is legalized before it).
 _PRINT_AFTER = "chlo-legalize-to-stablehlo"
 _MAX_ROUNDS = 8
+#: Ops whose regions are branches (not isolated from ``main``: they read its values, and their
+#: results are what the taken branch returns): ``lax.cond`` and a multi-platform export's
+#: dispatch on the platform index lower to ``stablehlo.case``.
+_BRANCHING = frozenset({"stablehlo.case", "stablehlo.if"})
 #: Ops whose result has their first operand's shape but whose type is not inferred (the result
 #: element type is the op's choice).
 _SAME_SHAPE = frozenset(
@@ -345,14 +349,34 @@ def _refine_block(block: Any, ir: Any) -> int:
     changed = 0
     for op in block.operations:
         op = op.operation
+        if op.name in _BRANCHING:  # the branches first: the results are what they return
+            for region in op.regions:
+                for inner in region.blocks:
+                    changed += _refine_block(inner, ir)
         if not any(_dynamic(r.type, ir) for r in op.results):
             continue
-        found = _inferred(op, ir)
+        found = _branch_results(op, ir) if op.name in _BRANCHING else _inferred(op, ir)
         for result, t in zip(op.results, found or (), strict=False):
             if t is not None and not _dynamic(t, ir) and str(result.type) != str(t):
                 result.set_type(t)
                 changed += 1
     return changed
+
+
+def _branch_results(op: Any, ir: Any) -> list | None:
+    """The result types of a ``case`` / ``if`` whose branches all return the same static
+    types (None where one does not: refined in a later round, or left and refused)."""
+    found: list | None = None
+    for region in op.regions:
+        ret = list(region.blocks[0].operations)[-1].operation
+        types = [str(v.type) for v in ret.operands]
+        if found is None:
+            found = types
+        elif types != found:
+            return None
+    if found is None or any(_dynamic(ir.Type.parse(t), ir) for t in found):
+        return None
+    return [ir.Type.parse(t) for t in found]
 
 
 def _ints(value: Any, ir: Any) -> list[int] | None:

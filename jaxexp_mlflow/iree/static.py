@@ -12,6 +12,16 @@ next power of two and the padding rows dropped from the outputs, so sizes 1, 2, 
 cover every batch up to 1024 with 11 modules; otherwise each batch size gets its own module.
 Batch 1 is compiled at load (a module that cannot be specialized is refused there, not at the
 first call). The params are uploaded once and passed to every module.
+
+Which driver: where none was asked for (``iree_driver=``, ``JAXEXP_IREE_DRIVER``) and the params
+are bound into the modules, sizes of at least :data:`TASK_MIN_ROWS` rows run on IREE's
+``local-task`` driver (a thread pool over the cores), smaller ones on ``local-sync`` (the calling
+thread: no hand-off per dispatch). Measured on the 2-core VM, ``local-task`` / ``local-sync`` per
+call: the 784-512-512-10 MLP 2.02 at 1 row, 1.70 at 8, 0.89 at 32, 0.63-0.73 at 64-256,
+0.64-0.98 at 1024-2048; the CNN of ``benchmarks/onnx_models.py`` 1.48 at 1 row, 0.83 at 4, 0.81
+at 16, 0.28-0.59 at 256-1024 (docs/longevity.md). Each driver has a VM instance and device of
+its own; the modules of a size on ``local-task`` read the same bound params (a module packs its
+own copy of them at load either way).
 """
 
 from __future__ import annotations
@@ -24,11 +34,21 @@ from typing import Any
 import numpy as np
 
 from jaxexp_mlflow.iree import shapes
-from jaxexp_mlflow.iree.model import IreeModel, batch_shapes, check_interface
+from jaxexp_mlflow.iree.model import (
+    DEFAULT_DRIVER,
+    IreeModel,
+    Runner,
+    batch_shapes,
+    check_interface,
+)
 
 #: ``0``/``off``: only the models IREE cannot compile otherwise go per batch size; by default
 #: (``auto``) also every model with one dimension variable whose rows are proven independent.
 ENV_STATIC = "JAXEXP_IREE_STATIC"
+#: Batch sizes of at least this many rows run on ``local-task`` where the driver is ours to
+#: choose (module docstring).
+TASK_MIN_ROWS = 32
+TASK_DRIVER = "local-task"
 
 
 def rows_independent(meta: dict[str, Any]) -> bool:
@@ -94,7 +114,11 @@ class StaticIreeModel(IreeModel):
         self._vmfb_for = vmfb_for
         self._lock = threading.Lock()
         self._var = shapes.dim_var(self._input_avals) or ""
-        self._functions: dict[int, tuple[Any, Any]] = {1: (self._vm_context, self._vm_function)}
+        self._functions: dict[int, Runner] = {1: self._runner}
+        #: sizes from TASK_MIN_ROWS up run on the task driver (``_task``: its config, params
+        #: module and platform argument, made on first use) where the driver is ours
+        self.splits_drivers = self.driver_chosen is None and (self._bound or not self.has_params)
+        self._task: tuple[Any, Any, Any] | None = None
         # input shapes already checked -> (rows, the bucket they are padded to)
         self._padding_seen: dict[tuple, tuple[int, int]] = {}
         self.pads = (
@@ -108,7 +132,23 @@ class StaticIreeModel(IreeModel):
         """The batch sizes compiled so far."""
         return sorted(self._functions)
 
-    def _function_for(self, key: tuple, env: dict[str, int]) -> tuple[Any, Any]:
+    def driver_for(self, size: int) -> str:
+        """The IREE driver that runs batches of ``size`` rows."""
+        if self.splits_drivers and size >= TASK_MIN_ROWS:
+            return TASK_DRIVER
+        return self.driver_chosen or DEFAULT_DRIVER
+
+    def _task_parts(self) -> tuple[Any, Any, Any]:
+        """The task driver's config, params module and platform argument (made once)."""
+        if self._task is None:
+            config = self._rt.Config(TASK_DRIVER)
+            platform = None
+            if self._platform_arg is not None:
+                platform = self._upload(np.int32(self._platform_index), None, config.device)
+            self._task = (config, self._parameters(config), platform)
+        return self._task
+
+    def _function_for(self, key: tuple, env: dict[str, int]) -> Runner:
         size = env.get(self._var, 1)
         with self._lock:
             found = self._functions.get(size)
@@ -116,13 +156,18 @@ class StaticIreeModel(IreeModel):
                 found = self._functions[size] = self._load(size)
         return found
 
-    def _load(self, size: int) -> tuple[Any, Any]:
-        """The VM context and ``main`` of the module for batch ``size``, its interface checked
-        against the blob's avals at that size."""
+    def _load(self, size: int) -> Runner:
+        """What runs the module for batch ``size`` (on :meth:`driver_for` its driver), its
+        interface checked against the blob's avals at that size."""
         rt = self._rt
         vmfb = self._vmfb_for(size)
-        module = rt.VmModule.copy_buffer(self._config.vm_instance, vmfb)
-        context = self._new_context(module)
+        config, param_module, plan = self._config, None, self._arg_plan
+        if self.driver_for(size) == TASK_DRIVER:
+            config, param_module, platform = self._task_parts()
+            if platform is not None:  # the platform index, uploaded to that device
+                plan = [(platform.ref, -1), *plan[1:]]
+        module = rt.VmModule.copy_buffer(config.vm_instance, vmfb)
+        context = self._new_context(module, config, param_module)
         main = context.modules[module.name]["main"]
         found = batch_shapes(self._input_avals, self.out_avals, self._constraints, size)
         if found is not None:
@@ -136,7 +181,7 @@ class StaticIreeModel(IreeModel):
                 want.insert(0, shapes.Aval("int32", ()))
             outs = [shapes.Aval(a.dtype, s) for a, s in zip(self.out_avals, outputs, strict=True)]
             check_interface(main.vm_function, want, outs, self._source)
-        return main._vm_context, main.vm_function
+        return Runner(main._vm_context, main.vm_function, config.device, plan)
 
     def call_flat(self, leaves: list[Any]) -> list[np.ndarray]:
         """Run on the flat input leaves; a batch is padded to its bucket where :attr:`pads`."""
