@@ -104,7 +104,7 @@ def _choose() -> Callable[[int, Any], int]:
 def extend(value: int, data: Any) -> int:
     """CRC-32C of the bytes of ``data`` (any C-contiguous buffer) continuing from ``value``;
     releases the GIL while it runs where the bundled library is usable."""
-    return _choose()(value, data)
+    return (_CHOSEN[0] if _CHOSEN else _choose())(value, data)
 
 
 def native() -> bool:
