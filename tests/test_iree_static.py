@@ -231,3 +231,21 @@ def test_branches_and_a_multi_platform_export_run_per_batch_size(tmp_path):
         x = rows(n)
         np.testing.assert_allclose(model(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
     assert model._task is not None and model._task[2] is not None
+
+
+def test_big_batches_run_in_chunks(cnn, monkeypatch):
+    """A padded model runs a batch of more than CHUNK_ROWS rows as chunks of that many (each
+    padded as usual), with JAX's outputs; ``JAXEXP_IREE_CHUNK_ROWS=0`` runs it whole."""
+    from jaxexp_mlflow.iree.static import CHUNK_ROWS, ENV_CHUNK
+
+    f, params, path = cnn
+    assert mlflow.jaxexp.load_model(path, backend="iree").chunk_rows == CHUNK_ROWS
+    monkeypatch.setenv(ENV_CHUNK, "4")
+    model = mlflow.jaxexp.load_model(path, backend="iree", iree_driver="local-sync")
+    x = images(10, seed=3)
+    np.testing.assert_allclose(model(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
+    assert model.sizes() == [1, 2, 4]  # chunks of 4, 4 and 2 rows; never a 16-row module
+    monkeypatch.setenv(ENV_CHUNK, "0")
+    whole = mlflow.jaxexp.load_model(path, backend="iree", iree_driver="local-sync")
+    np.testing.assert_allclose(whole(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
+    assert whole.sizes() == [1, 16]
