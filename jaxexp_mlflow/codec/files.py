@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 
 __all__ = [
     "MAX_BLOB_BYTES",
+    "fsync_path",
     "check_relative",
     "MAX_MLMODEL_BYTES",
     "MAX_SMALL_FILE_BYTES",
@@ -252,3 +253,12 @@ def walk_files(
                     f"{_kind(st.st_mode)}. Download the model again."
                 )
             yield shown, st
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """``fsync`` the file or directory at ``path`` (a directory: its entries are durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from jaxexp_mlflow.codec.files import fsync_path
 from jaxexp_mlflow.params import layout, orbax_io
 
 #: Accepted values of ``compression=``: ``None`` (raw bytes, fastest) or ``"zstd"``.
@@ -123,14 +124,6 @@ def save_params(
 FSYNC_THREADS = 8
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(path: Path) -> None:
     """fsync every file and directory under ``path``: durable like a raw write + fsync.
 
@@ -150,10 +143,10 @@ def fsync_tree(path: Path) -> None:
     workers = max(1, min(int(os.environ.get("JAXEXP_FSYNC_THREADS", FSYNC_THREADS)), len(targets)))
     if workers == 1:
         for target in targets:
-            _fsync(target)
+            fsync_path(target)
         return
     with concurrent.futures.ThreadPoolExecutor(workers, "jaxexp-fsync") as pool:
-        for _ in pool.map(_fsync, targets):
+        for _ in pool.map(fsync_path, targets):
             pass
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS
 
+from jaxexp_mlflow.codec.files import fsync_path
 from jaxexp_mlflow.errors import SaveConflictError
 
 #: Marker in the names of temporary sibling directories (``.<name>.jaxexp-tmp-<hex>``).
@@ -54,14 +55,6 @@ def check_target(path: str | os.PathLike) -> None:
         )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     """Rename the finished directory ``tmp`` to ``path`` (absent or empty), atomically.
 
@@ -79,7 +72,7 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
             "path finished first. That model was kept whole and this one discarded. Save to "
             "another path, or remove the existing one and save again."
         ) from err
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 @contextlib.contextmanager
