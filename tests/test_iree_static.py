@@ -249,3 +249,44 @@ def test_big_batches_run_in_chunks(cnn, monkeypatch):
     whole = mlflow.jaxexp.load_model(path, backend="iree", iree_driver="local-sync")
     np.testing.assert_allclose(whole(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
     assert whole.sizes() == [1, 16]
+
+
+def _child_calls(model, xs, path, queue):  # in a forked child
+    outs = [np.asarray(model(x)) for x in xs]
+    try:
+        mlflow.jaxexp.load_model(path, backend="iree", iree_driver="local-task")
+        refused = None
+    except IncompatibleError as err:
+        refused = str(err)
+    queue.put((outs, refused))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork of a process with threads
+def test_a_forked_child_runs_every_size_on_the_calling_thread(cnn):
+    """IREE's task driver does not survive ``fork`` (its worker threads stay in the parent): a
+    forked child of a process that ran it runs every size on ``local-sync``, with the same
+    outputs, instead of waiting forever; asking for ``local-task`` there is refused."""
+    import multiprocessing
+
+    from jaxexp_mlflow.iree import model as iree_model
+    from jaxexp_mlflow.iree.static import TASK_MIN_ROWS
+
+    f, params, path = cnn
+    model = mlflow.jaxexp.load_model(path, backend="iree")
+    xs = [images(TASK_MIN_ROWS + 8, seed=7), images(1, seed=8)]
+    want = [np.asarray(model(x)) for x in xs]  # the parent runs 64 rows on local-task
+    assert model._task is not None and iree_model._TASK_OWNER[0] != 0
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_calls, args=(model, xs, path, queue))
+    child.start()
+    child.join(120)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0, "the forked child hung or failed"
+    outs, refused = queue.get(timeout=10)
+    for got, expected in zip(outs, want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    assert refused and "local-sync" in refused, refused
+    np.testing.assert_allclose(model(xs[0]), want[0], rtol=RTOL, atol=ATOL)  # parent unchanged

@@ -37,6 +37,25 @@ from jaxexp_mlflow.iree import compiler, shapes, trees
 #: many-core machine). ``iree_driver=`` / the pyfunc key / ``JAXEXP_IREE_DRIVER`` choose.
 DEFAULT_DRIVER = "local-sync"
 ENV_DRIVER = "JAXEXP_IREE_DRIVER"
+TASK_DRIVER = "local-task"
+#: The process that made IREE's ``local-task`` driver (0: none yet). IREE makes a driver once per
+#: process, and its worker threads with it; a forked child inherits the driver without the
+#: threads, and anything run or even made on it there waits for them forever.
+_TASK_OWNER = [0]
+
+
+def claim_task_driver() -> None:
+    """Record that this process makes (or uses) IREE's ``local-task`` driver."""
+    if _TASK_OWNER[0] == 0:
+        _TASK_OWNER[0] = os.getpid()
+
+
+def task_driver_usable() -> bool:
+    """Whether this process may run IREE's ``local-task`` driver: False in a forked child of a
+    process that made it (see ``_TASK_OWNER``)."""
+    return _TASK_OWNER[0] in (0, os.getpid())
+
+
 #: The name of the batch-1 function the compiler adds beside ``main`` (:func:`batch1_entry`).
 BATCH1 = "jaxexp_main_batch1"
 
@@ -302,6 +321,15 @@ class IreeModel:
         self._rt = rt
         #: the driver asked for (argument or environment); None: ours to choose
         self.driver_chosen = driver or os.environ.get(ENV_DRIVER) or None
+        if TASK_DRIVER in (self.driver_chosen or ""):
+            if not task_driver_usable():
+                raise IncompatibleError(
+                    f"IREE's {TASK_DRIVER} driver was made by this process's parent before it "
+                    "forked: its worker threads did not come along, and a model on it would "
+                    "wait for them forever. Load with iree_driver='local-sync' (or leave "
+                    f"{ENV_DRIVER} unset) in a forked process."
+                )
+            claim_task_driver()
         self._config = rt.Config(self.driver_chosen or DEFAULT_DRIVER)
         instance = self._config.vm_instance
         self._source = source

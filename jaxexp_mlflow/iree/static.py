@@ -44,10 +44,13 @@ import numpy as np
 from jaxexp_mlflow.iree import shapes
 from jaxexp_mlflow.iree.model import (
     DEFAULT_DRIVER,
+    TASK_DRIVER,
     IreeModel,
     Runner,
     batch_shapes,
     check_interface,
+    claim_task_driver,
+    task_driver_usable,
 )
 
 #: ``0``/``off``: only the models IREE cannot compile otherwise go per batch size; by default
@@ -56,7 +59,6 @@ ENV_STATIC = "JAXEXP_IREE_STATIC"
 #: Batch sizes of at least this many rows run on ``local-task`` where the driver is ours to
 #: choose (module docstring).
 TASK_MIN_ROWS = 32
-TASK_DRIVER = "local-task"
 #: A padded model runs a batch of more rows than this as consecutive chunks of this many rows
 #: (module docstring); ``JAXEXP_IREE_CHUNK_ROWS`` sets it, ``0`` turns chunking off.
 CHUNK_ROWS = 256
@@ -131,6 +133,8 @@ class StaticIreeModel(IreeModel):
         #: module and platform argument, made on first use) where the driver is ours
         self.splits_drivers = self.driver_chosen is None and (self._bound or not self.has_params)
         self._task: tuple[Any, Any, Any] | None = None
+        self._task_pid = 0  # the process whose worker threads run the task driver
+        self._orphans: list[Any] = []  # a forked child's copies of the parent's task driver
         chunk = os.environ.get(ENV_CHUNK)
         self.chunk_rows = CHUNK_ROWS if chunk is None or not chunk.strip() else int(chunk)
         # input shapes already checked -> (rows, the bucket they are padded to)
@@ -148,19 +152,36 @@ class StaticIreeModel(IreeModel):
 
     def driver_for(self, size: int) -> str:
         """The IREE driver that runs batches of ``size`` rows."""
-        if self.splits_drivers and size >= TASK_MIN_ROWS:
+        if self.splits_drivers and size >= TASK_MIN_ROWS and task_driver_usable():
             return TASK_DRIVER
         return self.driver_chosen or DEFAULT_DRIVER
 
     def _task_parts(self) -> tuple[Any, Any, Any]:
         """The task driver's config, params module and platform argument (made once)."""
         if self._task is None:
+            claim_task_driver()
             config = self._rt.Config(TASK_DRIVER)
             platform = None
             if self._platform_arg is not None:
                 platform = self._upload(np.int32(self._platform_index), None, config.device)
             self._task = (config, self._parameters(config), platform)
+            self._task_pid = os.getpid()
         return self._task
+
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's task driver, whose worker threads did not
+        come along (a call on it would wait for them forever); its sizes load again on
+        ``local-sync``. Its objects are kept, not released: releasing them would wait for the
+        same threads."""
+        with self._lock:
+            if self._task is None or self._task_pid == os.getpid():
+                return
+            device = self._task[0].device
+            stale = {k: r for k, r in self._functions.items() if r.device is device}
+            self._orphans.append((self._task, stale))
+            self._task = None
+            self._functions = {k: r for k, r in self._functions.items() if k not in stale}
+            self._shapes_seen.clear()
 
     def _function_for(self, key: tuple, env: dict[str, int]) -> Runner:
         size = env.get(self._var, 1)
@@ -199,6 +220,8 @@ class StaticIreeModel(IreeModel):
 
     def call_flat(self, leaves: list[Any]) -> list[np.ndarray]:
         """Run on the flat input leaves; a batch is padded to its bucket where :attr:`pads`."""
+        if self._task is not None and self._task_pid != os.getpid():
+            self._after_fork()
         if not self.pads or len(leaves) != len(self._input_avals):
             return super().call_flat(leaves)
         n = self.n_param_leaves
