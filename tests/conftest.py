@@ -233,3 +233,18 @@ def as_logged_by_older_jax(model_dir: Path, blob: Path) -> None:
         out_shardings=[None if s is None else str(s) for s in desc.out_shardings],
     )
     (model_dir / "MLmodel").write_text(yaml.safe_dump(mlmodel))
+
+
+@pytest.fixture(scope="module")
+def mlp_dir(tmp_path_factory):
+    """``(path, params)``: the tests' MLP (``tests.models``) saved once per module with
+    ``mlflow.jaxexp.save_model``, a 2-row input example. ``test_iree.py`` has one of its own."""
+    import mlflow
+
+    import jaxexp_mlflow  # noqa: F401 - installs mlflow.jaxexp
+    from tests.models import batch, export_mlp, mlp_params
+
+    path = tmp_path_factory.mktemp("m") / "mlp"
+    params = mlp_params()
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
+    return path, params

@@ -9,14 +9,13 @@ import sys
 from pathlib import Path
 
 import jax
-import mlflow
 import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.internals import jaxlib_private
 from jaxexp_mlflow.runtime import lite
-from tests.models import batch, export_mlp, mlp_apply, mlp_params
+from tests.models import batch, mlp_apply
 
 CHILD = r"""
 import json, sys
@@ -50,14 +49,6 @@ elif len(sys.argv) > 3:
     out["jax_after_list"] = "jax" in sys.modules
 print("RESULT " + json.dumps(out))
 """
-
-
-@pytest.fixture(scope="module")
-def mlp_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "mlp"
-    params = mlp_params()
-    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
-    return path, params
 
 
 def child(model_dir: Path, x_file: Path, cache: Path, *extra: str, **env: str) -> dict:

@@ -43,14 +43,6 @@ def two_input_example(n=3):
 
 
 @pytest.fixture(scope="module")
-def mlp_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "mlp"
-    params = mlp_params()
-    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
-    return path, params
-
-
-@pytest.fixture(scope="module")
 def two_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("m") / "two"
     params = mlp_params()
