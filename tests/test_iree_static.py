@@ -249,6 +249,9 @@ def test_big_batches_run_in_chunks(cnn, monkeypatch):
     whole = mlflow.jaxexp.load_model(path, backend="iree", iree_driver="local-sync")
     np.testing.assert_allclose(whole(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
     assert whole.sizes() == [1, 16]
+    monkeypatch.setenv(ENV_CHUNK, "many")
+    with pytest.raises(ValueError, match="expected a number of rows"):
+        mlflow.jaxexp.load_model(path, backend="iree")
 
 
 def _child_calls(model, xs, path, queue):  # in a forked child

@@ -65,6 +65,24 @@ CHUNK_ROWS = 256
 ENV_CHUNK = "JAXEXP_IREE_CHUNK_ROWS"
 
 
+def chunk_rows() -> int:
+    """The chunk size of big batches: ``JAXEXP_IREE_CHUNK_ROWS`` (``0``: none), else
+    :data:`CHUNK_ROWS`."""
+    text = os.environ.get(ENV_CHUNK, "").strip()
+    if not text:
+        return CHUNK_ROWS
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"{ENV_CHUNK}={text!r}: expected a number of rows (0 runs every batch whole), "
+            f"found {text!r}. Set it to an integer such as {CHUNK_ROWS}, or unset it."
+        )
+    return value
+
+
 def rows_independent(meta: dict[str, Any]) -> bool:
     """Whether the save-time proof recorded the model's rows independent (MLmodel ``padding``)."""
     padding = meta.get("padding")
@@ -135,8 +153,7 @@ class StaticIreeModel(IreeModel):
         self._task: tuple[Any, Any, Any] | None = None
         self._task_pid = 0  # the process whose worker threads run the task driver
         self._orphans: list[Any] = []  # a forked child's copies of the parent's task driver
-        chunk = os.environ.get(ENV_CHUNK)
-        self.chunk_rows = CHUNK_ROWS if chunk is None or not chunk.strip() else int(chunk)
+        self.chunk_rows = chunk_rows()
         # input shapes already checked -> (rows, the bucket they are padded to)
         self._padding_seen: dict[tuple, tuple[int, int]] = {}
         self.pads = (
@@ -173,6 +190,7 @@ class StaticIreeModel(IreeModel):
         come along (a call on it would wait for them forever); its sizes load again on
         ``local-sync``. Its objects are kept, not released: releasing them would wait for the
         same threads."""
+        self._lock = threading.Lock()  # only this thread came along: a held lock would stay held
         with self._lock:
             if self._task is None or self._task_pid == os.getpid():
                 return
