@@ -31,10 +31,11 @@ import numpy as np
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
 from jaxexp_mlflow.iree import compiler, shapes, trees
 
-#: IREE's CPU drivers: ``local-sync`` runs dispatches on the calling thread (our default: no
-#: thread hand-off per dispatch; measured faster at batch 1 and 1024 on 2 cores, docs/longevity.md),
-#: ``local-task`` on a thread pool (IREE's default: more cores for large batches on an idle
-#: many-core machine). ``iree_driver=`` / the pyfunc key / ``JAXEXP_IREE_DRIVER`` choose.
+#: IREE's CPU drivers: ``local-sync`` runs dispatches on the calling thread (no thread hand-off
+#: per dispatch: faster for small batches), ``local-task`` on a thread pool (IREE's default: faster
+#: from ~32 rows, docs/longevity.md). ``iree_driver=`` / the pyfunc key / ``JAXEXP_IREE_DRIVER``
+#: choose one for every call; unset, a model compiled per batch size runs each size on the
+#: faster one (``iree/static.py``), any other on ``DEFAULT_DRIVER``.
 DEFAULT_DRIVER = "local-sync"
 ENV_DRIVER = "JAXEXP_IREE_DRIVER"
 TASK_DRIVER = "local-task"
