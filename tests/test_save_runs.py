@@ -132,16 +132,20 @@ def test_a_loop_that_mixes_rows_is_not_proven_by_its_one_padded_batch(tmp_path):
     assert "changes when the batch is padded" in padding["proof"]
 
 
+def flip_middle_byte(path: Path, mask: int) -> None:
+    """XOR the middle byte of the file at ``path`` with ``mask`` (damage on disk)."""
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= mask
+    path.write_bytes(bytes(raw))
+
+
 def test_the_read_back_refuses_a_damaged_blob(tmp_path, monkeypatch):
     """A byte of ``exported.bin`` flipped after it was written: refused, nothing published."""
     real = artifact.write_blob
 
     def write_then_damage(path, data):
         real(path, data)
-        blob = Path(path, artifact.EXPORTED_FILE)
-        raw = bytearray(blob.read_bytes())
-        raw[len(raw) // 2] ^= 0x01
-        blob.write_bytes(bytes(raw))
+        flip_middle_byte(Path(path, artifact.EXPORTED_FILE), 0x01)
 
     monkeypatch.setattr(artifact, "write_blob", write_then_damage)
     target = tmp_path / "m"
@@ -176,9 +180,7 @@ def test_compressed_params_are_still_restored_and_compared(tmp_path, counted, mo
             for p in (Path(path) / "w1").rglob("*")
             if p.is_file() and not p.name.startswith(".") and p.suffix != ".json"
         )
-        raw = bytearray(chunk.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        chunk.write_bytes(bytes(raw))
+        flip_middle_byte(chunk, 0xFF)
 
     monkeypatch.setattr(orbax_io, "save", save_then_damage)
     target = tmp_path / "damaged"

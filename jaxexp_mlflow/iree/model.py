@@ -451,9 +451,9 @@ class IreeModel:
     def _new_context(self, module: Any, config: Any = None, param_module: Any = None) -> Any:
         """A VM context running ``module`` on ``config`` (default: the model's own), with the
         parameter module where params are bound."""
-        config = config or self._config
-        params = param_module if config is not self._config else self._param_module
-        modules = [module] if params is None else [params, module]
+        if config is None:
+            config, param_module = self._config, self._param_module
+        modules = [module] if param_module is None else [param_module, module]
         return self._rt.SystemContext(vm_modules=modules, config=config)
 
     def _function_for(self, key: tuple, env: dict[str, int]) -> Runner:

@@ -369,14 +369,14 @@ def _branch_results(op: Any, ir: Any) -> list | None:
     found: list | None = None
     for region in op.regions:
         ret = list(region.blocks[0].operations)[-1].operation
-        types = [str(v.type) for v in ret.operands]
+        types = [v.type for v in ret.operands]
         if found is None:
             found = types
-        elif types != found:
+        elif list(map(str, types)) != list(map(str, found)):
             return None
-    if found is None or any(_dynamic(ir.Type.parse(t), ir) for t in found):
+    if found is None or any(_dynamic(t, ir) for t in found):
         return None
-    return [ir.Type.parse(t) for t in found]
+    return found
 
 
 def _ints(value: Any, ir: Any) -> list[int] | None:

@@ -214,7 +214,7 @@ class StaticIreeModel(IreeModel):
         interface checked against the blob's avals at that size."""
         rt = self._rt
         vmfb = self._vmfb_for(size)
-        config, param_module, plan = self._config, None, self._arg_plan
+        config, param_module, plan = self._config, self._param_module, self._arg_plan
         if self.driver_for(size) == TASK_DRIVER:
             config, param_module, platform = self._task_parts()
             if platform is not None:  # the platform index, uploaded to that device
