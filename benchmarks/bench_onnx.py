@@ -11,6 +11,9 @@ onnx``). The ONNX outputs are checked against the jitted function before anythin
 Ratios are ours / peer (below 1: ours faster), medians of interleaved rounds, with the load
 average before and after:
 
+The in-process rows run as the flavor runs a scoring server: CPU computations on the calling
+thread (``--cpu-dispatch server``, the default; ``jax`` keeps jax's handoff to a worker thread).
+
 * ``call``: in-process ``mlflow.jaxexp.load_model(path)(x)`` (numpy in and out) against
   ``InferenceSession.run``, batch 1 and 1024 (``--skip call`` also skips ``pyfunc``: the
   transformer's batch 1024 on XLA, onnxruntime and IREE in one process needed 10.8 GB);
@@ -280,7 +283,19 @@ def main() -> None:
     ap.add_argument("--onnx-python", default=None, help="a Python with jax2onnx installed")
     ap.add_argument("--skip", default="", help="comma list of: call,first,ping,iree")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--cpu-dispatch",
+        choices=("server", "jax"),
+        default="server",
+        help="in-process rows: 'server' runs CPU computations on the calling thread, as the "
+        "flavor sets a scoring server (runtime/dispatch.py); 'jax': jax's default handoff",
+    )
     args = ap.parse_args()
+    if args.cpu_dispatch == "server":  # before anything makes jax's CPU client
+        import jax
+
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    print(f"in-process CPU dispatch: {args.cpu_dispatch}", flush=True)
     rounds = 1 if args.quick else args.rounds
     target = 0.2 if args.quick else 1.0  # seconds of calls per measurement
     skip = set(filter(None, args.skip.split(",")))

@@ -26,7 +26,8 @@ import numpy as np
 #: name -> (what we use it for, what happens without it)
 PRIVATE_NAMES: dict[str, tuple[str, str]] = {
     "xla_client.make_cpu_client": (
-        "a CPU client of jaxlib's own (jax makes its backend with the same call)",
+        "a CPU client of jaxlib's own, running on the calling thread (jax makes its backend "
+        "with the same call)",
         "the lite path is off: models load through jax",
     ),
     "Client.deserialize_executable": (
@@ -100,7 +101,10 @@ def _client() -> dict[str, Any]:
         if _STATE.get("pid") != os.getpid():  # none yet, or a forked child's inherited one
             _STATE.clear()
             _jax, xc = _modules()
-            client = xc.make_cpu_client()
+            try:  # computations on the calling thread: runtime/dispatch.py says why
+                client = xc.make_cpu_client(asynchronous=False)
+            except TypeError:  # a jaxlib without the argument: its default
+                client = xc.make_cpu_client()
             device = client.local_devices()[0]
 
             class _OneDevice(_jax.SingleDeviceSharding):  # what jax's own sharding adds

@@ -487,6 +487,9 @@ def _load_uncached(
         load_options.update({k: config[k] for k in ("iree_cache", "iree_driver") if k in config})
         load_options["model_files"] = model_files
     else:
+        from jaxexp_mlflow.runtime.dispatch import inline_cpu_dispatch
+
+        inline_cpu_dispatch(in_scoring_server())  # before jax's CPU client, in a server only
         from jaxexp_mlflow.runtime import cache
         from jaxexp_mlflow.runtime.loader import load_directory
 
