@@ -450,6 +450,21 @@ class Executables:
             pass
         return exe
 
+    def temp_bytes(self, *leaves: np.ndarray) -> int | None:
+        """The temporaries one call with the bound params and these numpy ``leaves`` allocates
+        (XLA's ``memory_analysis``), loading or compiling its executable if need be; None where
+        it cannot tell (such calls go to ``jitted``, or the executable does not say)."""
+        self.prepare(self._params, *leaves)
+        key = (leaves[0].shape, leaves[0].dtype) if len(leaves) == 1 else _shapes(leaves)
+        exe = self._by_shape.get(key)
+        exe = exe.exe if isinstance(exe, _Prepared) else exe
+        if exe is None or exe is self._jit:
+            return None
+        try:
+            return int(exe.memory_analysis().temp_size_in_bytes)
+        except Exception:  # noqa: BLE001 - an executable or backend without the analysis
+            return None
+
     @property
     def function(self) -> Any:
         """The Python function ``jitted`` traces (None when it says none)."""
@@ -489,6 +504,7 @@ class Executables:
                     (str(err).splitlines() or [type(err).__name__])[0][:200],
                 )
                 remove_executable(digest)
+                self.loaded -= prepared is not None  # prepare counted it: not kept after all
             else:
                 self.loaded += prepared is None
                 self._keep(key, exe)

@@ -112,6 +112,7 @@ class JaxExpPyfunc:
                 "rows are not proven independent (MLmodel jaxexp.padding; docs/serving.md)"
             )
         self._out_wire = [None if s.wire_dtype == s.dtype else s.wire_dtype for s in self.outputs]
+        self._chunks: Any = None  # the rows each bucket runs in (CPU, JAX path): _chunk_plan
         if iree:
             call_flat = model.call_flat
             self._flat = lambda _params, *leaves: call_flat(list(leaves))
@@ -155,6 +156,7 @@ class JaxExpPyfunc:
                 capacity=executables_mod.max_shapes(len(self.policy.sizes) + 1),
                 renew=make_flat,
             )
+        self._chunks = self._chunk_plan()
         self._precompiling: threading.Thread | None = None
         if self._bucketed and self.policy.precompile and self._only_batch_symbolic():
             if self.policy.background:  # a server's default: up now, buckets compile meanwhile
@@ -176,6 +178,29 @@ class JaxExpPyfunc:
             else:
                 self.precompile(self.policy.precompile)
         self.predict = self._fast_predict()
+
+    def _chunk_plan(self) -> Any:
+        """The rows each bucket runs in (``runtime/chunks.py``): on the CPU, for a padded model
+        called through our executables, with only its batch dimension symbolic; else None."""
+        from jaxexp_mlflow.runtime import chunks
+
+        flat = getattr(self, "_flat", None)
+        if not (
+            self._bucketed
+            and isinstance(flat, executables_mod.Executables)
+            and self._only_batch_symbolic()
+            and getattr(self.model, "platform", None) == "cpu"
+        ):
+            return None
+        limit = chunks.budget()
+        if limit <= 0:
+            return None
+        inputs = self.inputs
+
+        def temp_bytes(size: int) -> int | None:
+            return flat.temp_bytes(*[np.zeros((size, *s.shape[1:]), s.dtype) for s in inputs])
+
+        return chunks.ChunkPlan(self.policy.sizes, temp_bytes, limit)
 
     def _fast_predict(self) -> Any:
         """``predict`` as a plain function carrying its ``__signature__``.
@@ -266,16 +291,26 @@ class JaxExpPyfunc:
                     return exe(bound, x)[0]
             return flat(bound, x)[0]
 
+        rows_for = self._chunks.rows if self._chunks is not None else None
+
+        def piece(x: ndarray, n: int) -> ndarray:
+            size = bucket_for(n)
+            if size == n:
+                return asarray(call(x))
+            return asarray(call(pad_rows(x, size)))[:n]
+
         def predict(data: Any, params: dict[str, Any] | None = None) -> Any:
             if type(data) is ndarray and data.ndim == rank:
                 x = accept(data)
                 n = x.shape[0]
                 if n <= largest:
-                    size = bucket_for(n)
-                    if size == n:
-                        out = asarray(call(x))
-                    else:
-                        out = asarray(call(pad_rows(x, size)))[:n]
+                    rows = n if rows_for is None or n == 1 else rows_for(bucket_for(n))
+                    if rows >= n:
+                        out = piece(x, n)
+                    else:  # temporaries past the budget: chunks of a smaller bucket
+                        out = np.concatenate(
+                            [piece(x[i : i + rows], min(rows, n - i)) for i in range(0, n, rows)]
+                        )
                     return out if wire is None else out.astype(wire)
             return format_outputs(run(convert_inputs(data)))
 
@@ -319,12 +354,14 @@ class JaxExpPyfunc:
         if not self._bucketed:
             return [np.asarray(o) for o in self._call(leaves)]
         n = leaves[0].shape[0]
-        largest = self.policy.largest
-        if n > largest:
+        step = self.policy.largest
+        if self._chunks is not None and n > 1:  # temporaries past the budget: smaller chunks
+            step = min(step, self._chunks.rows(self.policy.bucket_for(min(n, step))))
+        if n > step:
             parts = []
-            for i in range(0, n, largest):
+            for i in range(0, n, step):
                 serving_guard.check_deadline()  # a request past its deadline stops here
-                parts.append(self.run([x[i : i + largest] for x in leaves]))
+                parts.append(self.run([x[i : i + step] for x in leaves]))
             return [np.concatenate(chunk) for chunk in zip(*parts, strict=True)]
         size = self.policy.bucket_for(n)
         if size != n:

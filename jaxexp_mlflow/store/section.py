@@ -16,6 +16,7 @@ No JAX and no MLflow import: the CLI and the isolation child use it too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import os
 import re
@@ -199,8 +200,10 @@ def _sharding_strs(shardings: Any) -> list[str | None]:
     return [None if s is None else str(s) for s in shardings]
 
 
+@functools.lru_cache(maxsize=64)
 def package_version(name: str) -> str | None:
-    """Installed version of a distribution, or None."""
+    """Installed version of a distribution, or None (read once per process: a module already
+    imported stays the version it was, whatever is installed over it later)."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
