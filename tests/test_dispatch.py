@@ -36,7 +36,7 @@ print("RESULT " + json.dumps({
     "y": np.asarray(y).tolist(),
 }), flush=True)
 import os
-os._exit(0)  # a server's buckets may still be compiling on their thread: not waited for here
+os._exit(0)  # skip waiting for the bucket a server may still be compiling (background.py)
 """
 
 

@@ -219,14 +219,18 @@ class LitePyfunc:
         typed, by the request that needs it."""
 
         def upgrade() -> None:
+            from jaxexp_mlflow.serving import background
+
+            if background.stopping():  # the process is exiting
+                return
             try:
                 self._upgrade()
             except Exception as err:  # noqa: BLE001 - a request meets it again
                 _logger.warning("jaxexp: loading the model through jax failed: %s", err)
 
-        thread = threading.Thread(target=upgrade, name="jaxexp-lite-upgrade", daemon=True)
-        thread.start()
-        return thread
+        from jaxexp_mlflow.serving import background
+
+        return background.start(upgrade, name="jaxexp-lite-upgrade")
 
     def __getattr__(self, name: str) -> Any:
         # anything besides predict (the raw model, the contract, the buckets): the JAX path's

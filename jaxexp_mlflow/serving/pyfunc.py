@@ -25,7 +25,7 @@ from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import executables as executables_mod
 from jaxexp_mlflow.runtime import rows as rows_mod
 from jaxexp_mlflow.runtime.backend import backend_of
-from jaxexp_mlflow.serving import lite_pyfunc, serving_guard
+from jaxexp_mlflow.serving import background, lite_pyfunc, serving_guard
 from jaxexp_mlflow.serving.inputs import (
     ENV_ALLOW_NAN,
     InputContract,
@@ -168,13 +168,9 @@ class JaxExpPyfunc:
                         "compiled ahead, the others on first use (precompile= to choose)",
                         sizes[0],
                     )
-                self._precompiling = threading.Thread(
-                    target=self._precompile_in_background,
-                    args=(sizes,),
-                    name="jaxexp-precompile",
-                    daemon=True,
+                self._precompiling = background.start(
+                    self._precompile_in_background, sizes, name="jaxexp-precompile"
                 )
-                self._precompiling.start()
             else:
                 self.precompile(self.policy.precompile)
         self.predict = self._fast_predict()
@@ -334,6 +330,8 @@ class JaxExpPyfunc:
         running it where the call goes through our executables (``prepare``)."""
         prepare = getattr(self._flat, "prepare", None)
         for size in sizes:
+            if background.stopping():  # the process is exiting: no more buckets
+                return
             leaves = [np.zeros((size, *s.shape[1:]), s.dtype) for s in self.inputs]
             if prepare is not None:
                 prepare(self.model.params, *leaves)
