@@ -289,6 +289,8 @@ class JaxExpPyfunc:
 
         rows_for = self._chunks.rows if self._chunks is not None else None
 
+        check_deadline = serving_guard.check_deadline
+
         def piece(x: ndarray, n: int) -> ndarray:
             size = bucket_for(n)
             if size == n:
@@ -304,9 +306,11 @@ class JaxExpPyfunc:
                     if rows >= n:
                         out = piece(x, n)
                     else:  # temporaries past the budget: chunks of a smaller bucket
-                        out = np.concatenate(
-                            [piece(x[i : i + rows], min(rows, n - i)) for i in range(0, n, rows)]
-                        )
+                        parts = []
+                        for i in range(0, n, rows):
+                            check_deadline()  # a request past its deadline stops here
+                            parts.append(piece(x[i : i + rows], min(rows, n - i)))
+                        out = np.concatenate(parts)
                     return out if wire is None else out.astype(wire)
             return format_outputs(run(convert_inputs(data)))
 
