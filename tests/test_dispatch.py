@@ -6,7 +6,6 @@ only be set before the process imports jax.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.conftest import result_of
 from tests.models import batch, mlp_apply
 
 CHILD = r"""
@@ -51,9 +51,7 @@ def child(model_dir, x_file, first: str, role: str, **env: str) -> dict:
         text=True,
         timeout=300,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return result_of(proc)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +79,14 @@ def test_server_runs_cpu_inline(mlp_dir, x_file, first, role, env, inline):
     # the same answers either way
     want = np.asarray(mlp_apply(params, batch(3)))
     np.testing.assert_allclose(np.asarray(got["y"]), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_bad_setting_says_what_it_expected(monkeypatch):
+    from jaxexp_mlflow.runtime import dispatch
+
+    monkeypatch.setenv(dispatch.ENV_CPU_INLINE, "sometimes")
+    with pytest.raises(ValueError, match="expected 1 or 0"):
+        dispatch.inline_cpu_dispatch(serving=True)
 
 
 def test_a_process_with_jax_is_left_alone(monkeypatch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.internals import jaxlib_private
 from jaxexp_mlflow.runtime import lite
+from tests.conftest import result_of
 from tests.models import batch, mlp_apply
 
 CHILD = r"""
@@ -63,9 +63,7 @@ def child(model_dir: Path, x_file: Path, cache: Path, *extra: str, **env: str) -
         text=True,
         timeout=300,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return result_of(proc)
 
 
 #: jaxlib releases checked to have every name the lite path needs (docs/internals.md)

@@ -32,6 +32,12 @@ def inline_cpu_dispatch(serving: bool) -> bool:
     process's), or on a jax without the flag.
     """
     asked = os.environ.get(ENV_CPU_INLINE, "").strip().lower()
+    if asked not in ("", "0", "off", "false", "no", "1", "on", "true", "yes"):
+        raise ValueError(
+            f"{ENV_CPU_INLINE}={asked!r}: expected 1 or 0 (on or off), found something else. "
+            "Set it to 1 to run CPU computations on the calling thread, 0 never, or unset it "
+            "(scoring servers only)."
+        )
     if asked in ("0", "off", "false", "no"):
         return False
     if not (serving or asked in ("1", "on", "true", "yes")) or "jax" in sys.modules:
