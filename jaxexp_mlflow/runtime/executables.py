@@ -393,7 +393,7 @@ class Executables:
     def _call(self, params: Any, leaves: tuple) -> Any:
         if params is not self._params or any(type(x) is not np.ndarray for x in leaves):
             return self._jit(params, *leaves)
-        key = (leaves[0].shape, leaves[0].dtype) if len(leaves) == 1 else _shapes(leaves)
+        key = _key(leaves)
         exe = self._get(key)
         if exe is None:
             with self._key_lock(key):  # one shape's compile never waits on another's
@@ -417,7 +417,7 @@ class Executables:
             return
         import jax
 
-        key = (leaves[0].shape, leaves[0].dtype) if len(leaves) == 1 else _shapes(leaves)
+        key = _key(leaves)
         with self._key_lock(key):
             if self._get(key) is not None:
                 return
@@ -455,7 +455,7 @@ class Executables:
         (XLA's ``memory_analysis``), loading or compiling its executable if need be; None where
         it cannot tell (such calls go to ``jitted``, or the executable does not say)."""
         self.prepare(self._params, *leaves)
-        key = (leaves[0].shape, leaves[0].dtype) if len(leaves) == 1 else _shapes(leaves)
+        key = _key(leaves)
         exe = self._by_shape.get(key)
         exe = exe.exe if isinstance(exe, _Prepared) else exe
         if exe is None or exe is self._jit:
@@ -559,6 +559,11 @@ class _Prepared:
 
     def __call__(self, params: Any, *leaves: Any) -> Any:
         return self.owner._first_call(self.key, leaves, prepared=self)
+
+
+def _key(leaves: tuple) -> tuple:
+    """The executable's key for these leaves: ``(shape, dtype)`` of one, else of each."""
+    return (leaves[0].shape, leaves[0].dtype) if len(leaves) == 1 else _shapes(leaves)
 
 
 def _shapes(leaves: tuple) -> tuple:

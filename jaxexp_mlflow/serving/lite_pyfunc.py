@@ -33,6 +33,7 @@ from jaxexp_mlflow.internals.jaxlib_private import LiteUnavailable
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import lite
 from jaxexp_mlflow.runtime import rows as rows_mod
+from jaxexp_mlflow.serving import background
 from jaxexp_mlflow.serving.casts import convert
 
 _logger = logging.getLogger(__name__)
@@ -219,16 +220,12 @@ class LitePyfunc:
         typed, by the request that needs it."""
 
         def upgrade() -> None:
-            from jaxexp_mlflow.serving import background
-
             if background.stopping():  # the process is exiting
                 return
             try:
                 self._upgrade()
             except Exception as err:  # noqa: BLE001 - a request meets it again
                 _logger.warning("jaxexp: loading the model through jax failed: %s", err)
-
-        from jaxexp_mlflow.serving import background
 
         return background.start(upgrade, name="jaxexp-lite-upgrade")
 
