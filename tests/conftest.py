@@ -183,6 +183,26 @@ def tracking_uri(tmp_path):
 
 
 @pytest.fixture
+def expired_flag_off(monkeypatch):
+    """JAX's expired-versions flag off, and its environment variable unset, for the test: as a
+    user who did not set it has it (``pytestmark = pytest.mark.usefixtures(...)``)."""
+    import jax
+
+    from jaxexp_mlflow.runtime import compat
+
+    monkeypatch.delenv(compat.EXPIRED_ENV, raising=False)
+    if not hasattr(jax.config, compat.EXPIRED_FLAG):
+        yield
+        return
+    before = getattr(jax.config, compat.EXPIRED_FLAG)
+    jax.config.update(compat.EXPIRED_FLAG, False)
+    try:
+        yield
+    finally:
+        jax.config.update(compat.EXPIRED_FLAG, before)
+
+
+@pytest.fixture
 def without_expired_flag():
     """A context manager that unsets jax's ``jax_export_deserialize_expired_versions`` for its
     block (inside a test that set it with ``expired_flag``): what a user without the flag sees."""
@@ -248,3 +268,26 @@ def mlp_dir(tmp_path_factory):
     params = mlp_params()
     mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch(2))
     return path, params
+
+
+@pytest.fixture(scope="session")
+def saved_mlp(tmp_path_factory) -> Path:
+    """The tests' MLP (``tests.models``) saved once per session with a 5-row input example;
+    never altered (a test that alters a model takes :func:`mlp_copy`)."""
+    import mlflow
+
+    import jaxexp_mlflow  # noqa: F401 - installs mlflow.jaxexp
+    from tests.models import batch, export_mlp, mlp_params
+
+    path = tmp_path_factory.mktemp("saved-mlp") / "model"
+    params = mlp_params()
+    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch())
+    return path
+
+
+@pytest.fixture
+def mlp_copy(saved_mlp, tmp_path) -> Path:
+    """A private copy of :func:`saved_mlp` for one test to alter."""
+    import shutil
+
+    return Path(shutil.copytree(saved_mlp, tmp_path / "model", symlinks=True))

@@ -172,3 +172,15 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     """Signal ``proc`` and the workers it started (its own process group)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
+
+
+def http_status(sock: socket.socket) -> int:
+    """The status code of the HTTP answer read from ``sock`` (0: the peer closed first, or
+    answered something that is not HTTP)."""
+    head = b""
+    while b"\r\n" not in head:
+        part = sock.recv(4096)
+        if not part:
+            break
+        head += part
+    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,22 +16,14 @@ import yaml
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.params import manifest as M
-from tests.models import batch, export_mlp, mlp_params
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("bounded") / "model"
-    params = mlp_params()
-    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch())
-    return path
-
-
 @pytest.fixture
-def model(saved, tmp_path) -> Path:
-    return Path(shutil.copytree(saved, tmp_path / "model", symlinks=True))
+def model(mlp_copy) -> Path:
+    """The tests' MLP, a copy of its own for each test to alter (``conftest.mlp_copy``)."""
+    return mlp_copy
 
 
 def _huge_grid(model: Path) -> None:

@@ -31,7 +31,7 @@ from jaxexp_mlflow.errors import IncompatibleError, InputError  # noqa: E402
 from jaxexp_mlflow.iree import compiler, loader, shapes  # noqa: E402
 from jaxexp_mlflow.iree import model as iree_model  # noqa: E402
 from tests import models  # noqa: E402
-from tests.conftest import REPO, case_id, corpus_cases, load_case  # noqa: E402
+from tests.conftest import REPO, case_id, corpus_cases, load_case, result_of  # noqa: E402
 
 RUNNABLE = [
     c
@@ -139,9 +139,7 @@ def test_fresh_process_never_imports_jax(mlp_dir):
         env={**os.environ, "PYTHONPATH": str(REPO)},
         timeout=300,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    result = result_of(proc)
     assert result["loaded"] == [], result["loaded"]
     assert result["compiler"] is False
     assert result["err"] < 1e-5 and result["err_pf"] < 1e-5

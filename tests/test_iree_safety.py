@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -34,7 +33,7 @@ from jaxexp_mlflow.codec import blob  # noqa: E402
 from jaxexp_mlflow.errors import ArtifactError  # noqa: E402
 from jaxexp_mlflow.iree import compiler, loader  # noqa: E402
 from jaxexp_mlflow.iree import model as iree_model  # noqa: E402
-from tests.conftest import REPO  # noqa: E402
+from tests.conftest import REPO, result_of  # noqa: E402
 
 #: The blob says float32[b, 3] -> float32[b, 3]; these modules return something else.
 RETURNS_I8 = """
@@ -234,9 +233,7 @@ def test_damaged_cache_entry_is_recompiled_never_run(doubling, tmp_path, kind):
         env={**os.environ, "PYTHONPATH": str(REPO)},
         timeout=300,
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (proc.returncode, proc.stderr[-3000:])
-    result = json.loads(lines[-1][len("RESULT ") :])
+    result = result_of(proc)
     assert result["ok"], result
     assert len(result["warnings"]) == 1, result["warnings"]  # discarded once, then good again
     assert "recompil" in result["warnings"][0]

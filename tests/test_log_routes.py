@@ -41,19 +41,8 @@ KERNELS = CORPUS / "jax-0.4.35" / "linalg"
 needs_corpus = pytest.mark.skipif(not CORPUS.is_dir(), reason="corpus not available")
 
 
-@pytest.fixture(autouse=True)
-def _flag_unset(monkeypatch):
-    """JAX's expired-versions flag off, as a user who did not set it has it."""
-    import jax
-
-    monkeypatch.delenv(compat.EXPIRED_ENV, raising=False)
-    if hasattr(jax.config, compat.EXPIRED_FLAG):
-        before = getattr(jax.config, compat.EXPIRED_FLAG)
-        jax.config.update(compat.EXPIRED_FLAG, False)
-        yield
-        jax.config.update(compat.EXPIRED_FLAG, before)
-    else:
-        yield
+#: JAX's expired-versions flag off, as a user who did not set it has it
+pytestmark = pytest.mark.usefixtures("expired_flag_off")
 
 
 def _cli(*args: str):

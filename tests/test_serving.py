@@ -27,6 +27,7 @@ import requests
 import jaxexp_mlflow  # noqa: F401
 from tests.conftest import free_port
 from tests.models import mlp_params
+from tests.servers import http_status
 from tests.test_pyfunc import two_input_example, two_input_fn
 
 VENV_BIN = str(Path(sys.executable).parent)
@@ -442,16 +443,6 @@ def _raw_request(port: int, head_extra: bytes = b"") -> socket.socket:
     return s
 
 
-def _status(s: socket.socket) -> int:
-    head = b""
-    while b"\r\n" not in head:
-        part = s.recv(4096)
-        if not part:
-            break
-        head += part
-    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
-
-
 def test_streamed_body_refused_while_it_streams(served):
     url, _, _, proc = served
     port = int(url.rsplit(":", 1)[1])
@@ -465,7 +456,7 @@ def test_streamed_body_refused_while_it_streams(served):
             sent += 1 << 16
     except OSError:
         pass  # the server answered and closed while we were still sending
-    assert _status(s) == 413
+    assert http_status(s) == 413
     s.close()
     assert sent < 64 << 16 or _tree_rss(proc.pid) - before < 32 << 20
     # in flight: bodies together may hold 4x the limit; beyond, 503 with Retry-After
@@ -477,7 +468,7 @@ def test_streamed_body_refused_while_it_streams(served):
     time.sleep(1.0)
     extra = _raw_request(port, b"Content-Length: 200000\r\n")
     extra.sendall(b" " * 150_000)
-    assert _status(extra) == 503
+    assert http_status(extra) == 503
     for h in [*held, extra]:
         h.close()
     time.sleep(0.5)

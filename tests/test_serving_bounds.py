@@ -28,6 +28,7 @@ import requests
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.serving import serving_guard
 from tests.models import batch, export_mlp, mlp_params
+from tests.servers import http_status
 from tests.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
 
 MAX_BODY = 256 * 1024
@@ -136,16 +137,6 @@ def _held(port: int, length: int) -> socket.socket:
     return s
 
 
-def _status(s: socket.socket) -> int:
-    head = b""
-    while b"\r\n" not in head:
-        part = s.recv(4096)
-        if not part:
-            break
-        head += part
-    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
-
-
 def test_stalled_bodies_are_dropped_and_free_the_budget(served):
     url, _, _ = served
     port = int(url.rsplit(":", 1)[1])
@@ -156,7 +147,7 @@ def test_stalled_bodies_are_dropped_and_free_the_budget(served):
         f"{url}/invocations", data=filler, headers={"Content-Type": "application/json"}, timeout=60
     )
     assert busy.status_code == 503, busy.text[:300]  # the stalled bodies hold the budget
-    statuses = [_status(h) for h in held]  # answered once their time is up
+    statuses = [http_status(h) for h in held]  # answered once their time is up
     for h in held:
         h.close()
     assert statuses == [408] * 4

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
-import mlflow
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -21,20 +19,12 @@ from click.testing import CliRunner
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.archive.recorded_env import UntrustedRequirementsError, check_requirements
 from jaxexp_mlflow.cli import main
-from tests.models import batch, export_mlp, mlp_params
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("untrusted-env") / "model"
-    params = mlp_params()
-    mlflow.jaxexp.save_model(export_mlp(params), path, params=params, input_example=batch())
-    return path
 
 
 @pytest.fixture
-def model(saved, tmp_path) -> Path:
-    return Path(shutil.copytree(saved, tmp_path / "model", symlinks=True))
+def model(mlp_copy) -> Path:
+    """The tests' MLP, a copy of its own for each test to alter (``conftest.mlp_copy``)."""
+    return mlp_copy
 
 
 @pytest.fixture
