@@ -121,6 +121,81 @@ def test_a_flipped_byte_between_regions_or_inside_is_caught_on_load(tmp_path):
             P.restore_params(tmp_path / f"bad{where}", target=target)
 
 
+def test_run_spread_runs_every_task_and_raises_the_first_failure_in_order():
+    """``run_spread``: results in the tasks' order whatever thread ran them; when tasks fail,
+    the others still run to the end (their buffers are in use) and the first failure in the
+    tasks' order is raised."""
+    import threading
+
+    from jaxexp_mlflow.codec.checked_read import run_spread
+
+    ran, names = [], set()
+
+    def task(i: int):
+        def run():
+            ran.append(i)
+            names.add(threading.current_thread().name)
+            if i in (3, 5):
+                raise ValueError(f"task {i}")
+            return i * i
+
+        return run
+
+    assert run_spread([task(i) for i in (0, 1, 2, 4)], 2) == [0, 1, 4, 16]
+    ran.clear()
+    with pytest.raises(ValueError, match="task 3"):
+        run_spread([task(i) for i in range(8)], 2)
+    assert sorted(ran) == list(range(8))
+    assert run_spread([], 2) == [] and run_spread([task(7)], 2) == [49]
+
+
+def test_many_arrays_read_at_once_are_exact_and_a_damaged_one_is_refused(tmp_path):
+    """``restore_params`` reads many arrays at once, one file to a thread, and a big one alone
+    on every thread (``codec.zarr.read_all``): exact bytes either way, and a flipped byte in any
+    one of them is refused after every read has finished."""
+    rng = np.random.default_rng(11)
+    tree = {
+        f"a{i:02d}": rng.standard_normal((64 * (i + 1), 256)).astype(np.float32) for i in range(12)
+    }
+    tree["big"] = rng.standard_normal((4096, 1024)).astype(np.float32)  # 16 MiB: read alone
+    P.save_params(tree, tmp_path / "ok")
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    back = P.restore_params(tmp_path / "ok", target=target)
+    assert P.restore.LAST_RESTORE_STATS == {"fast": 13, "orbax": 0}
+    for name, want in tree.items():
+        assert np.asarray(back[name]).tobytes() == want.tobytes(), name
+    for name in ("a00", "a07", "big"):
+        P.save_params(tree, tmp_path / name)
+        with open(tmp_path / name / name / "0.0", "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(ArtifactError, match=f"{name}/0.0.* does not match its checksum"):
+            P.restore_params(tmp_path / name, target=target)
+
+
+def test_metadata_is_parsed_as_the_manifest_check_read_it(tmp_path):
+    """The checkpoint's small files are kept as their checksum read them
+    (``Manifest.held``), and the restore parses those bytes: a metadata file changed on disk
+    after its check is not what gets parsed."""
+    from jaxexp_mlflow.params import layout
+    from jaxexp_mlflow.params.manifest import HOLD_BYTES
+
+    P.save_params({"w": np.arange(12, dtype=np.float32)}, tmp_path / "ck")
+    manifest = P.verify_manifest(tmp_path / "ck")
+    assert {"_METADATA", "w/.zarray"} <= set(manifest.held)
+    assert all(len(b) <= HOLD_BYTES for b in manifest.held.values())
+    zarray = tmp_path / "ck" / "w" / ".zarray"
+    held = manifest.held["w/.zarray"]
+    assert held == zarray.read_bytes()
+    zarray.write_bytes(held.replace(b"12", b"13"))  # changed after the check
+    meta = layout.read_metadata(tmp_path / "ck", manifest.held)
+    plain = layout.plain_tree(tmp_path / "ck", meta, manifest.files, manifest.held)
+    assert plain[("w",)].shape == (12,)
+    assert layout.plain_tree(tmp_path / "ck", meta, manifest.files)[("w",)].shape == (13,)
+
+
 def test_a_file_replaced_after_the_walk_is_refused(tmp_path):
     """``verify_checkpoint`` walks the directory (every file regular and inside it); the
     checksums that follow open each file by name and must find the very file the walk saw."""

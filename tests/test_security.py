@@ -123,6 +123,76 @@ def test_symlinks_leading_outside_are_refused(model, what):
     refused(model, "symbolic link .*outside")
 
 
+def _walk_by_os_walk(root: Path, rel: str) -> list[tuple[str, int, int]]:
+    """The walk as ``codec.files.walk_files`` did it up to session 39 (``os.walk`` with
+    ``followlinks=True`` and every directory's ``realpath``): the reference it is held to."""
+    import stat as st_
+
+    base = os.path.realpath(root)
+    top = Path(os.path.realpath(os.path.join(base, rel)))
+    out, seen = [], set()
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if os.path.commonpath([base, real]) != base:
+            raise ArtifactError("symbolic link outside")
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames.sort()
+        for name in sorted(filenames):
+            child = os.path.join(dirpath, name)
+            st = os.lstat(child)
+            if st_.S_ISLNK(st.st_mode):
+                target = os.path.realpath(child)
+                if os.path.commonpath([base, target]) != base:
+                    raise ArtifactError("symbolic link outside")
+                st = os.stat(target)
+            if not st_.S_ISREG(st.st_mode):
+                raise ArtifactError("not a regular file")
+            rel_dir = os.path.relpath(dirpath, top)
+            out.append((os.path.normpath(os.path.join(rel_dir, name)), st.st_size, st.st_ino))
+    return out
+
+
+@pytest.mark.parametrize("outside", [None, "dir", "file"])
+def test_walk_files_lists_what_os_walk_lists(tmp_path, outside):
+    """``walk_files`` resolves only links, not every directory: same files, sizes, order and
+    refusals as the ``os.walk`` walk it replaced, on a tree with nested directories, links to
+    directories and to a file inside, a link cycle, an empty directory and names out of order."""
+    from jaxexp_mlflow.codec import files
+
+    root = tmp_path / "model"
+    ck = root / "params"
+    for i, rel in enumerate(["b/z.bin", "b/a.bin", "a/deep/er/x.bin", "A.bin", "c/y.bin", "_m"]):
+        (ck / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ck / rel).write_bytes(b"x" * (i + 1))
+    (ck / "e").mkdir()
+    (ck / "link_dir").symlink_to(ck / "a")  # inside, to a directory walked already: not again
+    (ck / "0deep").symlink_to(ck / "a" / "deep")  # sorted first: a/deep is walked as 0deep/
+    (ck / "c" / "link_file").symlink_to(ck / "b" / "z.bin")
+    (ck / "a" / "deep" / "up").symlink_to(ck / "a")  # a cycle: walked once
+    if outside == "dir":
+        (tmp_path / "away").mkdir()
+        (tmp_path / "away" / "f").write_bytes(b"f")
+        (ck / "b" / "out").symlink_to(tmp_path / "away")
+    elif outside == "file":
+        (tmp_path / "f").write_bytes(b"f")
+        (ck / "c" / "out").symlink_to(tmp_path / "f")
+    if outside:
+        with pytest.raises(ArtifactError, match="outside"):
+            _walk_by_os_walk(root, "params")
+        with pytest.raises(ArtifactError, match="symbolic link .*outside"):
+            list(files.walk_files(root, "params", what="params checkpoint"))
+        return
+    want = _walk_by_os_walk(root, "params")
+    got = [(r, st.st_size, st.st_ino) for r, st in files.walk_files(root, "params", what="x")]
+    assert got == want
+    names = [r for r, _, _ in got]
+    assert "0deep/er/x.bin" in names and "c/link_file" in names
+    assert not [n for n in names if n.startswith(("link_dir", "a/deep/"))]
+
+
 def test_manifest_entries_cannot_reach_outside(model):
     mf = model / "params" / M.MANIFEST_FILE
     doc = json.loads(mf.read_text())

@@ -25,12 +25,22 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from jaxexp_mlflow.errors import ArtifactError
 
-__all__ = ["META_FILES", "NotPlain", "array_meta", "is_chunk_file", "read_array", "read_meta"]
+__all__ = [
+    "META_FILES",
+    "NotPlain",
+    "PendingArray",
+    "array_meta",
+    "is_chunk_file",
+    "prepare_array",
+    "read_array",
+    "read_meta",
+]
 
 #: The metadata file of an array directory: zarr2, zarr3.
 META_FILES = (".zarray", "zarr.json")
@@ -77,21 +87,25 @@ def is_chunk_file(rel: str) -> bool:
     return name not in META_FILES and not name.startswith("_")
 
 
-def read_meta(root: Path, rel_dir: str, listed: Any) -> dict | None:
+def read_meta(
+    root: Path, rel_dir: str, listed: Any, held: dict[str, bytes] | None = None
+) -> dict | None:
     """The parsed metadata of one array directory (``.zarray`` or ``zarr.json``, whichever
-    ``listed`` holds: the checkpoint's file names), or None when it has neither."""
+    ``listed`` holds: the checkpoint's file names), or None when it has neither. ``held``:
+    ``{relative path: bytes}`` already read and checked (``params.manifest.Manifest.held``),
+    parsed instead of reading the file again."""
     from jaxexp_mlflow.codec import files
 
     for name in META_FILES:
-        if f"{rel_dir}/{name}" in listed:
-            try:
-                meta = json.loads(
-                    files.read_file(
-                        root / rel_dir / name,
-                        what=f"array metadata {rel_dir}/{name}",
-                        max_bytes=MAX_META_BYTES,
-                    )
+        rel = f"{rel_dir}/{name}"
+        if rel in listed:
+            raw = (held or {}).get(rel)
+            if raw is None:
+                raw = files.read_file(
+                    root / rel_dir / name, what=f"array metadata {rel}", max_bytes=MAX_META_BYTES
                 )
+            try:
+                meta = json.loads(raw)
             except (ValueError, RecursionError) as e:
                 raise ArtifactError(
                     f"The params array metadata {rel_dir}/{name} is not valid JSON "
@@ -291,17 +305,102 @@ def read_array(
     (only for a directory this process owns: a mapped file truncated by another process would
     kill it with SIGBUS). Raises :class:`NotPlain` for layouts it does not read.
     """
-    import numpy as np
+    found = prepare_array(root, rel_dir, shape, dtype, manifest, meta, mapped)
+    return found.read() if isinstance(found, PendingArray) else found
 
-    from jaxexp_mlflow.codec import files
-    from jaxexp_mlflow.codec.checked_read import read_checked
-    from jaxexp_mlflow.codec.crc32c import file_crc32c
+
+class PendingArray:
+    """An array checked against its metadata and the manifest, its buffer allocated, its chunk
+    files not read yet: :meth:`read` reads them (``prepare_array``)."""
+
+    __slots__ = ("_files", "_flat", "_manifest", "_root", "nbytes", "out")
+
+    def __init__(self, root: Path, out: Any, files: list[tuple[str, int, _Layout]], manifest: Any):
+        self._root, self.out, self._files, self._manifest = root, out, files, manifest
+        self._flat = out.reshape(-1).view("u1") if out.ndim else out.reshape(1).view("u1")
+        self.nbytes = int(out.nbytes)
+
+    def read(self, workers: int | None = None) -> Any:
+        """Read every chunk file into the buffer, each checked against its CRC-32C; the array.
+        ``workers``: threads one file is read on (``codec.checked_read``; default: its own)."""
+        from jaxexp_mlflow.codec import files
+        from jaxexp_mlflow.codec.checked_read import read_checked
+        from jaxexp_mlflow.codec.crc32c import file_crc32c
+
+        flat, manifest = self._flat, self._manifest
+        for rel, row0, layout in self._files:
+            fd, size = files.open_regular(
+                self._root / rel, what=f"params file {rel!r}", max_bytes=manifest.files[rel][0]
+            )
+            try:
+                found = _file_regions(fd, size, rel, row0, layout)
+                regions = sorted(
+                    ((offset, flat[first : first + n]) for offset, first, n in found),
+                    key=lambda r: r[0],
+                )
+                ends = [o + len(d) for o, d in regions]
+                if any(end > nxt for end, (nxt, _) in zip(ends, regions[1:], strict=False)):
+                    for offset, dst in regions:  # overlapping chunks: checksum the file alone
+                        _pread_into(fd, memoryview(dst), offset)
+                    value = file_crc32c(fd, size)
+                else:  # one pass: every byte read once, checksummed by the thread that read it
+                    value = read_checked(
+                        fd, size, regions, what=f"The params file {rel!r}", workers=workers
+                    )
+                manifest.check(rel, value)
+            finally:
+                os.close(fd)
+        return self.out
+
+
+def read_all(pending: Sequence[PendingArray]) -> list[Any]:
+    """Read the arrays of ``pending`` (``prepare_array``), in their order.
+
+    An array of more than a quarter of a thread's share is read alone, each of its files on
+    every read thread (``codec.checked_read``); the others are read one file to a thread, the
+    biggest first, all at once: twenty 25 MiB arrays pay one thread handoff, not twenty. Every
+    read has finished when this returns or raises (a failure is raised once all are done).
+    """
+    from jaxexp_mlflow.codec.checked_read import run_spread, threads
+
+    n = threads()
+    total = sum(p.nbytes for p in pending)
+    alone = [i for i, p in enumerate(pending) if p.nbytes * 4 * n > total]
+    if n == 1 or len(pending) - len(alone) < 2:
+        return [p.read() for p in pending]
+    out: list[Any] = [None] * len(pending)
+    for i in alone:
+        out[i] = pending[i].read()
+    rest = sorted(set(range(len(pending))) - set(alone), key=lambda i: -pending[i].nbytes)
+    arrays = run_spread([lambda p=pending[i]: p.read(1) for i in rest], n)
+    for i, array in zip(rest, arrays, strict=True):
+        out[i] = array
+    return out
+
+
+def prepare_array(
+    root: Path,
+    rel_dir: str,
+    shape: tuple[int, ...],
+    dtype: Any,
+    manifest: Any,
+    meta: dict | None = None,
+    mapped: dict[str, int] | None = None,
+    info: ArrayMeta | None = None,
+) -> Any:
+    """:func:`read_array` up to the reads: the array's metadata and chunk files checked, its
+    buffer allocated. Returns a :class:`PendingArray` to read, or the array itself where
+    nothing is left to read (an empty array, or a mapping). Raises as :func:`read_array`.
+    ``info``: :func:`array_meta` of ``meta`` with this manifest's file count, if the caller
+    has it (``params.layout.plain_tree``)."""
+    import numpy as np
 
     if meta is None:
         meta = read_meta(root, rel_dir, manifest.files)
         if meta is None:
             raise NotPlain("no zarr metadata")
-    info = array_meta(meta, len(manifest.files))
+    if info is None:
+        info = array_meta(meta, len(manifest.files))
     shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
     if info.shape != shape or info.dtype != dtype:
         raise NotPlain("shape or dtype")
@@ -330,30 +429,8 @@ def read_array(
         host = _map(root, rel, shape, dtype, manifest, layout, mapped.get(rel))
         if host is not None:
             return host
-    out = aligned_empty(shape, dtype)
-    flat = out.reshape(-1).view(np.uint8) if out.ndim else out.reshape(1).view(np.uint8)
-    for s_idx, key in enumerate(info.keys):
-        rel = f"{rel_dir}/{key}"
-        fd, size = files.open_regular(
-            root / rel, what=f"params file {rel!r}", max_bytes=manifest.files[rel][0]
-        )
-        try:
-            found = _file_regions(fd, size, rel, s_idx * info.outer0, layout)
-            regions = sorted(
-                ((offset, flat[first : first + n]) for offset, first, n in found),
-                key=lambda r: r[0],
-            )
-            ends = [o + len(d) for o, d in regions]
-            if any(end > nxt for end, (nxt, _) in zip(ends, regions[1:], strict=False)):
-                for offset, dst in regions:  # overlapping chunks: checksum the file on its own
-                    _pread_into(fd, memoryview(dst), offset)
-                value = file_crc32c(fd, size)
-            else:  # one pass: every byte read once, checksummed by the thread that read it
-                value = read_checked(fd, size, regions, what=f"The params file {rel!r}")
-            manifest.check(rel, value)
-        finally:
-            os.close(fd)
-    return out
+    chunks = [(f"{rel_dir}/{key}", i * info.outer0, layout) for i, key in enumerate(info.keys)]
+    return PendingArray(root, aligned_empty(shape, dtype), chunks, manifest)
 
 
 def _map(

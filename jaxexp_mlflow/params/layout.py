@@ -125,15 +125,19 @@ def find_item_dir(src: Path) -> Path:
     )
 
 
-def read_metadata(path: Path) -> dict:
-    """Orbax's ``_METADATA`` of the item at ``path`` (bounded read, typed errors)."""
+def read_metadata(path: Path, held: dict[str, bytes] | None = None) -> dict:
+    """Orbax's ``_METADATA`` of the item at ``path`` (bounded read, typed errors). ``held``:
+    the bytes of the checkpoint's small files as its manifest check read them
+    (``Manifest.held``), parsed instead of reading the file again."""
     from jaxexp_mlflow.codec import files
 
-    raw = files.read_file(
-        path / PYTREE_METADATA_FILE,
-        what=f"params metadata {PYTREE_METADATA_FILE}",
-        max_bytes=files.MAX_SMALL_FILE_BYTES,
-    )
+    raw = (held or {}).get(PYTREE_METADATA_FILE)
+    if raw is None:
+        raw = files.read_file(
+            path / PYTREE_METADATA_FILE,
+            what=f"params metadata {PYTREE_METADATA_FILE}",
+            max_bytes=files.MAX_SMALL_FILE_BYTES,
+        )
     try:
         meta = json.loads(raw)
         if not isinstance(meta, dict):
@@ -153,19 +157,23 @@ def uses_ocdbt(path: Path, meta: dict) -> bool:
 
 
 class LeafMeta:
-    """Shape, dtype and parsed zarr metadata of one stored array."""
+    """Shape, dtype and parsed zarr metadata of one stored array (``info``: what
+    ``codec.zarr.array_meta`` read from it, or None)."""
 
-    __slots__ = ("dtype", "shape", "zarr")
+    __slots__ = ("dtype", "info", "shape", "zarr")
 
-    def __init__(self, shape: tuple[int, ...], dtype: Any, zarr: dict) -> None:
-        self.shape, self.dtype, self.zarr = shape, dtype, zarr
+    def __init__(self, shape: tuple[int, ...], dtype: Any, zarr: dict, info: Any = None) -> None:
+        self.shape, self.dtype, self.zarr, self.info = shape, dtype, zarr, info
 
 
-def plain_tree(path: Path, meta: dict, listed: Any) -> dict[tuple[str, ...], LeafMeta] | None:
+def plain_tree(
+    path: Path, meta: dict, listed: Any, held: dict[str, bytes] | None = None
+) -> dict[tuple[str, ...], LeafMeta] | None:
     """The checkpoint's leaves ``{path tokens: LeafMeta}`` read from ``_METADATA`` and each
     array's zarr metadata alone, or None when the checkpoint holds anything but plain zarr
     arrays (OCDBT, custom leaf types, a layout ``codec.zarr`` does not read): then Orbax reads
-    the metadata. ``listed``: the checkpoint's file names (its manifest).
+    the metadata. ``listed``: the checkpoint's file names (its manifest); ``held``: bytes of
+    its small files as the manifest check read them (``Manifest.held``).
 
     Orbax's own metadata reader opens every array through TensorStore (~0.8 ms an array); this
     reads the same JSON files the fast path needs anyway, so a restore reads them once.
@@ -186,11 +194,11 @@ def plain_tree(path: Path, meta: dict, listed: Any) -> dict[tuple[str, ...], Lea
             if kind not in ("jax.Array", "np.ndarray") or value.get("skip_deserialize"):
                 return None
             tokens = tuple(str(k["key"]) for k in entry["key_metadata"])
-            zmeta = zarr.read_meta(path, dir_name(tokens), listed) if tokens else None
+            zmeta = zarr.read_meta(path, dir_name(tokens), listed, held) if tokens else None
             if zmeta is None or tokens in found:
                 return None
             info = zarr.array_meta(zmeta, len(listed) if listed is not None else None)
-            found[tokens] = LeafMeta(info.shape, info.dtype, zmeta)
+            found[tokens] = LeafMeta(info.shape, info.dtype, zmeta, info)
     except (zarr.NotPlain, AttributeError, KeyError, TypeError, ValueError):
         return None  # Orbax judges (and refuses) what this does not understand
     return found

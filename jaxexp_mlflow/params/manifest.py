@@ -56,6 +56,9 @@ VERSION = 2
 _MAX_FILES = 1_000_000
 #: The manifest's size limit (docs/security.md: JSON metadata 64 MiB).
 MAX_BYTES = files.MAX_SMALL_FILE_BYTES
+#: Files up to this size that :meth:`Manifest.verify_files` checks are kept in memory as read
+#: (``Manifest.held``): the checkpoint's metadata JSON, parsed right after.
+HOLD_BYTES = 64 * 1024
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
@@ -97,6 +100,10 @@ class Manifest:
     #: inside the directory: :meth:`verify_files` opens those by name and checks it got the
     #: same file, instead of resolving every path component again
     found: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: ``{relative path: bytes}`` of the small files :meth:`verify_files` checked (at most
+    #: :data:`HOLD_BYTES` each: metadata JSON), kept so that what is parsed next is what was
+    #: checked, without opening the file again (``params.layout``, ``codec.zarr.read_meta``)
+    held: dict[str, bytes] = field(default_factory=dict)
 
     def same_save(self) -> None:
         """Raise the binding mismatch :func:`verify_checkpoint` found, if any."""
@@ -145,9 +152,30 @@ class Manifest:
                         "expected the file found in the directory a moment before, found another. "
                         "Load the model again once nothing writes to it."
                     )
-                self._check(rel, read_checked(fd, found, [], what=f"The params file {rel!r}"))
+                if found <= HOLD_BYTES:  # metadata: kept as checked, for its parse
+                    data = _read_whole(fd, found, rel)
+                    self._check(rel, crc32c(data))
+                    self.held[rel] = data
+                else:
+                    what = f"The params file {rel!r}"
+                    self._check(rel, read_checked(fd, found, [], what=what))
             finally:
                 os.close(fd)
+
+
+def _read_whole(fd: int, size: int, rel: str) -> bytes:
+    """The ``size`` bytes of the open file ``fd`` (one ``pread`` for a small file)."""
+    parts, done = [], 0
+    while done < size:
+        part = os.pread(fd, size - done, done)
+        if not part:
+            raise fail(
+                f"The params file {rel!r} ended early: expected {size} bytes, found {done}. The "
+                "checkpoint is damaged; download the model again."
+            )
+        parts.append(part)
+        done += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _entry(rel: object, value: object, where: Path) -> tuple[str, tuple[int, int | None]]:

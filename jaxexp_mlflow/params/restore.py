@@ -109,8 +109,8 @@ def restore_params(
     known = {} if mapped is True else (None if mapped is False else mapped)
     path = layout.require_item_dir(directory)
     manifest = verify_manifest(path, mlmodel=mlmodel)
-    meta = layout.read_metadata(path)
-    plain = layout.plain_tree(path, meta, manifest.files)
+    meta = layout.read_metadata(path, manifest.held)  # parsed as the manifest check read it
+    plain = layout.plain_tree(path, meta, manifest.files, manifest.held)
     if plain is None:
         check_checkpoint(path, target)
     else:
@@ -119,7 +119,7 @@ def restore_params(
     default_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     ocdbt = layout.uses_ocdbt(path, meta)
     stats = {"fast": 0, "orbax": 0}
-    hosts: list[Any] = []  # what the fast path read and has not yet placed
+    hosts: list[Any] = []  # what the fast path prepared (or read) and has not yet placed
     shardings: list[Any] = []
     placed: list[Any] = []  # the device arrays, in the order the fast path read them
     flush_at = int(os.environ.get("JAXEXP_RESTORE_FLUSH_BYTES", FLUSH_BYTES))
@@ -127,6 +127,16 @@ def restore_params(
 
     def flush() -> None:
         if hosts:
+            todo = [i for i, h in enumerate(hosts) if isinstance(h, zarr.PendingArray)]
+            try:  # the files of every array at once, spread over the read threads
+                arrays = zarr.read_all([hosts[i] for i in todo])
+            except OSError as e:
+                raise ArtifactError(
+                    f"Cannot read the params from {path}: expected readable array files, found "
+                    f"{type(e).__name__}: {e}. Re-log the model with its params."
+                ) from e
+            for i, array in zip(todo, arrays, strict=True):
+                hosts[i] = array
             placed.extend(jax.device_put(hosts, shardings))  # one batched transfer
             hosts.clear()
             pending[0] = 0
@@ -139,7 +149,7 @@ def restore_params(
         tokens = tuple(layout.key_token(k) for k in kp)
         leaf = plain.get(tokens) if plain is not None else None
         try:
-            host = zarr.read_array(
+            host = zarr.prepare_array(
                 path,
                 layout.dir_name(tokens),
                 sds.shape,
@@ -147,6 +157,7 @@ def restore_params(
                 manifest,
                 leaf.zarr if leaf else None,
                 known,
+                leaf.info if leaf else None,
             )
         except zarr.NotPlain:
             return _ORBAX
