@@ -3,8 +3,9 @@
 Before any data: the directory is checked against its manifest (``params.manifest``) and its
 tree against the target (``params.tree``), from ``_METADATA`` and the arrays' zarr metadata
 (``params.layout.plain_tree``) or, for other checkpoints, Orbax's metadata. Then each
-uncompressed array bound for one device is read by ``codec.zarr`` (one ``preadv`` into an
-aligned buffer that ``jax.device_put`` adopts, or a mapping), every other leaf (sharded targets,
+uncompressed array bound for one device is read by ``codec.zarr`` (``preadv`` into an aligned
+buffer that ``jax.device_put`` adopts, or a mapping; every array prepared first, then all read
+at once: ``zarr.read_all``), every other leaf (sharded targets,
 zstd, OCDBT) by Orbax's own restore, in one call. Nothing here consults how the checkpoint was
 written or uploaded.
 """
