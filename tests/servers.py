@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import requests
 
@@ -57,18 +58,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(url: str, proc: subprocess.Popen, log: Path, what: str, timeout: float = 90) -> None:
+class _Exited(RuntimeError):
+    """The server process exited before it answered."""
+
+
+def _wait(
+    url: str,
+    proc: subprocess.Popen,
+    log: Path,
+    what: str,
+    ready: Any,
+    timeout: float = 90,
+) -> None:
+    """Wait until ``url`` answers as this server does (``ready(response)``) while ``proc`` is
+    alive: another server that took the port (a test run beside this one) is not taken for it."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if requests.get(url, timeout=1).status_code < 500:
+            if ready(requests.get(url, timeout=1)) and proc.poll() is None:
                 return
         except requests.RequestException:
-            time.sleep(0.3)
+            pass
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {log.read_text()[-2000:]}")
+            raise _Exited(f"{what} exited: {log.read_text()[-2000:]}")
+        time.sleep(0.3)
     proc.kill()
     raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s")
+
+
+def _port_taken(log: Path) -> bool:
+    text = log.read_text(errors="replace").lower()
+    return "address already in use" in text or "errno 98" in text
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -93,17 +113,23 @@ def s3_server(root: Path, bucket: str = "mlflow") -> Iterator[str]:
     """moto's S3-compatible server (``moto[server]``) with ``bucket`` created; yields its URL."""
     import boto3
 
-    port = free_port()
     log = root / "moto.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        env=_env(S3_ENV),
-        stdout=subprocess.DEVNULL,
-        stderr=open(log, "w"),  # noqa: SIM115 - the child owns it
-    )
-    url = f"http://127.0.0.1:{port}"
+    for attempt in range(3):  # a port another process took meanwhile: another free port
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            env=_env(S3_ENV),
+            stdout=subprocess.DEVNULL,
+            stderr=open(log, "w"),  # noqa: SIM115 - the child owns it
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait(f"{url}/moto-api/", proc, log, "moto server", lambda r: r.status_code == 200)
+            break
+        except _Exited:
+            if attempt == 2 or not _port_taken(log):
+                raise
     try:
-        _wait(f"{url}/moto-api/", proc, log, "moto server")
         boto3.client("s3", endpoint_url=url, **_boto_kwargs()).create_bucket(Bucket=bucket)
         yield url
     finally:
@@ -134,38 +160,50 @@ def mlflow_server(
     GenAI jobs, nothing a model's runs or artifacts use), which would otherwise start about ten
     huey consumer processes, each importing MLflow: ~20 s of CPU per server on two cores."""
     root.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
     log = root / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlflow",
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--backend-store-uri",
-        backend or f"sqlite:///{root / 'db.sqlite'}",
-        "--artifacts-destination",
-        artifacts_destination or str(root / "artifacts"),
-        "--workers",
-        "1",
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        env=_env({"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}),
-        stdout=subprocess.DEVNULL,
-        stderr=open(log, "a"),  # noqa: SIM115 - the child owns it
-        start_new_session=True,  # killed with its workers as a group
-    )
-    url = f"http://127.0.0.1:{port}"
+    given = port
+    for attempt in range(3):  # a port another process took meanwhile: another free port
+        port = given or free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            backend or f"sqlite:///{root / 'db.sqlite'}",
+            "--artifacts-destination",
+            artifacts_destination or str(root / "artifacts"),
+            "--workers",
+            "1",
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            env=_env({"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}),
+            stdout=subprocess.DEVNULL,
+            stderr=open(log, "a"),  # noqa: SIM115 - the child owns it
+            start_new_session=True,  # killed with its workers as a group
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:  # MLflow's /health says OK; another server on the port would not
+            _wait(f"{url}/health", proc, log, "mlflow server", _mlflow_ok)
+            break
+        except _Exited:
+            kill_group(proc, signal.SIGTERM)
+            if given or attempt == 2 or not _port_taken(log):
+                raise
     try:
-        _wait(f"{url}/health", proc, log, "mlflow server")
         yield url, proc
     finally:
         kill_group(proc, signal.SIGTERM)
         _stop(proc)
+
+
+def _mlflow_ok(response: Any) -> bool:
+    return response.status_code == 200 and response.text.strip() == "OK"
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -235,7 +235,11 @@ def walk_files(
             continue
         subdirs = []
         for entry in entries:
-            if entry.is_dir():  # follows a link, as os.walk(followlinks=True) does
+            try:
+                is_dir = entry.is_dir()  # follows a link, as os.walk(followlinks=True) does
+            except OSError:  # as os.walk: then it is listed as a file (and checked as one)
+                is_dir = False
+            if is_dir:
                 link = entry.is_symlink()
                 sub_real = os.path.realpath(entry.path) if link else os.path.join(real, entry.name)
                 subdirs.append(

@@ -74,7 +74,8 @@ def read_params(
     """Read the params checkpoint's arrays ``(directory name, shape, dtype)`` as numpy arrays.
 
     The checkpoint's manifest is checked first (no missing or truncated file); each leaf is read
-    by the JAX-free reader ``codec.zarr`` (uncompressed zarr, one ``preadv`` per chunk).
+    by the JAX-free reader ``codec.zarr`` (uncompressed zarr: every leaf checked and allocated,
+    then all read at once, ``zarr.read_all``).
     ``model_files`` (``store.model_files.ModelFiles``): the directory as the load has read it
     (its MLmodel is not read again for the manifest's binding check).
     """
@@ -94,9 +95,9 @@ def read_params(
     out = []
     for name, shape, dtype in leaves:
         array_dir = inside(ckpt, name, f"params array {name!s:.100}")
-        try:  # chunk CRC-32C checked as it is read
+        try:  # checked and allocated here; read below, all at once
             rel = array_dir.relative_to(ckpt.resolve()).as_posix()
-            out.append(zarr.read_array(ckpt, rel, shape, resolve_dtype(dtype), manifest))
+            out.append(zarr.prepare_array(ckpt, rel, shape, resolve_dtype(dtype), manifest))
         except zarr.NotPlain as why:
             compression = (meta.get("params_format") or {}).get("compression")
             raise IncompatibleError(
@@ -110,6 +111,15 @@ def read_params(
                 f"Cannot read params[{name!r}] from {ckpt}: expected a readable array file, "
                 f"found {type(err).__name__}: {err}. Download the model again."
             ) from err
+    todo = [i for i, x in enumerate(out) if isinstance(x, zarr.PendingArray)]
+    try:  # every chunk file's CRC-32C checked as it is read, the files spread over threads
+        for i, array in zip(todo, zarr.read_all([out[i] for i in todo]), strict=True):
+            out[i] = array
+    except OSError as err:
+        raise ArtifactError(
+            f"Cannot read the params from {ckpt}: expected readable array files, found "
+            f"{type(err).__name__}: {err}. Download the model again."
+        ) from err
     return out
 
 
