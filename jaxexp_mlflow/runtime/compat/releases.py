@@ -67,6 +67,7 @@ def calling_convention_enforced(jax_version: str | None) -> bool | None:
     return None if facts is None else bool(facts["enforced_on_read"])
 
 
+@functools.lru_cache(maxsize=1024)  # a verdict compares the same few versions ~90 times
 def version_key(version: str) -> tuple[int, ...]:
     """A version as a tuple of ints, for comparing (``'v0.4.31rc1'`` -> ``(0, 4, 31)``; ``()``
     when it starts with no number)."""
