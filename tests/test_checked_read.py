@@ -196,6 +196,24 @@ def test_metadata_is_parsed_as_the_manifest_check_read_it(tmp_path):
     assert layout.plain_tree(tmp_path / "ck", meta, manifest.files)[("w",)].shape == (13,)
 
 
+def test_held_metadata_is_bounded_in_all(tmp_path, monkeypatch):
+    """A checkpoint of many small files costs no more memory than ``HOLD_TOTAL_BYTES`` of held
+    bytes: past it, files are checked as before and parsed from disk, and the restore is the
+    same."""
+    from jaxexp_mlflow.params import manifest as M
+
+    tree = {f"a{i:02d}": np.arange(i + 1, dtype=np.float32) for i in range(30)}
+    P.save_params(tree, tmp_path / "ck")
+    full = P.verify_manifest(tmp_path / "ck")
+    monkeypatch.setattr(M, "HOLD_TOTAL_BYTES", 2000)
+    capped = P.verify_manifest(tmp_path / "ck")
+    assert 0 < sum(map(len, capped.held.values())) <= 2000 < sum(map(len, full.held.values()))
+    assert capped.verified == full.verified  # every file checked all the same
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+    back = P.restore_params(tmp_path / "ck", target=target)
+    assert all(np.array_equal(np.asarray(back[k]), v) for k, v in tree.items())
+
+
 def test_a_file_replaced_after_the_walk_is_refused(tmp_path):
     """``verify_checkpoint`` walks the directory (every file regular and inside it); the
     checksums that follow open each file by name and must find the very file the walk saw."""

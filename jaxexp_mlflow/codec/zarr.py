@@ -353,8 +353,9 @@ class PendingArray:
         return self.out
 
 
-def read_all(pending: Sequence[PendingArray]) -> list[Any]:
-    """Read the arrays of ``pending`` (``prepare_array``), in their order.
+def read_all(items: Sequence[Any]) -> list[Any]:
+    """``items`` with every :class:`PendingArray` among them read (``prepare_array``), in their
+    order; anything else (an array already complete) is passed through.
 
     An array of more than a quarter of a thread's share is read alone, each of its files on
     every read thread (``codec.checked_read``); the others are read one file to a thread, the
@@ -363,16 +364,17 @@ def read_all(pending: Sequence[PendingArray]) -> list[Any]:
     """
     from jaxexp_mlflow.codec.checked_read import run_spread, threads
 
+    out = list(items)
+    todo = [i for i, x in enumerate(out) if isinstance(x, PendingArray)]
     n = threads()
-    total = sum(p.nbytes for p in pending)
-    alone = [i for i, p in enumerate(pending) if p.nbytes * 4 * n > total]
-    if n == 1 or len(pending) - len(alone) < 2:
-        return [p.read() for p in pending]
-    out: list[Any] = [None] * len(pending)
+    total = sum(out[i].nbytes for i in todo)
+    alone = [i for i in todo if out[i].nbytes * 4 * n > total]
+    rest = sorted(set(todo) - set(alone), key=lambda i: -out[i].nbytes)
+    if n == 1 or len(rest) < 2:
+        alone, rest = todo, []
     for i in alone:
-        out[i] = pending[i].read()
-    rest = sorted(set(range(len(pending))) - set(alone), key=lambda i: -pending[i].nbytes)
-    arrays = run_spread([lambda p=pending[i]: p.read(1) for i in rest], n)
+        out[i] = out[i].read()
+    arrays = run_spread([lambda p=out[i]: p.read(1) for i in rest], n)
     for i, array in zip(rest, arrays, strict=True):
         out[i] = array
     return out

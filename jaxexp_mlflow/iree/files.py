@@ -111,16 +111,13 @@ def read_params(
                 f"Cannot read params[{name!r}] from {ckpt}: expected a readable array file, "
                 f"found {type(err).__name__}: {err}. Download the model again."
             ) from err
-    todo = [i for i, x in enumerate(out) if isinstance(x, zarr.PendingArray)]
     try:  # every chunk file's CRC-32C checked as it is read, the files spread over threads
-        for i, array in zip(todo, zarr.read_all([out[i] for i in todo]), strict=True):
-            out[i] = array
+        return zarr.read_all(out)
     except OSError as err:
         raise ArtifactError(
             f"Cannot read the params from {ckpt}: expected readable array files, found "
             f"{type(err).__name__}: {err}. Download the model again."
         ) from err
-    return out
 
 
 def read_reference(model_dir: str | os.PathLike, meta: dict[str, Any]) -> tuple[list, list] | None:

@@ -57,8 +57,11 @@ _MAX_FILES = 1_000_000
 #: The manifest's size limit (docs/security.md: JSON metadata 64 MiB).
 MAX_BYTES = files.MAX_SMALL_FILE_BYTES
 #: Files up to this size that :meth:`Manifest.verify_files` checks are kept in memory as read
-#: (``Manifest.held``): the checkpoint's metadata JSON, parsed right after.
+#: (``Manifest.held``): the checkpoint's metadata JSON, parsed right after. At most
+#: ``HOLD_TOTAL_BYTES`` in all: a directory of many small files costs no more memory than that
+#: (the files past it are read again when parsed, as before).
 HOLD_BYTES = 64 * 1024
+HOLD_TOTAL_BYTES = 16 * 1024**2
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
@@ -104,6 +107,7 @@ class Manifest:
     #: :data:`HOLD_BYTES` each: metadata JSON), kept so that what is parsed next is what was
     #: checked, without opening the file again (``params.layout``, ``codec.zarr.read_meta``)
     held: dict[str, bytes] = field(default_factory=dict)
+    _held_bytes: int = 0
 
     def same_save(self) -> None:
         """Raise the binding mismatch :func:`verify_checkpoint` found, if any."""
@@ -152,10 +156,11 @@ class Manifest:
                         "expected the file found in the directory a moment before, found another. "
                         "Load the model again once nothing writes to it."
                     )
-                if found <= HOLD_BYTES:  # metadata: kept as checked, for its parse
-                    data = _read_whole(fd, found, rel)
+                if found <= HOLD_BYTES and self._held_bytes + found <= HOLD_TOTAL_BYTES:
+                    data = _read_whole(fd, found, rel)  # metadata: kept as checked, to parse
                     self._check(rel, crc32c(data))
                     self.held[rel] = data
+                    self._held_bytes += found
                 else:
                     what = f"The params file {rel!r}"
                     self._check(rel, read_checked(fd, found, [], what=what))

@@ -128,17 +128,14 @@ def restore_params(
 
     def flush() -> None:
         if hosts:
-            todo = [i for i, h in enumerate(hosts) if isinstance(h, zarr.PendingArray)]
             try:  # the files of every array at once, spread over the read threads
-                arrays = zarr.read_all([hosts[i] for i in todo])
+                arrays = zarr.read_all(hosts)
             except OSError as e:
                 raise ArtifactError(
                     f"Cannot read the params from {path}: expected readable array files, found "
                     f"{type(e).__name__}: {e}. Re-log the model with its params."
                 ) from e
-            for i, array in zip(todo, arrays, strict=True):
-                hosts[i] = array
-            placed.extend(jax.device_put(hosts, shardings))  # one batched transfer
+            placed.extend(jax.device_put(arrays, shardings))  # one batched transfer
             hosts.clear()
             pending[0] = 0
             shardings.clear()
