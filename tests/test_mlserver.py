@@ -139,3 +139,53 @@ def test_stock_runtime_cannot_load_a_model_without_input_schema(tmp_path):
         assert "AttributeError: 'NoneType' object has no attribute 'inputs'" in log.read_text()
     finally:
         stop_server(proc)
+
+
+# What `mlserver start` imports before it loads models (its main process, `parallel_workers: 0`)
+# and what a spawned MLServer worker imports (`parallel_workers` > 0), then the same load.
+WORKER_CHILD = r"""
+import importlib, json, os, sys
+import numpy as np
+importlib.import_module(sys.argv[2])
+import mlflow.pyfunc
+model = mlflow.pyfunc.load_model(sys.argv[1])
+from jaxexp_mlflow.serving.pyfunc import impl_for
+impl = impl_for(model.metadata)
+x = np.asarray(json.loads(sys.argv[3]), np.float32)
+y = model.predict(x)
+from jaxexp_mlflow.runtime.dispatch import inline_now
+print("RESULT " + json.dumps({
+    "background": impl.policy.background,
+    "precompiling": impl._precompiling is not None,
+    "inline": inline_now(),
+    "y": np.asarray(y).tolist(),
+}), flush=True)
+os._exit(0)  # skip waiting for the buckets still compiling (background.py)
+"""
+
+
+@pytest.mark.parametrize("module", ["mlserver.server", "mlserver.parallel.worker"])
+def test_an_mlserver_process_loads_as_a_scoring_server(mlp_dir, module):
+    """A model loaded by MLServer gets what `mlflow models serve` gets: every bucket compiled in
+    the background at load (no request compiles), CPU computations on the calling thread."""
+    from tests.conftest import result_of
+    from tests.models import batch, mlp_apply
+
+    python = MLSERVER_BIN / "python"
+    if not python.exists():
+        pytest.skip("no .venv-mlserver (bash scripts/mlserver_env.sh)")
+    path, params = mlp_dir
+    x = batch(3)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXEXP_LITE": "0"}
+    env.pop("JAXEXP_CPU_INLINE", None)
+    proc = subprocess.run(
+        [str(python), "-c", WORKER_CHILD, str(path), module, json.dumps(x.tolist())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    got = result_of(proc)
+    assert got["background"] and got["precompiling"] and got["inline"], got
+    want = np.asarray(mlp_apply(params, x))
+    np.testing.assert_allclose(np.asarray(got["y"]), want, rtol=1e-5, atol=1e-6)

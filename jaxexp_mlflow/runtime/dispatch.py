@@ -8,9 +8,9 @@ the handoff and 39 us without (jax 0.10.2 and 0.12 alike; docs/serving.md, "Disp
 
 The flag is public and read once, when JAX makes its CPU client. So it is set only where that
 has not happened and the process is ours to configure: a scoring server (``mlflow models serve``,
-``jaxexp serve``) whose process had not imported jax before loading the model. A process that
-imported jax itself keeps its own configuration. ``JAXEXP_CPU_INLINE=1`` asks for it in any
-process that has not imported jax yet, ``0`` never.
+``jaxexp serve``, MLServer) whose process had not imported jax before loading the model. A
+process that imported jax itself keeps its own configuration. ``JAXEXP_CPU_INLINE=1`` asks for it
+in any process that has not imported jax yet, ``0`` never.
 """
 
 from __future__ import annotations

@@ -422,11 +422,20 @@ ENV_PYFUNC_CACHE = "JAXEXP_PYFUNC_CACHE"
 _CACHE_SIZE = 4
 _CACHE: OrderedDict[tuple, JaxExpPyfunc] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
-_SERVER_MODULES = ("mlflow.pyfunc.scoring_server.app", "jaxexp_mlflow.serving.server")
+#: What a scoring server's process has imported before it loads a model: ``mlflow models
+#: serve``, ``jaxexp serve``, and MLServer (``mlserver start`` loads models in its main process,
+#: or in spawned workers with ``parallel_workers`` > 0).
+_SERVER_MODULES = (
+    "mlflow.pyfunc.scoring_server.app",
+    "jaxexp_mlflow.serving.server",
+    "mlserver.server",
+    "mlserver.parallel.worker",
+)
 
 
 def in_scoring_server() -> bool:
-    """Whether this process is a scoring server (``mlflow models serve``, ``jaxexp serve``)."""
+    """Whether this process is a scoring server (``mlflow models serve``, ``jaxexp serve``,
+    MLServer)."""
     return any(name in sys.modules for name in _SERVER_MODULES)
 
 
