@@ -36,13 +36,15 @@ RUNTIME = "jaxexp_mlflow.serving.mlserver_runtime.JaxExpRuntime"
 
 
 def start_mlserver(
-    model_dir: Path, workdir: Path, env: dict, runtime: str = RUNTIME
+    model_dir: Path, workdir: Path, env: dict, runtime: str = RUNTIME, workers: int = 0
 ) -> tuple[subprocess.Popen, str]:
-    """``mlserver start`` with ``runtime`` on free ports of 127.0.0.1; (process, base url)."""
+    """``mlserver start`` with ``runtime`` on free ports of 127.0.0.1; (process, base url).
+    ``workers``: MLServer's ``parallel_workers`` (0: the model runs in the server's process;
+    MLServer's own default is 1, a spawned worker process)."""
     workdir.mkdir(parents=True, exist_ok=True)
     http = free_port()
     settings = {"host": "127.0.0.1", "http_port": http, "grpc_port": free_port()}
-    settings.update(metrics_port=free_port(), parallel_workers=0)
+    settings.update(metrics_port=free_port(), parallel_workers=workers)
     (workdir / "settings.json").write_text(json.dumps(settings))
     model = {"name": NAME, "implementation": runtime}
     model["parameters"] = {"uri": str(model_dir)}

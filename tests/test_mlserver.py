@@ -42,12 +42,14 @@ STOCK = "mlserver_mlflow.MLflowRuntime"
 OURS = "jaxexp_mlflow.serving.mlserver_runtime.JaxExpRuntime"
 
 
-def start_mlserver(model_dir: Path, workdir: Path, runtime: str) -> tuple[subprocess.Popen, str]:
+def start_mlserver(
+    model_dir: Path, workdir: Path, runtime: str, workers: int = 0
+) -> tuple[subprocess.Popen, str]:
     """``mlserver start`` (benchmarks/bench_mlserver.py) or skip without ``.venv-mlserver``."""
     if not (MLSERVER_BIN / "mlserver").exists():
         pytest.skip("no .venv-mlserver (bash scripts/mlserver_env.sh)")
     env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(workdir / "xla")}
-    return bench_mlserver.start_mlserver(model_dir, workdir, env, runtime)
+    return bench_mlserver.start_mlserver(model_dir, workdir, env, runtime, workers)
 
 
 def v2_body(data: dict) -> dict:
@@ -71,14 +73,16 @@ def v2_body(data: dict) -> dict:
 # The stock runtime (STOCK) no longer loads a jaxexp model: it reads the MLflow signature's
 # inputs, which a jaxexp model does not declare (issue 35: MLflow then hands inputs over
 # unchanged at every door); JaxExpRuntime gives it the inputs from jaxexp.io (docs/serving.md).
+# workers: the model in MLServer's own process (0) or in one spawned worker (1, MLServer's default)
 @pytest.mark.parametrize("runtime", [OURS])
-def test_v2_inference_on_mlserver(tmp_path, runtime):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_v2_inference_on_mlserver(tmp_path, runtime, workers):
     params = mlp_params()
     model_dir = tmp_path / "model"
     mlflow.jaxexp.save_model(
         jax.jit(two_input_fn), model_dir, params=params, input_example=two_input_example()
     )
-    proc, url = start_mlserver(model_dir, tmp_path / "mlserver", runtime)
+    proc, url = start_mlserver(model_dir, tmp_path / "mlserver", runtime, workers)
     try:
         inp = two_input_example(4)
         want = jax.tree.map(np.asarray, two_input_fn(params, inp))
