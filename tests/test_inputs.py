@@ -73,6 +73,16 @@ REFUSED = {
     "wrong fixed dimension": ({**_lists(), "x": [[MARK] * 7] * N}, "x: float32[-1,8]"),
     "ragged": ({**_lists(), "x": [[MARK] * 8, [1.0]] + [[1.0] * 8]}, "ragged"),
     "strings": ({**_lists(), "ids": ["a", "b", "c"]}, "Send numbers"),
+    "null": ({**_lists(), "ids": [None, 1, 2]}, "holding a null (a missing value)"),
+    "a short row": (
+        {
+            "dataframe_split": {
+                "columns": ["ids", "x"],
+                "data": [[0, [MARK] * 8], [1, [1.0] * 3], [2, [1.0] * 8]],
+            }
+        },
+        "ragged",
+    ),
 }
 
 

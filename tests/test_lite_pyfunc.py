@@ -55,6 +55,7 @@ def child(model_dir: Path, x_file: Path, cache: Path, *extra: str, **env: str) -
     """Load and predict in a fresh process (jax not imported before the load)."""
     run_env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
     run_env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    run_env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     run_env.update(env)
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(model_dir), str(x_file), *extra],
@@ -63,6 +64,8 @@ def child(model_dir: Path, x_file: Path, cache: Path, *extra: str, **env: str) -
         text=True,
         timeout=300,
     )
+    # jaxlib loaded without jax keeps XLA's INFO lines off, as `import jax` does
+    assert "pjrt_client.cc" not in proc.stderr, proc.stderr[-2000:]
     return result_of(proc)
 
 

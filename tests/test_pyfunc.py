@@ -203,7 +203,7 @@ def test_casting_rules(two_dir):
         ({"x": x, "ids": [1, 2], "y": [0]}, r"unknown 'y'"),
         ({"x": [], "ids": []}, r"a batch of 0 rows"),
         ({"x": [[float("nan")] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*NaN"),
-        ({"x": x, "ids": [1, 2, 3]}, r"sharing 'b' with sizes 3 and 2"),
+        ({"x": x, "ids": [1, 2, 3]}, r"sharing dimension 'b' with sizes 3 and 2"),
         ({"x": [["a"] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*Send numbers"),
         ({"x": [[1.0] * 8, [1.0]], "ids": [1, 2]}, r"Input 'x'.*ragged"),
         ({"x": [[1e39] * 8] * 2, "ids": [1, 2]}, r"Input 'x'.*out of the range of float32"),

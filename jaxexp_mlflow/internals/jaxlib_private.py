@@ -60,6 +60,9 @@ _STATE: dict[str, Any] = {}
 
 
 def _modules() -> tuple[Any, Any]:
+    # what `import jax` does before it loads jaxlib (jax/__init__.py): XLA's INFO lines (a
+    # client's device count, ...) off unless the process asked for them
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     from jaxlib import _jax, xla_client
 
     return _jax, xla_client

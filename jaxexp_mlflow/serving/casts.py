@@ -110,9 +110,8 @@ def _cast(arr: np.ndarray, spec: LeafSpec, target: np.dtype) -> np.ndarray:
         return arr
     found = describe_found(arr)
     if src.kind in "OUSV" and not is_ml_float(src) or src.kind == "O":
-        if src.kind == "O" and any(type(v) is int for v in arr.flat):
-            found += " holding an integer beyond 64 bits"  # numpy keeps those as Python ints
-        raise input_error(spec, found, "Send numbers within the input's dtype.")
+        held, hint = _object_contents(arr) if src.kind == "O" else ("", "")
+        raise input_error(spec, found + held, hint or "Send numbers within the input's dtype.")
     t_float = target.kind in "f" or is_ml_float(target)
     t_int = target.kind in "iu" or (target.type.__module__ != "numpy" and not t_float)
     if target.kind == "b":
@@ -124,7 +123,10 @@ def _cast(arr: np.ndarray, spec: LeafSpec, target: np.dtype) -> np.ndarray:
             return arr.astype(target)
         if src.kind not in "iu":
             raise input_error(
-                spec, found, "Floats are not cast into an integer input: send whole numbers."
+                spec,
+                found,
+                "Floats are not cast into an integer input: send integers (in JSON, numbers "
+                "without a decimal point: 3, not 3.0).",
             )
         info = np.iinfo(target) if target.type.__module__ == "numpy" else _ml_iinfo(target)
         if arr.size and (arr.min() < info.min or arr.max() > info.max):
@@ -159,6 +161,25 @@ def _cast(arr: np.ndarray, spec: LeafSpec, target: np.dtype) -> np.ndarray:
         if src.kind in "biufc":
             return arr.astype(target)
     raise input_error(spec, found)
+
+
+def _object_contents(arr: np.ndarray) -> tuple[str, str]:
+    """What an object array holds that numbers do not (its first such value, in order):
+    ``(" holding ...", what to send)``; numpy makes one from nulls, rows of unequal lengths
+    (a missing field or a short row) and integers beyond 64 bits."""
+    for v in arr.flat:
+        if v is None:
+            return " holding a null (a missing value)", "Send a number for every value."
+        if isinstance(v, list | tuple | np.ndarray):
+            return (
+                " holding ragged rows (of unequal lengths: a row or record missing values)",
+                "Send every row with the same number of values.",
+            )
+        if type(v) is int:  # numpy keeps integers beyond 64 bits as Python ints
+            return " holding an integer beyond 64 bits", "Send numbers within the input's dtype."
+        if isinstance(v, str | bytes):
+            return " holding text", "Send numbers, not strings."
+    return "", ""
 
 
 def _ml_iinfo(target: np.dtype) -> Any:

@@ -99,6 +99,12 @@ class InputContract:
             f"DataFrame keyed {_shorten(self.names)}) or by position (a list of "
             f"{len(self.specs)}). Expected: {self.expected()}. Found: a "
             f"{type(data).__name__}{_len_of(data)}."
+            + (
+                " MLflow's JSON formats turn a list into one array: name the inputs, "
+                '{"inputs": {"<name>": ..}}.'
+                if isinstance(data, np.ndarray)
+                else ""
+            )
         )
 
     def _frame(self, frame: Any) -> dict[str, Any]:
@@ -195,7 +201,7 @@ class InputContract:
                     first_size, first = seen[sym]
                     raise InputError(
                         f"Rule: inputs sharing a dimension have one size along it. Found "
-                        f"inputs '{first}' and '{spec.name}' sharing {sym!r} with sizes "
+                        f"inputs '{first}' and '{spec.name}' sharing dimension {sym!r} with sizes "
                         f"{first_size} and {size}. Expected: {self.expected()}."
                     )
                 seen.setdefault(sym, (size, spec.name))
