@@ -222,3 +222,85 @@ def test_mlflow_models_serve_answers_from_the_lite_store(mlp_dir, tmp_path):
         np.testing.assert_allclose(got.json()["predictions"], want, rtol=1e-5, atol=1e-6)
     finally:
         stop_server(proc)
+
+
+def _same_crc_forgery(data: bytes, at: int) -> bytes:
+    """``data`` with its bytes ``at``..``at+8`` changed and its CRC-32C (and length) kept: CRC
+    is affine over GF(2), so a chosen change of 4 bytes is cancelled by solving for 4 more."""
+    from jaxexp_mlflow.codec.crc32c import crc32c
+
+    zero = crc32c(bytes(len(data)))
+
+    def effect(delta: dict[int, int]) -> int:  # the CRC change a xor of these bytes makes
+        buf = bytearray(len(data))
+        for i, v in delta.items():
+            buf[i] = v
+        return crc32c(bytes(buf)) ^ zero
+
+    want = effect({at: 0x5A, at + 1: 0xA5, at + 2: 0x3C, at + 3: 0xC3})
+    cols = [effect({at + 4 + b // 8: 1 << (b % 8)}) for b in range(32)]
+    # solve sum(x_b * cols[b]) = want over GF(2): Gaussian elimination on 32 bits
+    rows = [(cols[b], 1 << b) for b in range(32)]
+    basis: dict[int, tuple[int, int]] = {}
+    for vec, comb in rows:
+        for bit in reversed(range(32)):
+            if not vec >> bit & 1:
+                continue
+            if bit in basis:
+                vec, comb = vec ^ basis[bit][0], comb ^ basis[bit][1]
+            else:
+                basis[bit] = (vec, comb)
+                break
+    sol, rest = 0, want
+    for bit in reversed(range(32)):
+        if rest >> bit & 1:
+            rest, sol = rest ^ basis[bit][0], sol ^ basis[bit][1]
+    assert rest == 0
+    out = bytearray(data)
+    for i, v in enumerate((0x5A, 0xA5, 0x3C, 0xC3)):
+        out[at + i] ^= v
+    for b in range(32):
+        if sol >> b & 1:
+            out[at + 4 + b // 8] ^= 1 << (b % 8)
+    assert crc32c(bytes(out)) == crc32c(data) and out != data
+    return bytes(out)
+
+
+@needs_lite
+@pytest.mark.slow
+def test_entries_follow_the_content_not_the_path(mlp_dir, tmp_path):
+    """`mlflow models serve -m runs:/...` downloads into a new directory each time: a copy of the
+    model finds the entries its original stored. A copy whose params differ with every
+    CRC-32C kept (the manifest cannot tell) does not: entries are keyed by a sha256 of the
+    params' files, since an entry holds their values."""
+    import shutil
+
+    from jaxexp_mlflow.codec.crc32c import crc32c
+
+    model_dir, params = mlp_dir
+    cache = tmp_path / "cache"
+    x = batch(3)
+    x_file = tmp_path / "x.npy"
+    np.save(x_file, x)
+    first = child(model_dir, x_file, cache)  # through jax; stores bucket 4
+    assert first["impl"] == "JaxExpPyfunc"
+    assert len(list((cache / lite.LITE_SUBDIR).glob("*.lite"))) == 1
+
+    copy = tmp_path / "elsewhere" / "model"
+    shutil.copytree(model_dir, copy)
+    again = child(copy, x_file, cache)
+    assert again["impl"] == "LitePyfunc" and not again["jax_after_predict"]
+    assert again["y"] == first["y"]
+
+    forged = tmp_path / "forged"
+    shutil.copytree(model_dir, forged)
+    chunks = [
+        p for p in (forged / "params").rglob("*") if p.is_file() and p.parent.name != "params"
+    ]
+    target = max(chunks, key=lambda p: p.stat().st_size)  # the biggest array's data file
+    data = target.read_bytes()
+    target.write_bytes(_same_crc_forgery(data, len(data) // 2))
+    assert crc32c(target.read_bytes()) == crc32c(data)
+    got = child(forged, x_file, cache)
+    assert got["impl"] == "JaxExpPyfunc"  # not the original's folded params
+    assert got["y"] != first["y"]  # the forged values: checksums detect damage, not forgery

@@ -2,9 +2,12 @@
 
 An entry holds one batch bucket of one model, compiled with the params folded in as constants
 (no params to read, and XLA specialises on them), and the output's shape and dtype. It is keyed
-by what determines it without asking jax: the model's identity (real path, MLmodel and blob
-digests, params manifest, model_config, ``JAXEXP_*`` variables), the padded input's shape and
-dtype, the jax/jaxlib/jaxexp versions, every ``JAX_*``/``XLA_FLAGS`` variable and the host CPU.
+by what determines it without asking jax: the model's content (MLmodel, blob and params
+manifest digests, and :func:`params_digest`, a sha256 of the params' files, since the entry
+holds their values), model_config, ``JAXEXP_*`` variables, the padded input's shape and dtype,
+the jax/jaxlib/jaxexp versions, every ``JAX_*``/``XLA_FLAGS`` variable and the host CPU. Not the
+model's path: ``mlflow models serve -m runs:/...`` downloads the model into a new directory
+every time, and the same files there find their entries.
 jax's configuration can only come from those variables in a process that had not imported jax
 before the model loaded, and only such a process writes entries (``serving/lite_pyfunc.py``).
 
@@ -79,6 +82,46 @@ def environment() -> dict[str, Any]:
         "env": env,
         "cpu": host_cpu(),
     }
+
+
+#: (real path, manifest digest) -> params_digest, for this process
+_DIGESTS: dict[tuple[str, str], str | None] = {}
+
+
+def params_digest(
+    model_dir: str | os.PathLike, flavor: dict[str, Any], manifest: str
+) -> str | None:
+    """sha256 over the files of the model's params checkpoint (each file's path, size and
+    bytes, in the walk's order), read through the confined walk; ``"none"`` without params.
+    ``None`` when they exceed twice :func:`max_param_bytes` (no lite entry for such a model).
+    The manifest's CRC-32Cs are no content identity (a forger can match a CRC-32C), so an
+    entry, which holds the params' values, is keyed by this. Kept per (real path, manifest)
+    for the process (``manifest``: the manifest file's digest)."""
+    from jaxexp_mlflow.codec import files
+    from jaxexp_mlflow.store import artifact
+
+    memo = (os.path.realpath(model_dir), manifest)
+    if memo in _DIGESTS:
+        return _DIGESTS[memo]
+    ckpt = artifact.params_dir(model_dir, flavor)
+    digest: str | None = "none"
+    if ckpt is not None:
+        h = hashlib.sha256()
+        limit, total = 2 * max_param_bytes(), 0
+        for rel, st in files.walk_files(ckpt, ".", what="params checkpoint"):
+            total += st.st_size
+            if total > limit:
+                digest = None
+                break
+            data = files.read_bytes(ckpt, rel, what="params file", max_bytes=st.st_size)
+            h.update(json.dumps([rel, len(data)]).encode())
+            h.update(data)
+        else:
+            digest = h.hexdigest()
+    if len(_DIGESTS) > 64:
+        _DIGESTS.clear()
+    _DIGESTS[memo] = digest
+    return digest
 
 
 def entry_key(identity: Any, environment: dict[str, Any], shape: tuple, dtype: Any) -> str:

@@ -289,10 +289,13 @@ def try_lite(
     )
     if directory is None or not directory.is_dir() or not jaxlib_private.available():
         return None
+    ident = lite_identity(identity, flavor)
+    if ident is None:
+        return None
     env = lite.environment()
     found = {}
     for size in policy.sizes:
-        key = lite.entry_key(lite_identity(identity), env, (size, *spec.shape[1:]), spec.dtype)
+        key = lite.entry_key(ident, env, (size, *spec.shape[1:]), spec.dtype)
         if lite.has_entry(directory, key):
             found[size] = (directory, key)
     if not found:
@@ -325,21 +328,26 @@ _SERVING_ONLY_ENV = (
 )
 
 
-def lite_identity(identity: tuple) -> list:
+def lite_identity(identity: tuple, flavor: dict[str, Any]) -> list | None:
     """The model identity of ``serving.pyfunc.model_identity`` (real path, MLmodel, blob and
-    manifest digests, config, ``JAXEXP_*`` variables, whether serving) less what changes how
-    the model is served but not an executable of a given input shape: the bucket settings,
-    the input checks, the caches, whether this process serves."""
+    manifest digests, config, ``JAXEXP_*`` variables, whether serving) with the path replaced
+    by the params' content (``lite.params_digest``: a folded executable holds their values, and
+    the same model downloaded anew finds its entries), less what changes how the model is
+    served but not an executable of a given input shape: the bucket settings, the input checks,
+    the caches, whether this process serves. None: params too big to hash for the lite path."""
     import json
 
     path, mlmodel, blob, manifest, config, env = identity[:6]
+    content = lite.params_digest(path, flavor, manifest)
+    if content is None:
+        return None
     config = {k: v for k, v in json.loads(config).items() if k not in _SERVING_ONLY}
     env = [
         (k, v)
         for k, v in env
         if not k.startswith(_SERVING_ONLY_ENV) and k[len("JAXEXP_") :].lower() not in _SERVING_ONLY
     ]
-    return [path, mlmodel, blob, manifest, config, env]
+    return [content, mlmodel, blob, manifest, config, env]
 
 
 class LiteWriter:
@@ -350,11 +358,11 @@ class LiteWriter:
     background, only while ``jax.config`` is as it was at load.
     """
 
-    def __init__(self, impl: Any, identity: tuple, setting: Any) -> None:
+    def __init__(self, impl: Any, identity: list, setting: Any) -> None:
         import jax
 
         self._impl = impl
-        self._identity = lite_identity(identity)
+        self._identity = identity  # lite_identity's
         self._setting = setting
         self._config = dict(jax.config.values)
         self._environment = lite.environment()
@@ -461,7 +469,10 @@ def attach_writer(
     )
     if lite.lite_dir(setting) is None:
         return False
-    writer = LiteWriter(impl, identity, setting)
+    ident = lite_identity(identity, flavor)
+    if ident is None:
+        return False
+    writer = LiteWriter(impl, ident, setting)
     bound = model.params
 
     def on_first(leaves: tuple, outs: Any) -> None:
