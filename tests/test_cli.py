@@ -467,6 +467,16 @@ def test_predict_with_the_flag_still_refuses_a_removed_kernel(tmp_path, expired_
     assert "failed to run here" in forced.stderr and "blas_strsm" in forced.stderr
 
 
+def test_predict_output_into_a_missing_directory_is_refused_before_running(store, tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((2, 4), np.float32))
+    out = tmp_path / "nodir" / "y.npy"
+    result = run_cli("predict", str(store["local"]), "--input", str(tmp_path / "x.npy"),
+                     "--output", str(out))  # fmt: skip
+    assert result.exit_code == 2, result.stderr
+    assert "expected an existing directory" in result.stderr and "Error" not in result.stderr
+    assert not out.parent.exists()
+
+
 def test_predict_wrong_input_is_an_input_error(store, tmp_path):
     np.save(tmp_path / "bad.npy", np.zeros((5, 3), np.float32))
     result = run_cli("predict", str(store["local"]), "--input", str(tmp_path / "bad.npy"))
@@ -494,6 +504,19 @@ def test_verify_reproduces_and_detects_a_mismatch(store, tmp_path):
     assert payload["outputs"][0]["max_abs_err"] == pytest.approx(1e-3, rel=1e-2)
     loose = run_cli("verify", str(copy), "--atol", "1e-2")
     assert loose.exit_code == 0 and "1e-05/0.01" in loose.output
+
+
+@pytest.mark.parametrize("name", ["outputs.npz", "inputs.npz"])
+def test_verify_a_cut_reference_is_a_damaged_artifact(store, tmp_path, name):
+    """A reference file cut short is the archive's damage (exit 2, "damaged"), never "the
+    model failed to run here" (exit 1, which says to refresh a model that is fine)."""
+    copy = tmp_path / "model"
+    shutil.copytree(store["local"], copy)
+    ref = copy / "reference" / name
+    ref.write_bytes(ref.read_bytes()[: ref.stat().st_size // 2])
+    result = run_cli("verify", str(copy))
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    assert "damaged" in result.stderr and "failed to run" not in result.stderr
 
 
 def test_verify_bare_blob_is_an_input_error():
@@ -609,3 +632,33 @@ def test_flavor_yaml_is_what_inspect_shows(store):
     conf = yaml.safe_load((store["local"] / "MLmodel").read_text())["flavors"]["jaxexp"]
     report = json.loads(run_cli("inspect", str(store["local"]), "--json").stdout)
     assert report["flavor"] == conf
+
+
+# -- serve: refusals before the model loads ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--model-config", "{bad"], "not JSON"),
+        (["--model-config", "[1]"], "found a JSON list"),
+        (["--model-config", '{"buckets": "bogus"}'], "a list of positive integers"),
+        (["--model-config", '{"max_batch": "big"}'], "max_batch: expected a positive integer"),
+    ],
+)
+def test_serve_refuses_a_bad_model_config_before_loading(args, says):
+    result = run_cli("serve", "-m", "/nonexistent/model", *args)
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    assert says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_refuses_a_port_in_use_before_loading():
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = run_cli("serve", "-m", "/nonexistent/model", "-p", str(port))
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    assert f"127.0.0.1:{port} in use" in result.stderr

@@ -181,3 +181,19 @@ def test_control_sequences_in_model_strings_are_escaped(saved, tmp_path, trackin
     assert audited.exit_code == 0, audited.output
     _assert_escaped(audited.stdout)
     assert "evil\\x1b[2K\\rVerdict ok/1" in audited.stdout
+
+
+def test_a_tool_writing_bytes_to_stderr_is_escaped_not_refused(capsys):
+    """iree-compile's stderr reaches ``sys.stderr`` as bytes (IREE's ``_write_binary_stderr``
+    writes bytes where the stream has no ``buffer``): decoded and escaped like text; before,
+    every ``--backend iree`` command that made iree-compile print a line died with a TypeError."""
+    import sys
+
+    from jaxexp_mlflow.cli._common import safe_stdout
+
+    with safe_stdout():
+        assert not hasattr(sys.stderr, "buffer")  # no way around the escaping
+        sys.stderr.write(b"warning: \x1b[31mred\x1b[0m \xff\n")
+        sys.stderr.write("text \x1b[2J\n")
+    err = capsys.readouterr().err
+    assert err == "warning: \\x1b[31mred\\x1b[0m \ufffd\ntext \\x1b[2J\n"

@@ -104,9 +104,14 @@ class _SafeStdout:
         self.errors = getattr(stream, "errors", None) or "strict"
 
     def write(self, text: Any) -> int:
+        if isinstance(text, bytes | bytearray | memoryview):
+            # a tool's raw output (iree-compile's stderr, written as bytes where a stream
+            # has no `buffer`): decoded, then escaped like any text
+            self._stream.write(safe_text(bytes(text).decode("utf-8", "replace"), multiline=True))
+            return len(text)
         if isinstance(text, str):
             text = safe_text(text, multiline=True)
-        return self._stream.write(text)  # bytes: refused by the text stream, as click expects
+        return self._stream.write(text)
 
     def writelines(self, lines: Any) -> None:
         for line in lines:
@@ -237,7 +242,11 @@ class Command(click.Command):
                     }
                 )
             expected = _EXPECTED & _class_names(err)
-            hint = "" if expected or ctx.params.get("debug") else " (--debug shows the traceback)"
+            hint = (
+                ""
+                if expected or ctx.params.get("debug") or "debug" not in ctx.params
+                else " (--debug shows the traceback)"
+            )
             click.echo(f"jaxexp {ctx.info_name}: error: {message}{hint}", err=True)
             ctx.exit(code)
 

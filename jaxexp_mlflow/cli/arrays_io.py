@@ -13,6 +13,7 @@ bits (the reference-file convention) is viewed back. Outputs are flat leaves ``o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,25 @@ def _check_suffix(path: Path, what: str) -> str:
             f"{', '.join(SUFFIXES)}"
         )
     return suffix
+
+
+def check_output_path(path: Path) -> None:
+    """Refuse an output file whose suffix we cannot write or whose directory does not exist or
+    is not writable: before the model runs, not after."""
+    _check_suffix(path, "output file")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise InputProblem(
+            f"output file {path}: expected an existing directory to write it in, found no "
+            f"directory {parent}; create it first or choose another path"
+        )
+    if not os.access(parent, os.W_OK):
+        raise InputProblem(
+            f"output file {path}: expected a writable directory, found {parent} read-only for "
+            "this user; choose another path"
+        )
+    if path.is_dir():
+        raise InputProblem(f"output file {path}: expected a file path, found a directory")
 
 
 def read_payload(path: Path) -> Any:

@@ -91,9 +91,9 @@ def predict(
 
     payload = read_payload(input_file)
     if output_file is not None:
-        from jaxexp_mlflow.cli.arrays_io import _check_suffix
+        from jaxexp_mlflow.cli.arrays_io import check_output_path
 
-        _check_suffix(output_file, "output file")  # fail before the expensive part
+        check_output_path(output_file)  # fail before the expensive part
     target = resolve(uri)
     from jaxexp_mlflow.cli.loading import pick_route
 

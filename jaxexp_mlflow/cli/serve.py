@@ -33,15 +33,37 @@ through mlflow.pyfunc.load_model; no environment is created (like --env-manager 
 @click.option(
     "--model-config", default=None, help="JSON object passed as model_config to the loader."
 )
-def serve(model_uri: str, host: str, port: int, workers: int, model_config: str | None) -> None:
+@click.option("--debug", is_flag=True, help="Show tracebacks of load errors.")
+def serve(
+    model_uri: str, host: str, port: int, workers: int, model_config: str | None, debug: bool
+) -> None:
     """Serve a jaxexp model over HTTP (MLflow's scoring protocol, with request limits)."""
     import uvicorn
 
+    from jaxexp_mlflow.runtime import buckets
+
+    try:
+        config = json.loads(model_config) if model_config else {}
+    except json.JSONDecodeError as err:
+        raise click.BadParameter(
+            f"expected a JSON object, found text that is not JSON ({err.msg} at character "
+            f"{err.pos})",
+            param_hint="--model-config",
+        ) from None
+    if not isinstance(config, dict):
+        raise click.BadParameter(
+            f"expected a JSON object, found a JSON {type(config).__name__}",
+            param_hint="--model-config",
+        )
+    try:  # the bucket settings, before the model loads
+        buckets.resolve(config, serving=True)
+    except (TypeError, ValueError) as err:
+        raise click.BadParameter(str(err), param_hint="--model-config") from None
+    _check_port_free(host, port)
+    # imported once the command is sure to serve: importing it marks this process a scoring
+    # server (serving.pyfunc.in_scoring_server)
     from jaxexp_mlflow.serving import server
 
-    config = json.loads(model_config) if model_config else {}
-    if not isinstance(config, dict):
-        raise click.BadParameter("expected a JSON object", param_hint="--model-config")
     os.environ[server.ENV_MODEL_URI] = model_uri
     os.environ[server.ENV_MODEL_CONFIG] = json.dumps(config)
     if workers > 1:  # each worker process loads the model through the factory
@@ -51,3 +73,28 @@ def serve(model_uri: str, host: str, port: int, workers: int, model_config: str 
         return
     _, impl = server.load(model_uri, config)  # load errors exit with the CLI's codes
     uvicorn.run(server.build_app(impl), host=host, port=port)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on before loading the model (uvicorn would only
+    find out after the load, and exit with its own code)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise click.BadParameter(
+            f"expected an address to listen on, found {host!r} ({err.strerror})",
+            param_hint="--host",
+        ) from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise click.BadParameter(
+                f"expected a free port, found {host}:{port} in use or not available "
+                f"({err.strerror}); pick another with -p",
+                param_hint="--port",
+            ) from None

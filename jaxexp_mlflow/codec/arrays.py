@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,6 +107,11 @@ def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, what: str) -> np.nda
     return arr.reshape(shape, order="F" if fortran else "C")
 
 
+#: What reading a missing, cut or garbled reference file raises (zipfile's own errors
+#: included: a cut ``.npz`` is a ``BadZipFile``, a garbled member a ``zlib.error``)
+DAMAGED = (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
 def load_arrays(
     path: str | os.PathLike, dtypes: Sequence[str], prefix: str, *, what: str = "reference file"
 ) -> list[np.ndarray]:
@@ -145,8 +151,9 @@ def load_reference(
             load_arrays(inputs, ref["input_dtypes"], "in"),
             load_arrays(outputs, ref["output_dtypes"], "out"),
         )
-    except (OSError, KeyError, ValueError) as err:
+    except DAMAGED as err:
         raise ArtifactError(
-            f"The model's reference arrays under {where} are missing or damaged ({err}). "
+            f"The model's reference arrays under {where} are missing or damaged "
+            f"({type(err).__name__}: {err}). "
             "Download the model again."
         ) from err

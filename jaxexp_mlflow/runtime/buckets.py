@@ -85,9 +85,14 @@ def _parse_sizes(value: Any, max_batch: int) -> tuple[int, ...]:
         value = [v for v in text.replace(" ", "").split(",") if v]
     if isinstance(value, int):
         return powers_of_two(value)
-    sizes = sorted({int(v) for v in value})
+    try:
+        sizes = sorted({int(v) for v in value})
+    except (TypeError, ValueError):
+        sizes = []
     if not sizes or sizes[0] < 1:
-        raise ValueError(f"bucket sizes must be positive integers, got {value!r}")
+        raise ValueError(
+            f"buckets: expected 'pow2', 'off' or a list of positive integers, found {value!r:.80}"
+        )
     return tuple(sizes)
 
 
@@ -127,7 +132,13 @@ def resolve(
             return os.environ[env]
         return saved.get(key)
 
-    max_batch = int(pick("max_batch", ENV_MAX_BATCH) or DEFAULT_MAX_BATCH)
+    raw_max = pick("max_batch", ENV_MAX_BATCH) or DEFAULT_MAX_BATCH
+    try:
+        max_batch = int(raw_max)
+    except (TypeError, ValueError):
+        max_batch = 0
+    if max_batch < 1:
+        raise ValueError(f"max_batch: expected a positive integer, found {raw_max!r:.80}")
     sizes = _parse_sizes(pick("buckets", ENV_BUCKETS), max_batch)
     pre = pick("precompile", ENV_PRECOMPILE)
     if pre is None:

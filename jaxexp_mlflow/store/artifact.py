@@ -225,7 +225,7 @@ def read_reference(path: str | os.PathLike, meta: dict[str, Any]) -> tuple[list,
             loaded.append(arrays.load_arrays(file, ref[key], prefix, what=rel))
         except ArtifactError:
             raise
-        except (OSError, KeyError, ValueError, TypeError, EOFError) as err:
+        except arrays.DAMAGED as err:
             raise ArtifactError(
                 f"The model's reference arrays ({rel}) are missing or damaged "
                 f"({type(err).__name__}). Download the model again."
