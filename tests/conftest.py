@@ -291,3 +291,20 @@ def mlp_copy(saved_mlp, tmp_path) -> Path:
     import shutil
 
     return Path(shutil.copytree(saved_mlp, tmp_path / "model", symlinks=True))
+
+
+def reseal_reference(model_dir: Path) -> None:
+    """Record the digests of ``model_dir``'s reference files as they are now in its MLmodel:
+    a reference rewritten on purpose (one the function does not reproduce) rather than
+    damaged, which the digests would report as such."""
+    import hashlib
+
+    import yaml
+
+    doc = yaml.safe_load((model_dir / "MLmodel").read_text())
+    ref = doc["flavors"]["jaxexp"]["reference"]
+    ref["sha256"] = {
+        side: hashlib.sha256((model_dir / "reference" / f"{side}.npz").read_bytes()).hexdigest()
+        for side in ("inputs", "outputs")
+    }
+    (model_dir / "MLmodel").write_text(yaml.safe_dump(doc))

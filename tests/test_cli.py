@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.runtime import compat
-from tests.conftest import CORPUS, corpus_refusals, load_case, sqlite_store
+from tests.conftest import CORPUS, corpus_refusals, load_case, reseal_reference, sqlite_store
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 JAXEXP = Path(sys.executable).with_name("jaxexp")
@@ -497,6 +497,10 @@ def test_verify_reproduces_and_detects_a_mismatch(store, tmp_path):
     with np.load(copy / "reference" / "outputs.npz", allow_pickle=False) as data:
         ref = data["out_0"]
     np.savez(copy / "reference" / "outputs.npz", out_0=ref + np.float32(1e-3))
+    damaged = run_cli("verify", str(copy))  # the MLmodel's digest of the file: damage
+    assert damaged.exit_code == 2 and "does not match its recorded checksum" in damaged.stderr
+    # the same values with their digest recorded: a reference the function no longer meets
+    reseal_reference(copy)
     bad = run_cli("verify", str(copy), "--json")
     assert bad.exit_code == 1
     payload = json.loads(bad.stdout)

@@ -31,6 +31,7 @@ from tests.conftest import (
     corpus_cases,
     corpus_refusals,
     load_case,
+    reseal_reference,
     run_on_devices,
 )
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
@@ -196,6 +197,7 @@ def test_refresh_refuses_when_the_reference_is_not_reproduced(tmp_path, tracking
         out = {k: d[k] for k in d.files}
     out["out_0"] = out["out_0"] + 1.0  # a reference the function does not compute
     np.savez(ref, **out)
+    reseal_reference(path)
     with pytest.raises(RefreshError, match=r"(?s)does not reproduce.*out_0.*Nothing was logged"):
         jaxexp_mlflow.refresh(str(path))
     assert mlflow.search_logged_models(output_format="list") == []
@@ -206,6 +208,7 @@ def test_refresh_refuses_when_the_reference_is_not_reproduced(tmp_path, tracking
     with np.load(ref) as d:
         out = {k: d[k] * 2.0 for k in d.files}
     np.savez(ref, **out)
+    reseal_reference(bare)
     with pytest.raises(RefreshError, match=r"(?s)does not reproduce.*out_0"):
         jaxexp_mlflow.refresh(str(bare))
 

@@ -313,6 +313,38 @@ def test_bad_flavor_fields_are_typed_errors(model, changes, match):
     refused(model, match)
 
 
+@pytest.mark.parametrize(
+    ("field", "edit", "match"),
+    [
+        ("vjp_order", lambda f: 5, r"jaxexp.vjp_order says 5, the blob says"),
+        ("nr_devices", lambda f: 2, r"jaxexp.nr_devices says 2, the blob says 1"),
+        ("platforms", lambda f: ["cuda"], r"jaxexp.platforms says \[cuda\], the blob says"),
+        (
+            "in_avals",
+            lambda f: [a.replace("float32", "int32") for a in f["in_avals"]],
+            r"jaxexp.in_avals\[0\] says int32",
+        ),
+        (
+            "io",
+            lambda f: {**f["io"], "inputs": [{**f["io"]["inputs"][0], "dtype": "int32"}]},
+            r"jaxexp.io.inputs 'x' says int32\[rank 2\], the blob says float32",
+        ),
+    ],
+)
+def test_mlmodel_facts_differing_from_the_blob_are_refused(model, field, edit, match):
+    """MLmodel's facts about the function are the blob's: edited apart from it, they would have
+    the model promise what its blob cannot do (a 5th derivative) or refuse what it takes. Load,
+    `jaxexp check` and `inspect` read them through the same check."""
+    doc = yaml.safe_load((model / "MLmodel").read_text())
+    section = doc["flavors"]["jaxexp"]
+    section[field] = edit(section)
+    (model / "MLmodel").write_text(yaml.safe_dump(doc))
+    refused(model, match)
+    for command in ("check", "inspect"):
+        result = CliRunner().invoke(main, [command, str(model)])
+        assert result.exit_code == 2 and "does not match its blob" in result.output, result.output
+
+
 def test_io_shapes_are_bounded(model):
     doc = yaml.safe_load((model / "MLmodel").read_text())
     doc["flavors"]["jaxexp"]["io"]["inputs"][0]["shape"] = [-1, 2**40]

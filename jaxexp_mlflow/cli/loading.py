@@ -132,6 +132,7 @@ def checked_description(target: Target) -> Any:
         desc = target.description
     else:
         desc = describe(data, source=str(target.blob_path))
+        target.check_section(desc)
         if target.blob_data is data:
             target.description = desc
     if target.kind != "blob":

@@ -79,7 +79,17 @@ class Target:
         loaded = self.__dict__.get("model_files")
         if loaded is not None and "description" in loaded.__dict__:
             return loaded.description
-        return reader.read_blob(self.blob_data)
+        desc = reader.read_blob(self.blob_data)
+        self.check_section(desc)
+        return desc
+
+    def check_section(self, desc: Any) -> None:
+        """A model directory's MLmodel facts against its blob's (``store.section``); nothing for
+        a bare blob."""
+        if self.kind != "blob" and self.flavor:
+            from jaxexp_mlflow.store.section import check_against_blob
+
+            check_against_blob(self.flavor, desc, str(self.blob_path))
 
     @cached_property
     def model_files(self) -> Any:

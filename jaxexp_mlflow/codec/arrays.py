@@ -8,6 +8,7 @@ their real dtype in ``dtypes`` so ``load_arrays`` can view them back.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import zipfile
 import zlib
@@ -112,18 +113,47 @@ def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, what: str) -> np.nda
 DAMAGED = (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)
 
 
+def file_sha256(fd: int, size: int) -> str:
+    """Hex sha256 of the first ``size`` bytes of the open file ``fd`` (read in blocks)."""
+    h = hashlib.sha256()
+    pos = 0
+    while pos < size:
+        block = os.pread(fd, min(1 << 20, size - pos), pos)
+        if not block:
+            break
+        h.update(block)
+        pos += len(block)
+    return h.hexdigest()
+
+
 def load_arrays(
-    path: str | os.PathLike, dtypes: Sequence[str], prefix: str, *, what: str = "reference file"
+    path: str | os.PathLike,
+    dtypes: Sequence[str],
+    prefix: str,
+    *,
+    what: str = "reference file",
+    sha256: str | None = None,
 ) -> list[np.ndarray]:
     """Read the leaves written by ``save_arrays``, restoring their real dtypes.
 
-    The file must be a regular file (opened without following links); the members' declared
-    sizes are checked against the file's size and their headers against their sizes before
-    anything is decompressed or allocated. No pickle.
+    The file must be a regular file (opened without following links); with ``sha256`` (what
+    the MLmodel records since session 40) its bytes must hash to it, so damage reads as
+    damage, not as a model that no longer reproduces; the members' declared sizes are
+    checked against the file's size and their headers against their sizes before anything is
+    decompressed or allocated. No pickle.
     """
-    from jaxexp_mlflow.codec.files import open_regular
+    from jaxexp_mlflow.codec.files import fail, open_regular
 
     fd, size = open_regular(path, what=what, max_bytes=MAX_REFERENCE_BYTES)
+    if sha256 is not None:
+        found = file_sha256(fd, size)
+        if found != sha256:
+            os.close(fd)
+            raise fail(
+                f"The model's {what} does not match its recorded checksum: expected sha256 "
+                f"{sha256}, found {found} ({size} bytes). The file is damaged; download the "
+                "model again."
+            )
     with os.fdopen(fd, "rb") as f, zipfile.ZipFile(f) as z:
         members = _checked_members(z, size, what)
         out = []
@@ -146,10 +176,11 @@ def load_reference(
     """
     from jaxexp_mlflow.errors import ArtifactError
 
+    digests = ref.get("sha256") or {}
     try:
         return (
-            load_arrays(inputs, ref["input_dtypes"], "in"),
-            load_arrays(outputs, ref["output_dtypes"], "out"),
+            load_arrays(inputs, ref["input_dtypes"], "in", sha256=digests.get("inputs")),
+            load_arrays(outputs, ref["output_dtypes"], "out", sha256=digests.get("outputs")),
         )
     except DAMAGED as err:
         raise ArtifactError(

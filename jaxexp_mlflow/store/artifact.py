@@ -15,6 +15,7 @@ that handle JAX values import it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,15 @@ def write_reference(
     ref.mkdir(parents=True, exist_ok=True)
     in_dtypes = arrays.save_arrays(Path(path, REFERENCE_INPUTS), jax.tree.leaves(inputs), "in")
     out_dtypes = arrays.save_arrays(Path(path, REFERENCE_OUTPUTS), jax.tree.leaves(outputs), "out")
-    ref: dict[str, Any] = {"input_dtypes": in_dtypes, "output_dtypes": out_dtypes}
+    digests = {
+        side: hashlib.sha256(Path(path, rel).read_bytes()).hexdigest()
+        for side, rel in (("inputs", REFERENCE_INPUTS), ("outputs", REFERENCE_OUTPUTS))
+    }
+    ref: dict[str, Any] = {
+        "input_dtypes": in_dtypes,
+        "output_dtypes": out_dtypes,
+        "sha256": digests,  # damage to the files reads as damage, not as a failed reproduction
+    }
     if platform:
         ref["platform"] = str(platform)
     return ref
@@ -216,13 +225,16 @@ def read_reference(path: str | os.PathLike, meta: dict[str, Any]) -> tuple[list,
     if not ref:
         return None
     loaded = []
-    for rel, key, prefix in (
-        (REFERENCE_INPUTS, "input_dtypes", "in"),
-        (REFERENCE_OUTPUTS, "output_dtypes", "out"),
+    digests = ref.get("sha256") or {}
+    for rel, key, prefix, side in (
+        (REFERENCE_INPUTS, "input_dtypes", "in", "inputs"),
+        (REFERENCE_OUTPUTS, "output_dtypes", "out", "outputs"),
     ):
         file = files.resolve_inside(path, rel, what=f"reference file {rel}")
         try:
-            loaded.append(arrays.load_arrays(file, ref[key], prefix, what=rel))
+            loaded.append(
+                arrays.load_arrays(file, ref[key], prefix, what=rel, sha256=digests.get(side))
+            )
         except ArtifactError:
             raise
         except arrays.DAMAGED as err:

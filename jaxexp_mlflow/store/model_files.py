@@ -25,7 +25,7 @@ from jaxexp_mlflow.codec import files
 from jaxexp_mlflow.codec.mlmodel import load_yaml, parse_mlmodel, read_mlmodel_bytes
 from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.store import artifact
-from jaxexp_mlflow.store.section import FLAVOR_NAME, flavor_section
+from jaxexp_mlflow.store.section import FLAVOR_NAME, check_against_blob, flavor_section
 
 __all__ = ["ModelFiles", "read_model_files"]
 
@@ -69,7 +69,10 @@ class ModelFiles:
         is malformed)."""
         data = self.blob
         parsed = self.__dict__.pop("_parsed", None)
-        return parsed if parsed is not None else blob_codec.describe(data, source=self.blob_source)
+        if parsed is None:
+            parsed = blob_codec.describe(data, source=self.blob_source)
+        check_against_blob(self.flavor, parsed, self.blob_source)  # MLmodel's facts are the blob's
+        return parsed
 
     def mlmodel_beside(self, ckpt: str | os.PathLike) -> dict[str, Any] | None:
         """The parsed MLmodel where it is the one beside the params checkpoint ``ckpt`` (the

@@ -232,6 +232,87 @@ def flavor_section(mlmodel: Mapping[str, Any], name: str = FLAVOR_NAME) -> dict[
     return validate_flavor(flavors[name])
 
 
+def _aval_kind(text: Any) -> tuple[str, int] | None:
+    """``(dtype, rank)`` of an aval string (``"float32[b,784]"`` -> ``("float32", 2)``)."""
+    m = re.fullmatch(r"([A-Za-z0-9_]+)\[(.*)\]", str(text).strip())
+    if m is None:
+        return None
+    dims = m.group(2).strip()
+    return m.group(1), (0 if not dims else dims.count(",") + 1)
+
+
+def check_against_blob(conf: Mapping[str, Any], description: Any, source: str) -> None:
+    """Refuse a section whose facts about the function differ from the blob's own.
+
+    The loader and the CLI take some facts from MLmodel (how often the model may be
+    differentiated, its devices and platforms, its inputs' dtypes); a section edited apart from
+    its blob would have them promise what the blob cannot do, or refuse what it takes. Fields
+    the section leaves unset (older models) are not compared. ``ArtifactError`` naming the first
+    difference.
+    """
+
+    def differs(field: str, recorded: Any, actual: Any) -> Exception:
+        def shown(v: Any) -> str:
+            text = f"[{', '.join(map(str, v))}]" if isinstance(v, list | tuple) else str(v)
+            return text if len(text) <= 120 else text[:117] + "..."
+
+        return fail(
+            f"The model's {MLMODEL} does not match its blob ({source}): jaxexp.{field} says "
+            f"{shown(recorded)}, the blob says {shown(actual)}. The {MLMODEL} file was altered "
+            "or belongs to another blob; download the model again."
+        )
+
+    for field, actual in (
+        ("vjp_order", description.vjp_order),
+        ("nr_devices", description.nr_devices),
+        ("calling_convention_version", description.calling_convention_version),
+    ):
+        recorded = conf.get(field)
+        if recorded is not None and recorded != actual:
+            raise differs(field, recorded, actual)
+    platforms = conf.get("platforms")
+    if platforms is not None and [str(p).lower() for p in platforms] != [
+        str(p).lower() for p in description.platforms
+    ]:
+        raise differs("platforms", platforms, list(description.platforms))
+    for field, actual_avals in (
+        ("in_avals", description.in_avals),
+        ("out_avals", description.out_avals),
+    ):
+        recorded = conf.get(field)
+        if recorded is None:
+            continue
+        if not isinstance(recorded, list) or len(recorded) != len(actual_avals):
+            raise differs(
+                f"{field} (count)",
+                len(recorded) if isinstance(recorded, list) else recorded,
+                len(actual_avals),
+            )
+        for i, (r, a) in enumerate(zip(recorded, actual_avals, strict=True)):
+            if _aval_kind(r) != _aval_kind(a):
+                raise differs(f"{field}[{i}]", r, a)
+    io = conf.get("io")
+    if not isinstance(io, Mapping):
+        return
+    skip = int(conf.get("n_param_leaves") or 0)  # the params' leaves come first
+    for side, avals in (
+        ("inputs", description.in_avals[skip:]),
+        ("outputs", description.out_avals),
+    ):
+        specs = io.get(side) or []
+        if len(specs) != len(avals):
+            raise differs(f"io.{side} (count)", len(specs), len(avals))
+        for spec, aval in zip(specs, avals, strict=True):
+            kind = _aval_kind(aval)
+            shape = spec.get("shape") if isinstance(spec, Mapping) else None
+            mine = (str(spec.get("dtype")), len(shape)) if isinstance(shape, list) else None
+            if kind is not None and mine != kind:
+                name = spec.get("name") if isinstance(spec, Mapping) else spec
+                raise differs(
+                    f"io.{side} '{name}'", f"{mine[0]}[rank {mine[1]}]" if mine else spec, aval
+                )
+
+
 def validate_flavor(conf: Any) -> dict[str, Any]:
     """Check an untrusted ``jaxexp`` section (:meth:`FlavorSection.from_dict`); return it as
     written, for the readers that take it as a mapping."""
@@ -499,6 +580,19 @@ def _validate(conf: Any) -> None:
             _str_list(ref, key)
         if ref.get("platform") is not None and not isinstance(ref["platform"], str):
             raise _bad("reference.platform", "a platform name (cpu, cuda, tpu)", ref["platform"])
+        digests = ref.get("sha256")
+        if digests is not None and (
+            not isinstance(digests, dict)
+            or set(digests) - {"inputs", "outputs"}
+            or not all(
+                isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) for v in digests.values()
+            )
+        ):
+            raise _bad(
+                "reference.sha256",
+                "a mapping of 'inputs' and 'outputs' to hex sha256 digests",
+                digests,
+            )
     serving = conf.get("serving") or {}
     _int(serving, "max_batch", 1, MAX_BATCH, field="serving.max_batch")
     _int(serving, "max_request_bytes", 1, MAX_REQUEST_BYTES, field="serving.max_request_bytes")
