@@ -568,6 +568,20 @@ def test_log_an_archived_blob_then_verify(store, tmp_path):
     assert same.exit_code == 0
 
 
+def test_log_console_script_prints_no_library_chatter(store, tmp_path):
+    """MLflow's INFO log lines (a new experiment) stay off without --debug: the command says
+    what it did itself. (MLflow prints "Successfully registered model" itself, not through
+    logging: that line stays.)"""
+    case = CORPUS / "jax-0.8.3" / "mlp"
+    env = {"MLFLOW_TRACKING_URI": store["uri"]}
+    args = ("log", str(case / "exported.bin"), "--input-example", str(case / "inputs.npz"),
+            "--experiment", "quiet-new", "--register", "quiet")  # fmt: skip
+    result = run_script(*args, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "models:/quiet/1" in result.stdout
+    assert " INFO " not in result.stderr and "Creating" not in result.stderr, result.stderr
+
+
 def test_verify_an_expired_model_with_and_without_the_flag(store, expired_env, monkeypatch):
     """A jax 0.6.2 blob logged where jax reads it (with the flag on jax >= 0.11.1) reproduces;
     without the flag jax >= 0.11.1 refuses it before running, saying to set the flag, and
@@ -600,6 +614,8 @@ def test_log_blob_with_orbax_params_into_an_existing_run(store, tmp_path):
     blob.write_bytes(bytes(export_mlp(params).serialize()))
     save_params(params, tmp_path / "ckpt")
     np.savez(tmp_path / "x.npz", in_0=store["x"])
+    without = run_cli("log", str(blob), "--input-example", str(tmp_path / "x.npz"))
+    assert without.exit_code == 2 and "pass them with --params ORBAX_DIR" in without.stderr
     with mlflow.start_run() as run:
         pass
     result = run_cli(
@@ -616,6 +632,7 @@ def test_log_blob_with_orbax_params_into_an_existing_run(store, tmp_path):
     )
     assert result.exit_code == 0, result.stderr
     assert f"runs:/{run.info.run_id}/mlp2" in result.output
+    assert "Route        direct" in result.output  # the help's promise: the route, every time
     inspect = json.loads(run_cli("inspect", f"runs:/{run.info.run_id}/mlp2", "--json").stdout)
     assert inspect["params"]["num_arrays"] == 4
     assert run_cli("verify", f"runs:/{run.info.run_id}/mlp2").exit_code == 0
@@ -666,3 +683,28 @@ def test_serve_refuses_a_port_in_use_before_loading():
         result = run_cli("serve", "-m", "/nonexistent/model", "-p", str(port))
     assert result.exit_code == 2, (result.exit_code, result.stderr)
     assert f"127.0.0.1:{port} in use" in result.stderr
+
+
+def test_refresh_refuses_what_is_no_model_in_the_words_of_the_other_commands(tmp_path):
+    missing = run_cli("refresh", str(tmp_path / "nosuch"))
+    assert missing.exit_code == 2 and "no such file or directory, and not a model URI" in (
+        missing.stderr
+    )
+    blob = tmp_path / "b.bin"
+    blob.write_bytes(bytes(export_mlp(mlp_params()).serialize()))
+    bare = run_cli("refresh", str(blob))
+    assert bare.exit_code == 2 and "log it first with `jaxexp log`" in bare.stderr
+
+
+@pytest.mark.parametrize(
+    ("route", "why"),
+    [
+        ("expired-flag", "nothing keeps this jax from loading the model as it is"),
+        ("iree", "asked for with --backend iree"),
+    ],
+)
+def test_a_route_that_does_not_work_says_why(store, tmp_path, route, why):
+    np.save(tmp_path / "x.npy", store["x"])
+    result = run_cli("predict", str(store["local"]), "--input", str(tmp_path / "x.npy"),
+                     "--route", route)  # fmt: skip
+    assert result.exit_code == 1 and why in result.stderr, result.stderr

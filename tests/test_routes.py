@@ -42,7 +42,7 @@ def _plan(case: Path) -> list[routes.Route]:
     from jaxexp_mlflow.cli.loading import plan_routes
     from jaxexp_mlflow.cli.uri import resolve
 
-    return plan_routes(resolve(str(case / "exported.bin")))
+    return plan_routes(resolve(str(case / "exported.bin")))[0]
 
 
 def _names(case: Path) -> list[str]:

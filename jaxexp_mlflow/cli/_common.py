@@ -289,6 +289,12 @@ def setup_logging(debug: bool) -> None:
         return
     for name in ("absl", "orbax", "jax._src.xla_bridge"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # MLflow's INFO lines ("Experiment ... does not exist. Creating a new experiment"): the
+    # command prints what it did itself; warnings still show. MLflow sets its level from
+    # MLFLOW_LOGGING_LEVEL when it is imported (often later than this), else here.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    if "mlflow" in sys.modules:
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
     if not sys.stderr.isatty():  # MLflow's tqdm download bars only on a terminal
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 

@@ -140,15 +140,16 @@ def checked_description(target: Target) -> Any:
     return desc
 
 
-def plan_routes(target: Target, *, allow_other_platform: bool = False) -> list[Any]:
-    """The routes that work here for ``target`` (``runtime.routes.plan``), in order."""
+def plan_routes(target: Target, *, allow_other_platform: bool = False) -> tuple[list[Any], Any]:
+    """The routes that work here for ``target`` (``runtime.routes.plan``), in order, and the
+    compatibility verdict they were planned from."""
     from jaxexp_mlflow.cli.check import blob_meta
     from jaxexp_mlflow.runtime import compat, routes
 
     desc = checked_description(target)
     meta = blob_meta(desc) if target.kind == "blob" else target.flavor
     verdict = compat.assess(meta, description=desc, allow_other_platform=allow_other_platform)
-    return routes.plan(verdict, meta, desc, uri=target.uri)
+    return routes.plan(verdict, meta, desc, uri=target.uri), verdict
 
 
 def pick_route(target: Target, route: str | None, **options: Any) -> Any:
@@ -161,12 +162,18 @@ def pick_route(target: Target, route: str | None, **options: Any) -> Any:
 
     if route is None:
         return recorded_route(target, **options)
-    available = plan_routes(target, allow_other_platform=bool(options.get("allow_other_platform")))
+    available, verdict = plan_routes(
+        target, allow_other_platform=bool(options.get("allow_other_platform"))
+    )
     chosen = available[0] if route == "auto" and available else routes.find(available, route)
     if chosen is None:
         raise Failure(
             f"--route {route}: "
-            + ("no route works" if route == "auto" else "that route does not work here")
+            + (
+                "no route works"
+                if route == "auto"
+                else f"that route does not work here ({routes.why_not(route, verdict)})"
+            )
             + f" for {target.uri}.\n{routes.describe(available)}"
         )
     return chosen

@@ -105,6 +105,7 @@ def log(
     example = None
     if input_example is not None:
         from jaxexp_mlflow.cli.arrays_io import call_args, input_leaves, input_specs, read_payload
+        from jaxexp_mlflow.errors import InputError
 
         payload = read_payload(input_example)
         with step("Reading the blob"):
@@ -115,7 +116,16 @@ def log(
             children = args_tree.children()
             n_params = children[0].num_leaves if children else 0
         specs = input_specs(exported, bool(n_params), None)
-        args, kwargs = call_args(exported, bool(n_params), input_leaves(payload, specs))
+        try:
+            leaves = input_leaves(payload, specs)
+        except InputError as err:
+            if params_dir is not None or len(exported.in_tree.children()[0].children()) < 2:
+                raise
+            raise InputProblem(
+                f"{err.message} If the blob's first argument is its params, pass them with "
+                "--params ORBAX_DIR (the example then holds the other inputs only)."
+            ) from err
+        args, kwargs = call_args(exported, bool(n_params), leaves)
         if kwargs:
             raise InputProblem(
                 "the blob's function takes keyword arguments; log_model's input example holds "
@@ -143,8 +153,11 @@ def log(
     if as_json:
         emit_json({"ok": True, **d, "route": taken or {"name": "direct"}})
     else:
-        if taken:
-            click.echo(_route_text(taken))
+        click.echo(
+            _route_text(taken)
+            if taken
+            else "Route        direct: this jax reads the blob as it is (no route recorded)."
+        )
         print_model_info(d, register)
 
 

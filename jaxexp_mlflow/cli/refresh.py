@@ -6,6 +6,7 @@ import click
 
 from jaxexp_mlflow.cli._common import (
     Command,
+    InputProblem,
     common_options,
     emit_json,
     setup_logging,
@@ -68,6 +69,7 @@ def refresh(
     shardings) with --route bridge. A model logged through a route takes it by default.
     """
     setup_logging(debug)
+    _check_uri(uri)
     from jaxexp_mlflow.flavors.refresh import refresh as do_refresh
 
     if experiment and run_id:
@@ -94,3 +96,25 @@ def refresh(
     else:
         click.echo(f"Refreshed    {uri}")
         print_model_info(d, register)
+
+
+def _check_uri(uri: str) -> None:
+    """Refuse what no refresh can take, in the words the other commands use: a path that does
+    not exist and is no model URI, or a bare blob (no params, no reference to prove against)."""
+    from pathlib import Path
+
+    from jaxexp_mlflow.cli.uri import _SCHEME
+
+    path = Path(uri[len("file://") :] if uri.startswith("file://") else uri).expanduser()
+    if path.is_file():
+        raise InputProblem(
+            f"{uri}: expected a model (a directory with an MLmodel, or a model URI), found a "
+            "file; a bare blob has no params or reference to refresh against: log it first "
+            "with `jaxexp log`"
+        )
+    if not path.exists() and not _SCHEME.match(uri):
+        raise InputProblem(
+            f"{uri}: no such file or directory, and not a model URI (expected runs:/<run_id>/"
+            "<name>, models:/<name>/<version>, models:/<name>@<alias>, models:/<model_id> or a "
+            "model directory)"
+        )

@@ -394,12 +394,12 @@ def verify_checkpoint(
     extra = sorted(set(on_disk) - set(manifest.files))
     problems += [f"{rel}: not in the manifest (expected no such file)" for rel in extra]
     if problems:
-        shown = "\n  ".join(problems[:10]) + (
-            f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        shown = ";\n  ".join(problems[:10]) + (
+            f";\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
         )
         raise fail(
             f"The params checkpoint is incomplete ({len(problems)} of "
-            f"{len(manifest.files)} files):\n  {shown}\nThe download or copy lost or altered "
+            f"{len(manifest.files)} files):\n  {shown}.\nThe download or copy lost or altered "
             "files: download the model again. "
             "If files keep missing, the artifact store drops them: re-log the model with this "
             "version of jaxexp-mlflow, which stores no directory of a single file."

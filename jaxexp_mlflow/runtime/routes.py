@@ -305,6 +305,34 @@ def describe(routes: list[Route]) -> str:
     )
 
 
+def why_not(name: str, verdict: compat.Verdict) -> str:
+    """Why the route ``name`` is not among those that work here, for a refusal's message."""
+    blocking = sorted(_blocking(verdict))
+    machine = sorted(
+        r.code for r in verdict.reasons if r.severity == compat.INCOMPATIBLE and r.code in _MACHINE
+    )
+    if name == IREE:
+        return "the IREE backend is asked for with --backend iree, not --route"
+    if machine:
+        return f"this machine does not fit the model ({', '.join(machine)}: see `jaxexp check`)"
+    if not blocking:
+        return "nothing keeps this jax from loading the model as it is: take the direct route"
+    found = ", ".join(blocking)
+    if name == EXPIRED_FLAG:
+        return (
+            f"it reads only a blob this jax refuses as expired (jax >= {compat.ENFORCING_JAX}); "
+            f"this one is refused for {found}"
+        )
+    if name == BRIDGE:
+        return (
+            f"a re-export through jax {BRIDGE_JAX} fixes only {', '.join(sorted(_BRIDGE_FIXES))}"
+            f"; this one is refused for {found}"
+        )
+    if name == DIRECT:
+        return f"this jax refuses the blob as it is ({found})"
+    return f"this jax refuses the blob for {found}"
+
+
 def find(routes: list[Route], name: str) -> Route | None:
     """The route called ``name`` among ``routes``."""
     return next((r for r in routes if r.name == name), None)

@@ -100,8 +100,8 @@ class InputContract:
             f"{len(self.specs)}). Expected: {self.expected()}. Found: a "
             f"{type(data).__name__}{_len_of(data)}."
             + (
-                " MLflow's JSON formats turn a list into one array: name the inputs, "
-                '{"inputs": {"<name>": ..}}.'
+                " One array is one input: name each (over MLflow's JSON formats, which turn "
+                'a list into one array: {"inputs": {"<name>": ..}}).'
                 if isinstance(data, np.ndarray)
                 else ""
             )
