@@ -708,3 +708,30 @@ def test_a_route_that_does_not_work_says_why(store, tmp_path, route, why):
     result = run_cli("predict", str(store["local"]), "--input", str(tmp_path / "x.npy"),
                      "--route", route)  # fmt: skip
     assert result.exit_code == 1 and why in result.stderr, result.stderr
+
+
+def test_inspect_a_cut_blob_names_its_checksum(store, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(store["local"], copy)
+    blob = copy / "exported.bin"
+    blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
+    result = run_cli("inspect", str(copy))
+    assert result.exit_code == 2
+    assert "does not match the sha256 recorded in MLmodel" in result.stderr, result.stderr
+
+
+def test_an_artifact_store_client_error_is_one_typed_line(tmp_path):
+    """botocore's own errors (here: no credentials) read as "cannot fetch URI", exit 2."""
+    pytest.importorskip("boto3")
+    env = {
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_ACCESS_KEY_ID": None,
+        "AWS_SECRET_ACCESS_KEY": None,
+        "AWS_SESSION_TOKEN": None,
+        "MLFLOW_S3_ENDPOINT_URL": None,
+    }
+    result = run_cli("inspect", "s3://no-such-bucket/model", env=env)
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.startswith("jaxexp inspect: error: cannot fetch s3://no-such-bucket/model")

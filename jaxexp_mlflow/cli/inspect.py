@@ -160,9 +160,19 @@ def describe(target: Target) -> dict[str, Any]:
     except FileNotFoundError as err:
         raise InputProblem(f"the model's blob {blob_path} is missing") from err
     except (BlobFormatError, OSError) as err:
+        recorded = target.flavor.get("exported_sha256") if target.kind != "blob" else None
+        damaged = ""
+        if recorded and "blob_data" in target.__dict__:
+            import hashlib
+
+            if hashlib.sha256(target.blob_data).hexdigest() != recorded:
+                damaged = (
+                    " and does not match the sha256 recorded in MLmodel (truncated or altered): "
+                    "download the model again or restore it from a backup"
+                )
         raise InputProblem(
-            f"{blob_path} is not a valid jax.export serialization ({err}); expected the bytes of "
-            "Exported.serialize()"
+            f"{blob_path} is not a valid jax.export serialization ({err}){damaged}; expected "
+            "the bytes of Exported.serialize()"
         ) from err
     flavor = target.flavor
     recorded = flavor.get("exported_sha256")

@@ -213,6 +213,13 @@ def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
                 target = _local(uri, local)
     except MlflowException as err:
         raise InputProblem(f"cannot fetch {uri}: {' '.join(err.message.split())}") from err
+    except Exception as err:
+        if type(err).__module__.startswith(("jaxexp_mlflow", "click")):
+            raise  # our own typed errors (a damaged download...) say what they are
+        # an artifact store's client (botocore's NoCredentialsError, a connection error...)
+        raise InputProblem(
+            f"cannot fetch {uri}: {type(err).__name__}: {' '.join(str(err).split())}"
+        ) from err
     target.remote = base
     return target
 
