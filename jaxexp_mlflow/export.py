@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -286,9 +287,15 @@ def export_error(
     syms = sorted(
         {str(d) for a in jax.tree.leaves(args) for d in a.shape if not isinstance(d, int)}
     )
+    text = str(err)
+    # the batch hint where the failure is about the symbolic batch (a shape naming a symbol,
+    # or jax's words for it); a mismatch of concrete shapes (params of the wrong shape) is not
+    about_batch = any(
+        word in text for word in ("symbolic", "polymorphic", "Inconclusive", "dimension variable")
+    ) or any(re.search(rf"\b{re.escape(sym)}\b", text) for sym in syms)
     hint = (
         " If the function needs a concrete batch size, pass batch_polymorphic=False."
-        if batch_polymorphic
+        if batch_polymorphic and about_batch
         else ""
     )
     if len(syms) > 1:

@@ -495,3 +495,15 @@ def test_section_keeps_fields_of_newer_writers_and_refuses_bad_types():
     ):
         with pytest.raises(ArtifactError, match=rf"jaxexp\.{key}: expected .* found"):
             FlavorSection.from_dict({**old, key: bad})
+
+
+def test_a_params_shape_mismatch_is_not_blamed_on_the_batch(tmp_path):
+    """An export failing on concrete shapes (params of the wrong shape) is told so, without the
+    batch hint that suits failures on the symbolic batch dimension."""
+    params = mlp_params()
+    bad = {**params, "w1": np.zeros((params["w1"].shape[0] + 1, params["w1"].shape[1]), "f4")}
+    with pytest.raises(UnsupportedModelError) as err:
+        mlflow.jaxexp.save_model(
+            jax.jit(mlp_apply), tmp_path / "m", params=bad, input_example=batch(3)
+        )
+    assert "batch_polymorphic=False" not in str(err.value), str(err.value)
