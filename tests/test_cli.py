@@ -735,3 +735,10 @@ def test_an_artifact_store_client_error_is_one_typed_line(tmp_path):
     result = run_cli("inspect", "s3://no-such-bucket/model", env=env)
     assert result.exit_code == 2, result.stderr
     assert result.stderr.startswith("jaxexp inspect: error: cannot fetch s3://no-such-bucket/model")
+
+
+def test_verify_refuses_options_it_would_ignore(store):
+    negative = run_cli("verify", str(store["local"]), "--rtol", "-1")
+    assert negative.exit_code == 2 and "--rtol" in negative.stderr
+    alone = run_cli("verify", str(store["local"]), "--trust-requirements")
+    assert alone.exit_code == 2 and "pass --env-manager" in alone.stderr, alone.stderr

@@ -33,8 +33,18 @@ Examples:
     is_flag=True,
     help="Re-export on this backend even if the model was not exported for it.",
 )
-@click.option("--rtol", type=float, default=None, help="Tolerance of the before/after check.")
-@click.option("--atol", type=float, default=None, help="Tolerance of the before/after check.")
+@click.option(
+    "--rtol",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Tolerance of the before/after check.",
+)
+@click.option(
+    "--atol",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Tolerance of the before/after check.",
+)
 @click.option(
     "--route",
     type=click.Choice(("direct", "expired-flag", "bridge")),

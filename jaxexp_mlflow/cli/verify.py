@@ -35,8 +35,18 @@ Examples:
 """,
 )
 @click.argument("uri")
-@click.option("--rtol", type=float, default=None, help="Relative tolerance (default per dtype).")
-@click.option("--atol", type=float, default=None, help="Absolute tolerance (default per dtype).")
+@click.option(
+    "--rtol",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Relative tolerance (default per dtype).",
+)
+@click.option(
+    "--atol",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Absolute tolerance (default per dtype).",
+)
 @click.option(
     "--env-manager",
     type=click.Choice(["uv", "virtualenv"]),
@@ -74,6 +84,13 @@ def verify(
         raise InputProblem(
             f"{uri} is a bare blob: it carries no reference input/outputs to reproduce. Log it "
             "with an input example (`jaxexp log BLOB --input-example FILE`) and verify that"
+        )
+    from jaxexp_mlflow.cli._common import TRUST_REQUIREMENTS
+
+    if click.get_current_context().meta.get(TRUST_REQUIREMENTS) and not env_manager:
+        raise click.UsageError(
+            "--trust-requirements applies to the environment --env-manager restores: pass "
+            "--env-manager uv|virtualenv with it, or leave it out"
         )
     if env_manager and route:
         raise InputProblem(
