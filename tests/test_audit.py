@@ -199,3 +199,12 @@ def test_plan_and_window_rules():
     assert compat.window_closes(exact) == (dt.date(2026, 12, 17), "exact")
     assert compat.window_closes({"build_date_earliest": "2026-04-04"})[1] == "after"
     assert compat.window_closes({}) == (None, "unknown")
+
+
+def test_audit_of_a_missing_scope_is_refused_either_way(archive):
+    """--model and --experiment naming nothing there: both exit 2 saying so (--model gave an
+    empty table and exit 0)."""
+    for flag, what in (("--model", "registered model"), ("--experiment", "experiment")):
+        result = CliRunner().invoke(main, ["audit", flag, "nosuch"])
+        assert result.exit_code == 2, (flag, result.output)
+        assert f"no {what} named 'nosuch'" in result.output

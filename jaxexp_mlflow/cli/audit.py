@@ -149,6 +149,18 @@ def _registry(client: Any, only: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
     """(uri, row fields) of every version of the registered models ``only`` (default: all).
     A model whose versions cannot be listed is one row carrying the error; the sweep goes on."""
     names = only or tuple(m.name for m in _pages(client.search_registered_models))
+    for name in only:  # a name asked for that the registry lacks: as --experiment's, refused
+        try:
+            client.get_registered_model(name)
+        except Exception as err:  # noqa: BLE001 - MLflow's RESOURCE_DOES_NOT_EXIST
+            if "RESOURCE_DOES_NOT_EXIST" in str(getattr(err, "error_code", "")) or (
+                "not found" in str(err).lower()
+            ):
+                import mlflow
+
+                raise InputProblem(
+                    f"no registered model named {name!r} in {mlflow.get_tracking_uri()}"
+                ) from None
     for name in names:
         try:
             versions = _pages(client.search_model_versions, filter_string=name_filter(name))
