@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from pathlib import Path
 
 import jax
 import mlflow
@@ -208,3 +209,24 @@ def test_audit_of_a_missing_scope_is_refused_either_way(archive):
         result = CliRunner().invoke(main, ["audit", flag, "nosuch"])
         assert result.exit_code == 2, (flag, result.output)
         assert f"no {what} named 'nosuch'" in result.output
+
+
+def test_audit_says_why_a_model_cannot_be_read(tracking_uri):
+    """An unreadable model's reason is printed under the table (only --json had it), naming
+    the model's URI rather than the temporary directory it was downloaded into."""
+    from urllib.parse import urlparse
+
+    from tests.models import batch, export_mlp, mlp_params
+
+    params = mlp_params()
+    info = mlflow.jaxexp.log_model(
+        export_mlp(params), name="m", params=params, input_example=batch(2),
+        registered_model_name="broken",
+    )  # fmt: skip
+    where = urlparse(mlflow.get_logged_model(info.model_id).artifact_location).path
+    blob = Path(where) / "exported.bin"
+    blob.write_bytes(blob.read_bytes()[:100])
+    result = CliRunner().invoke(main, ["audit", "--model", "broken"])
+    assert result.exit_code == 0, result.output
+    why = [ln for ln in result.output.splitlines() if ln.startswith("#1: ")]
+    assert why and "models:/broken/1" in why[0] and "/jaxexp-" not in why[0], result.output

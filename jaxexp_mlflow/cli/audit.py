@@ -31,6 +31,7 @@ from jaxexp_mlflow.cli._common import (
     emit_json,
     one_line,
     progress_enabled,
+    safe_text,
     setup_logging,
     table,
 )
@@ -202,16 +203,17 @@ def audit_one(uri: str, info: dict, as_of: dt.date) -> Row | None:
     if listing_error:
         row.action, row.reasons = "fix the model (cannot be listed)", [listing_error]
         return row
+    target = None
     try:
         target = resolve(uri, parts=())
         verdict, _ = assess_target(target)
-    except InputProblem as err:
-        if "without the jaxexp flavor" in str(err):
-            return None
-        row.action, row.reasons = "fix the model (cannot be read)", [one_line(err)]
-        return row
     except Exception as err:  # noqa: BLE001 - one broken model must not stop the sweep
-        row.action, row.reasons = "fix the model (cannot be read)", [one_line(err)]
+        if isinstance(err, InputProblem) and "without the jaxexp flavor" in str(err):
+            return None
+        reason = one_line(err)
+        if target is not None and target.remote:  # the download's directory: say the URI
+            reason = reason.replace(str(target.path), uri)
+        row.action, row.reasons = "fix the model (cannot be read)", [reason]
         return row
     row.jax_version = target.flavor.get("jax_version")
     row.status, row.codes = verdict.status, verdict.codes()
@@ -338,6 +340,12 @@ def audit(
     ]
     heads = ["#", "model", "logged by jax", "verdict", "window closes", "months", "route"]
     click.echo(table([*heads, "action"], cells))
+    broken = [r for r in rows if r.action.startswith("fix the model") and r.reasons]
+    if broken:  # why a model cannot be read or listed: the table has no room for it
+        click.echo("")
+        for r in broken:
+            reason = safe_text(" ".join(str(r.reasons[0]).split()))
+            click.echo(f"#{r.rank}: {reason if len(reason) <= 300 else reason[:297] + '...'}")
     if counts:
         click.echo("")
         click.echo("Summary: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
