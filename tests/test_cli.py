@@ -742,3 +742,13 @@ def test_verify_refuses_options_it_would_ignore(store):
     assert negative.exit_code == 2 and "--rtol" in negative.stderr
     alone = run_cli("verify", str(store["local"]), "--trust-requirements")
     assert alone.exit_code == 2 and "pass --env-manager" in alone.stderr, alone.stderr
+
+
+def test_predict_and_verify_label_outputs_alike(store, tmp_path):
+    np.save(tmp_path / "x.npy", store["x"])
+    predicted = json.loads(
+        run_cli("predict", str(store["local"]), "--input", str(tmp_path / "x.npy"), "--json").stdout
+    )
+    verified = json.loads(run_cli("verify", str(store["local"]), "--json").stdout)
+    labels = [o["path"] for o in predicted["outputs"]]
+    assert labels == [o["path"] for o in verified["outputs"]] and labels

@@ -371,3 +371,20 @@ def inspect(uri: str, as_json: bool, debug: bool) -> None:
             f"{target.blob_path} does not match the sha256 recorded in MLmodel; the file was "
             "altered or truncated: download the model again or restore it from a backup"
         )
+
+
+def output_labels(target: Any, n: int) -> list[str]:
+    """The labels of ``n`` output leaves, as ``predict`` shows them: the signature's output
+    names where MLmodel stores them, else the leaf paths of the blob's output tree, else
+    ``out[i]``."""
+    from jaxexp_mlflow.serving.signature import specs_from_conf
+
+    try:
+        stored = specs_from_conf(target.flavor or {}) if target.kind != "blob" else None
+        if stored is not None:
+            paths = [s.name for s in stored[1]]
+        else:
+            paths = leaf_paths(target.description.out_tree, "out")
+    except Exception:  # noqa: BLE001 - labels only
+        paths = []
+    return paths if len(paths) == n else [f"out[{i}]" for i in range(n)]

@@ -87,7 +87,6 @@ def predict(
         to_json_value,
         write_outputs,
     )
-    from jaxexp_mlflow.cli.inspect import leaf_paths
 
     payload = read_payload(input_file)
     if output_file is not None:
@@ -110,15 +109,9 @@ def predict(
         leaves = run_recorded_env(target, chosen, input_leaves(payload, specs))
     else:
         leaves = _run_here(target, payload, name, backend, allow_incompatible, allow_other_platform)
-    from jaxexp_mlflow.serving.signature import specs_from_conf
+    from jaxexp_mlflow.cli.inspect import output_labels
 
-    stored = specs_from_conf(target.flavor or {}) if target.kind != "blob" else None
-    if stored is not None:  # the signature's output names
-        paths = [s.name for s in stored[1]]
-    else:
-        paths = leaf_paths(target.description.out_tree, "out")
-    if len(paths) != len(leaves):
-        paths = [f"out[{i}]" for i in range(len(leaves))]
+    paths = output_labels(target, len(leaves))  # the same labels as verify's
     if output_file is not None:
         write_outputs(output_file, leaves)
     if as_json:

@@ -19,9 +19,9 @@ from jaxexp_mlflow.cli._common import (
     table,
 )
 from jaxexp_mlflow.cli.environment import environment, environment_line
+from jaxexp_mlflow.cli.inspect import output_labels
 from jaxexp_mlflow.cli.loading import load_judged, route_line, route_option
 from jaxexp_mlflow.cli.uri import resolve
-from jaxexp_mlflow.cli.verify_env import _output_paths
 
 
 @click.command(
@@ -140,7 +140,7 @@ def verify(
             f"the model failed to run here ({type(err).__name__}: {err}); see `jaxexp check "
             f"{uri}` and consider `jaxexp refresh`"
         ) from err
-    paths = _output_paths(target, len(checks))
+    paths = output_labels(target, len(checks))
     passed = all(c.passed for c in checks)
     flavor = target.flavor
     synthetic = flavor.get("reference_synthetic")

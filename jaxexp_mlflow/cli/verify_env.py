@@ -17,6 +17,7 @@ from jaxexp_mlflow.cli._common import (
     step,
     table,
 )
+from jaxexp_mlflow.cli.inspect import output_labels
 
 
 def _here(target: Any, inputs: list, **load_options: Any) -> tuple[list | None, str | None]:
@@ -90,7 +91,7 @@ def verify_in_recorded_env(
     rec_vs_stored = _pair(recorded.outputs, stored, rtol, atol)
     here_vs_stored = _pair(here_out, stored, rtol, atol)
     here_vs_rec = _pair(here_out, recorded.outputs, rtol, atol)
-    paths = _output_paths(target, len(stored))
+    paths = output_labels(target, len(stored))
     ok_rec = rec_vs_stored is not None and all(c.passed for c in rec_vs_stored)
     ok_here = here_vs_stored is not None and all(c.passed for c in here_vs_stored)
     if as_json:
@@ -160,13 +161,3 @@ def verify_in_recorded_env(
         )
     if not (ok_rec and ok_here):
         click.get_current_context().exit(1)
-
-
-def _output_paths(target: Any, n: int) -> list[str]:
-    from jaxexp_mlflow.cli.inspect import leaf_paths
-
-    try:
-        paths = leaf_paths(target.description.out_tree, "out")
-    except Exception:  # noqa: BLE001 - labels only
-        paths = []
-    return paths if len(paths) == n else [f"out[{i}]" for i in range(n)]
