@@ -243,8 +243,11 @@ class TrainingHook:
                 return entry.model_info
         return None
 
-    def close(self) -> None:
-        """Log a pending improvement, finish checkpoint writes, end the hook's run, drop temps."""
+    def close(self, status: str = "FINISHED") -> None:
+        """Log a pending improvement, finish checkpoint writes, end the hook's run with
+        ``status`` (``FAILED`` when the ``with`` block raised, as ``mlflow.start_run`` does),
+        drop temps. A pending improvement is logged on a failure too: the best model seen
+        before the failure is not lost."""
         if self._pending is not None:
             self._flush_pending(None)
         if self._manager is not None:
@@ -261,7 +264,7 @@ class TrainingHook:
 
             active = mlflow.active_run()
             if active is not None and active.info.run_id == self._run_id:
-                mlflow.end_run()
+                mlflow.end_run(status=status)
             self._started_run = False
         if self._tmp is not None:
             self._tmp.cleanup()
@@ -270,8 +273,11 @@ class TrainingHook:
     def __enter__(self) -> TrainingHook:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the run the hook started ends as mlflow.start_run ends one on an error
+            self.close(status="KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
 
     # -- internals ------------------------------------------------------------------------------
 

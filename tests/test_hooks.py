@@ -193,6 +193,22 @@ def test_hook_starts_and_ends_its_own_run(tracking_uri):
     assert run.info.status == "FINISHED" and run.data.metrics["acc"] == 0.4
 
 
+def test_a_failing_loop_fails_the_hooks_own_run_and_keeps_its_best(tracking_uri):
+    """An error inside ``with hook:`` ends the run the hook started as FAILED (as
+    ``mlflow.start_run`` ends its own), and the improvement still pending is logged: the best
+    model seen before the failure is not lost."""
+    hook = TrainingHook(apply, np.ones((2, 3), np.float32), monitor="acc", mode="max", log_every=5)
+    params = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
+    with pytest.raises(RuntimeError, match="diverged"), hook:
+        hook(0, params, {"acc": 0.5})
+        hook(1, params, {"acc": 0.7})  # an improvement held back by log_every
+        raise RuntimeError("diverged")
+    assert mlflow.active_run() is None
+    assert mlflow.get_run(hook.run_id).info.status == "FAILED"
+    assert hook.best_model_info is not None and "improved" in hook.logged[-1].reasons
+    assert len(hook.logged) == 2
+
+
 def test_hook_refuses_a_schedule_that_never_logs():
     with pytest.raises(ValueError, match="never log"):
         TrainingHook(apply, np.ones((2, 3)))
