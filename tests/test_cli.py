@@ -752,3 +752,27 @@ def test_predict_and_verify_label_outputs_alike(store, tmp_path):
     verified = json.loads(run_cli("verify", str(store["local"]), "--json").stdout)
     labels = [o["path"] for o in predicted["outputs"]]
     assert labels == [o["path"] for o in verified["outputs"]] and labels
+
+
+def test_a_model_whose_upload_was_cut_says_to_log_it_again(store):
+    """A logged model holding its params but no MLmodel (an upload cut off with the server):
+    both the loader and the CLI say what it is and what to do, not "download again" or "no
+    such model"."""
+    from urllib.parse import urlparse
+
+    from jaxexp_mlflow.errors import ArtifactError
+
+    params = store["params"]
+    info = mlflow.jaxexp.log_model(
+        export_mlp(params), name="cut", params=params, input_example=store["x"]
+    )
+    where = Path(urlparse(mlflow.get_logged_model(info.model_id).artifact_location).path)
+    for name in ("MLmodel", "exported.bin"):
+        (where / name).unlink()
+    uri = f"models:/{info.model_id}"
+    with pytest.raises(ArtifactError, match="upload was cut off or never finished"):
+        mlflow.jaxexp.load_model(uri)
+    result = run_cli("inspect", uri)
+    assert result.exit_code == 2 and "upload was cut off has its params" in result.stderr, (
+        result.stderr
+    )

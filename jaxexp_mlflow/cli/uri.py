@@ -181,8 +181,8 @@ def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
                 local = Path(download_model(base, dst)[0])  # in parallel, with progress
             target = _local(uri, local)
         else:
-            repo, _root, names = list_top(base)
-            names = {k: v for k, v in names.items() if not v.is_dir}
+            repo, _root, listed = list_top(base)
+            names = {k: v for k, v in listed.items() if not v.is_dir}
             if MLMODEL in names:
                 local = Path(dst, "model")
                 with step(f"Downloading {MLMODEL} of {uri}"):
@@ -195,10 +195,11 @@ def _remote(uri: str, parts: tuple[str, ...] | None, dst: str) -> Target:
             elif DEFAULT_BLOB in names:
                 with step(f"Downloading {DEFAULT_BLOB} of {uri}"):
                     target = Target(uri, "blob", _fetch(repo, names[DEFAULT_BLOB], Path(dst)))
-            elif names:
+            elif names or listed:
                 raise InputProblem(
-                    f"{uri} holds {sorted(names)[:8]} but no {MLMODEL} or {DEFAULT_BLOB}; "
-                    "expected a jaxexp model or a serialized jax.export blob"
+                    f"{uri} holds {sorted(listed)[:8]} but no {MLMODEL} or {DEFAULT_BLOB}; "
+                    "expected a jaxexp model or a serialized jax.export blob (a model whose "
+                    f"upload was cut off has its params but no {MLMODEL}: log it again)"
                 )
             else:  # a single file: its entry in the listing of its directory
                 parent, _, leaf = base.rstrip("/").rpartition("/")

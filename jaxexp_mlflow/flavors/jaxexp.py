@@ -20,6 +20,7 @@ from mlflow.models import Model, ModelInputExample, ModelSignature
 from mlflow.models.model import MLMODEL_FILE_NAME, ModelInfo
 from mlflow.utils.file_utils import write_to
 
+from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.flavors.readback import one_batch_axis, read_back_and_record, write_mlmodel
 from jaxexp_mlflow.internals import mlflow_private
 from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
@@ -527,7 +528,19 @@ def load_model(
     # (docs/remote.md, "How a model travels").
     private = download.ours and dst_path is None
     try:
-        return _load_downloaded(local_path, download, private, backend, allow_incompatible, options)
+        try:
+            return _load_downloaded(
+                local_path, download, private, backend, allow_incompatible, options
+            )
+        except ArtifactError as err:
+            if os.path.exists(model_uri) or os.path.lexists(os.path.join(local_path, "MLmodel")):
+                raise
+            held = sorted(os.listdir(local_path))[:6] if os.path.isdir(local_path) else []
+            raise ArtifactError(
+                f"{model_uri}: expected a model with its MLmodel in the artifact store, found "
+                f"{held or 'nothing'} without one. Its upload was cut off or never finished "
+                "(MLflow leaves such a logged model PENDING or FAILED): log the model again."
+            ) from err
     except BaseException:
         if private and download.tmp:  # a refused load leaves nothing of its download behind
             shutil.rmtree(download.tmp, ignore_errors=True)
