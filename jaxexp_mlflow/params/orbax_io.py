@@ -107,19 +107,21 @@ def metadata_tree(path: Path) -> Any:
     """The item's tree of ``jax.ShapeDtypeStruct`` from Orbax's metadata (no array data)."""
     import jax
     import numpy as np
-    import orbax.checkpoint as ocp
     from orbax.checkpoint import metadata as ocp_meta
 
-    checkpointer = ocp.Checkpointer(checkpoint_handler())
+    # the handler's own metadata (the item's _METADATA), not a Checkpointer's: that one also
+    # reads the checkpoint-level _CHECKPOINT_METADATA, which a CheckpointManager step keeps
+    # beside its items, not inside them, and warns for every item it cannot find it in
+    handler = checkpoint_handler()
     try:
-        meta = checkpointer.metadata(path.absolute())
+        meta = handler.metadata(path.absolute())
     except Exception as e:  # orbax raises many types for a damaged checkpoint
         raise ArtifactError(
             f"Cannot read the Orbax checkpoint metadata at {path}: expected a readable PyTree "
             f"checkpoint, found {type(e).__name__}: {e}. Re-log the model with its params."
         ) from e
     finally:
-        checkpointer.close()
+        handler.close()
     tree = getattr(meta, "item_metadata", meta)
     tree = getattr(tree, "tree", tree)
     if tree is None:
