@@ -223,6 +223,10 @@ def audit_one(uri: str, info: dict, as_of: dt.date) -> Row | None:
         row.window_closes, row.window = closes.isoformat(), how
         row.months_left = round((closes - as_of).days / 30.44, 1)
     row.priority, row.action = plan(row.status, row.codes, closes, as_of, how)
+    here = (verdict.environment or {}).get("jax_version")
+    if row.action.startswith("refresh now") and row.jax_version and row.jax_version == here:
+        # a refresh here re-exports with the jax that wrote it: the same window
+        row.action = row.action.replace("refresh now", "refresh now with a newer jax", 1)
     try:
         row.routes = _routes(target, verdict, uri)
     except Exception as err:  # noqa: BLE001 - the verdict stands without its routes
