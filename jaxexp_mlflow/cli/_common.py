@@ -260,6 +260,22 @@ def common_options(fn: Callable) -> Callable:
     return fn
 
 
+def tolerance_options(what: str) -> Callable[[Callable], Callable]:
+    """``--rtol`` and ``--atol`` (non-negative; unset: the per-dtype defaults), for ``what``."""
+
+    def add(fn: Callable) -> Callable:
+        for name, kind in (("--atol", "Absolute"), ("--rtol", "Relative")):
+            fn = click.option(
+                name,
+                type=click.FloatRange(min=0),
+                default=None,
+                help=f"{kind} tolerance of {what} (default per dtype).",
+            )(fn)
+        return fn
+
+    return add
+
+
 def run_options(fn: Callable) -> Callable:
     """``--allow-incompatible``, ``--allow-other-platform`` and ``--backend``, on the commands
     that run a model."""

@@ -11,6 +11,7 @@ from jaxexp_mlflow.cli._common import (
     emit_json,
     setup_logging,
     step,
+    tolerance_options,
 )
 from jaxexp_mlflow.cli.log import model_info_dict, print_model_info
 
@@ -33,18 +34,7 @@ Examples:
     is_flag=True,
     help="Re-export on this backend even if the model was not exported for it.",
 )
-@click.option(
-    "--rtol",
-    type=click.FloatRange(min=0),
-    default=None,
-    help="Tolerance of the before/after check.",
-)
-@click.option(
-    "--atol",
-    type=click.FloatRange(min=0),
-    default=None,
-    help="Tolerance of the before/after check.",
-)
+@tolerance_options("the before/after check")
 @click.option(
     "--route",
     type=click.Choice(("direct", "expired-flag", "bridge")),

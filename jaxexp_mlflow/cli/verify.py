@@ -17,6 +17,7 @@ from jaxexp_mlflow.cli._common import (
     setup_logging,
     step,
     table,
+    tolerance_options,
 )
 from jaxexp_mlflow.cli.environment import environment, environment_line
 from jaxexp_mlflow.cli.inspect import output_labels
@@ -35,18 +36,7 @@ Examples:
 """,
 )
 @click.argument("uri")
-@click.option(
-    "--rtol",
-    type=click.FloatRange(min=0),
-    default=None,
-    help="Relative tolerance (default per dtype).",
-)
-@click.option(
-    "--atol",
-    type=click.FloatRange(min=0),
-    default=None,
-    help="Absolute tolerance (default per dtype).",
-)
+@tolerance_options("the comparison with the stored reference")
 @click.option(
     "--env-manager",
     type=click.Choice(["uv", "virtualenv"]),
