@@ -18,6 +18,7 @@ reloaded through jaxlib, the same bytes. See docs/serving.md ("Start-up and batc
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import logging
@@ -358,11 +359,11 @@ class LiteWriter:
     background, only while ``jax.config`` is as it was at load.
     """
 
-    def __init__(self, impl: Any, identity: list, setting: Any) -> None:
+    def __init__(self, impl: Any, identity: tuple, flavor: dict[str, Any], setting: Any) -> None:
         import jax
 
         self._impl = impl
-        self._identity = identity  # lite_identity's
+        self._model_identity, self._flavor = identity, flavor
         self._setting = setting
         self._config = dict(jax.config.values)
         self._environment = lite.environment()
@@ -376,13 +377,18 @@ class LiteWriter:
             if key in self._done:
                 return
             self._done.add(key)
-        directory = lite.lite_dir(self._setting)
-        if directory is None or lite.has_entry(directory, self._key(x)):
-            return  # stored already (e.g. by the process before, whose lite path this one left)
+        if lite.lite_dir(self._setting) is None:
+            return
         from jaxexp_mlflow.runtime import executables
 
         x = np.array(x, copy=True)
-        executables.run_later(lambda: self.write(x, out))
+        executables.run_later(lambda: self.write(x, out))  # the key too: it hashes the params
+
+    @functools.cached_property
+    def _identity(self) -> list | None:
+        """:func:`lite_identity`, computed on the writer's thread (it reads the params' files),
+        never on the request path."""
+        return lite_identity(self._model_identity, self._flavor)
 
     def _key(self, x: np.ndarray) -> str:
         return lite.entry_key(self._identity, self._environment, x.shape, x.dtype)
@@ -405,8 +411,10 @@ class LiteWriter:
         if dict(jax.config.values) != self._config:
             return False
         directory = lite.lite_dir(self._setting)
-        if directory is None:
+        if directory is None or self._identity is None:
             return False
+        if lite.has_entry(directory, self._key(x)):
+            return False  # stored already (e.g. by the process before, whose lite path it left)
         impl = self._impl
         model, flat_call = impl.model, impl._flat.function
         params = model.params
@@ -469,10 +477,7 @@ def attach_writer(
     )
     if lite.lite_dir(setting) is None:
         return False
-    ident = lite_identity(identity, flavor)
-    if ident is None:
-        return False
-    writer = LiteWriter(impl, ident, setting)
+    writer = LiteWriter(impl, identity, flavor, setting)
     bound = model.params
 
     def on_first(leaves: tuple, outs: Any) -> None:
