@@ -665,6 +665,7 @@ def test_flavor_yaml_is_what_inspect_shows(store):
         (["--model-config", "[1]"], "found a JSON list"),
         (["--model-config", '{"buckets": "bogus"}'], "a list of positive integers"),
         (["--model-config", '{"max_batch": "big"}'], "max_batch: expected a positive integer"),
+        (["--model-config", '{"bukets": "off"}'], "found 'bukets'"),
     ],
 )
 def test_serve_refuses_a_bad_model_config_before_loading(args, says):

@@ -55,6 +55,15 @@ def serve(
             f"expected a JSON object, found a JSON {type(config).__name__}",
             param_hint="--model-config",
         )
+    from jaxexp_mlflow.serving.model_config import PYFUNC_CONFIG_KEYS
+
+    unknown = sorted(set(config) - set(PYFUNC_CONFIG_KEYS))
+    if unknown:  # MLflow would drop them with a warning: a typo would go unnoticed
+        raise click.BadParameter(
+            f"expected keys among {', '.join(PYFUNC_CONFIG_KEYS)}, found "
+            f"{', '.join(map(repr, unknown))[:200]}",
+            param_hint="--model-config",
+        )
     try:  # the bucket settings, before the model loads
         buckets.resolve(config, serving=True)
     except (TypeError, ValueError) as err:
