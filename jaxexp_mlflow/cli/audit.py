@@ -154,9 +154,7 @@ def _registry(client: Any, only: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
         try:
             client.get_registered_model(name)
         except Exception as err:  # noqa: BLE001 - MLflow's RESOURCE_DOES_NOT_EXIST
-            if "RESOURCE_DOES_NOT_EXIST" in str(getattr(err, "error_code", "")) or (
-                "not found" in str(err).lower()
-            ):
+            if getattr(err, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
                 import mlflow
 
                 raise InputProblem(

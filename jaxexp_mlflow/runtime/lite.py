@@ -84,25 +84,16 @@ def environment() -> dict[str, Any]:
     }
 
 
-#: (real path, manifest digest) -> params_digest, for this process
-_DIGESTS: dict[tuple[str, str], str | None] = {}
-
-
-def params_digest(
-    model_dir: str | os.PathLike, flavor: dict[str, Any], manifest: str
-) -> str | None:
+def params_digest(model_dir: str | os.PathLike, flavor: dict[str, Any]) -> str | None:
     """sha256 over the files of the model's params checkpoint (each file's path, size and
     bytes, in the walk's order), read through the confined walk; ``"none"`` without params.
     ``None`` when they exceed twice :func:`max_param_bytes` (no lite entry for such a model).
     The manifest's CRC-32Cs are no content identity (a forger can match a CRC-32C), so an
-    entry, which holds the params' values, is keyed by this. Kept per (real path, manifest)
-    for the process (``manifest``: the manifest file's digest)."""
+    entry, which holds the params' values, is keyed by this: read afresh each time, so what is
+    hashed is what the directory holds now."""
     from jaxexp_mlflow.codec import files
     from jaxexp_mlflow.store import artifact
 
-    memo = (os.path.realpath(model_dir), manifest)
-    if memo in _DIGESTS:
-        return _DIGESTS[memo]
     ckpt = artifact.params_dir(model_dir, flavor)
     digest: str | None = "none"
     if ckpt is not None:
@@ -118,9 +109,6 @@ def params_digest(
             h.update(data)
         else:
             digest = h.hexdigest()
-    if len(_DIGESTS) > 64:
-        _DIGESTS.clear()
-    _DIGESTS[memo] = digest
     return digest
 
 

@@ -339,7 +339,7 @@ def lite_identity(identity: tuple, flavor: dict[str, Any]) -> list | None:
     import json
 
     path, mlmodel, blob, manifest, config, env = identity[:6]
-    content = lite.params_digest(path, flavor, manifest)
+    content = lite.params_digest(path, flavor)
     if content is None:
         return None
     config = {k: v for k, v in json.loads(config).items() if k not in _SERVING_ONLY}
