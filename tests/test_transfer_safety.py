@@ -168,7 +168,10 @@ def test_a_listing_too_long_is_refused(store, monkeypatch):
     err = _download(uri)
     assert isinstance(err, ArtifactError), err
     assert "JAXEXP_MAX_LIST_ENTRIES" in str(err) and "1000" in str(err)
-    assert handler.requests < 20
+    # stopped early: the root and one level's first listings, plus what the transfer workers
+    # had in flight or had picked up before the refusal reached them (a loaded machine let 23
+    # through where the bound was 20), far from the 601 of listing everything
+    assert handler.requests <= 2 + 3 * transfer.workers()
     assert not any(tmp.iterdir())
 
 
