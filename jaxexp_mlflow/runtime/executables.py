@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from jaxexp_mlflow.runtime.cache import host_cpu
+from jaxexp_mlflow.runtime.cpu_compile import compile_lowered, settings
 
 _logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ def environment_key() -> dict[str, Any]:
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
         "config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
         "cpu": host_cpu(),
+        "cpu_compile": settings(),
     }
 
 
@@ -432,7 +434,7 @@ class Executables:
             if stored:
                 self.loaded += 1
             else:
-                exe = self._jit.lower(*args).compile()
+                exe = compile_lowered(self._jit.lower(*args))[0]
                 self.compiles += 1
             self._keep(key, _Prepared(self, key, exe, stored))
 
@@ -513,7 +515,7 @@ class Executables:
         if prepared is not None and not prepared.stored:
             exe = prepared.exe
         else:
-            exe = self._jit.lower(*args).compile()
+            exe = compile_lowered(self._jit.lower(*args))[0]
             self.compiles += 1
         try:
             outs = exe(*args)

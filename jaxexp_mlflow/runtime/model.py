@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxexp_mlflow.errors import (
     IncompatibleError,
@@ -13,6 +14,7 @@ from jaxexp_mlflow.errors import (
     UnsupportedTransformError,
 )
 from jaxexp_mlflow.internals import jax_private
+from jaxexp_mlflow.runtime import cpu_compile
 
 
 def _guard_vjp(exported: Any, vjp_order: int, level: int = 0) -> Any:
@@ -77,6 +79,31 @@ def transform_error(err: Exception, args: Any, vjp_order: int) -> Exception | No
     return None
 
 
+#: Input signatures whose compile options a model remembers (then it stops choosing).
+_MAX_ROUTES = 64
+
+
+def _signature(inputs: tuple, kwargs: dict) -> tuple | None:
+    """The shapes and dtypes of concrete array inputs (None for tracers or other leaves: those
+    take the default path)."""
+    if not kwargs and len(inputs) == 1:
+        x = inputs[0]
+        if type(x) is np.ndarray or (
+            isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        ):
+            return (x.shape, x.dtype)
+        return None
+    leaves, tree = jax.tree.flatten((inputs, kwargs))
+    key: list = [tree]
+    for x in leaves:
+        if not (type(x) is np.ndarray or isinstance(x, jax.Array)) or isinstance(
+            x, jax.core.Tracer
+        ):
+            return None
+        key.append((x.shape, x.dtype))
+    return tuple(key)
+
+
 class JaxExpModel:
     """An exported JAX function with its parameters bound.
 
@@ -139,6 +166,11 @@ class JaxExpModel:
         )
         self._jit_call = jax.jit(self._raw_call)
         self._jit_call_with_params = jax.jit(self._raw_call)
+        # XLA:CPU's compile options per input signature (runtime.cpu_compile); None: not chosen
+        self._routes: dict[tuple, Any] | None = None
+        if cpu_compile.enabled() and not self._places_inputs and self.platform == "cpu":
+            self._routes = {}
+            self._lean_call = jax.jit(self._raw_call, compiler_options=cpu_compile.LEAN_OPTIONS)
 
     @property
     def platform(self) -> str:
@@ -206,8 +238,13 @@ class JaxExpModel:
         """Run the model on ``inputs`` with the bound params; returns the exported out pytree."""
         if self._places_inputs:
             inputs, kwargs = self._place(inputs, kwargs)
+        call = self._jit_call
+        if self._routes is not None:
+            key = _signature(inputs, kwargs)
+            if key is not None:
+                call = self._routes.get(key) or self._route(key, inputs, kwargs)
         try:
-            return self._jit_call(self.params, *inputs, **kwargs)
+            return call(self.params, *inputs, **kwargs)
         except (TypeError, ValueError, NotImplementedError) as err:
             order = int(self.metadata.get("vjp_order", 0))
             transform = transform_error(err, (inputs, kwargs), order)
@@ -216,6 +253,19 @@ class JaxExpModel:
             if isinstance(err, NotImplementedError):
                 raise
             raise self._explain(err, inputs, kwargs) from err
+
+    def _route(self, key: tuple, inputs: tuple, kwargs: dict) -> Any:
+        """The jitted callable for a new input signature on the CPU: XLA's defaults, or
+        reductions kept off YNNPACK where that needs at most half the temporaries."""
+        try:
+            lowered = self._jit_call.lower(self.params, *inputs, **kwargs)
+            lean = cpu_compile.compile_lowered(lowered)[1]
+        except Exception:  # noqa: BLE001 - a bad input: the call below raises it as usual
+            return self._jit_call
+        call = self._lean_call if lean else self._jit_call
+        if len(self._routes) < _MAX_ROUTES:
+            self._routes[key] = call
+        return call
 
     def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
         """Run with other ``params`` shaped like ``model.params``, e.g. to differentiate wrt

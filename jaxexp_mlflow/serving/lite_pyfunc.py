@@ -407,6 +407,7 @@ class LiteWriter:
 
         from jaxexp_mlflow.archive.reproduce import DEFAULT_TOLERANCES
         from jaxexp_mlflow.internals import jaxlib_private
+        from jaxexp_mlflow.runtime.cpu_compile import compile_lowered
 
         if dict(jax.config.values) != self._config:
             return False
@@ -418,7 +419,7 @@ class LiteWriter:
         impl = self._impl
         model, flat_call = impl.model, impl._flat.function
         params = model.params
-        folded = jax.jit(lambda x: flat_call(params, x)).lower(x).compile()
+        folded = compile_lowered(jax.jit(lambda x: flat_call(params, x)).lower(x))[0]
         got = np.asarray(folded(x)[0])
         if got.shape != want.shape or got.dtype != want.dtype:
             return False

@@ -1,0 +1,176 @@
+"""XLA:CPU compile options chosen per executable (``runtime/cpu_compile.py``).
+
+A transformer encoder (LayerNorm, softmax attention, GELU MLP) at a big batch: XLA:CPU's
+default offload of reductions to YNNPACK fills broadcasts in memory as fusion inputs; the
+flavor compiles it again with reductions kept off YNNPACK. A CNN's pooling keeps the default.
+Both through ``load_model(path)(x)`` and ``pyfunc.predict``, answers within the documented
+tolerance of the jitted function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import mlflow
+import numpy as np
+import pytest
+
+import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
+from jaxexp_mlflow.archive.reproduce import DEFAULT_TOLERANCES
+from jaxexp_mlflow.runtime import cpu_compile
+
+SEQ, D, HEADS, HIDDEN, VOCAB = 32, 64, 4, 256, 100
+RTOL, ATOL = DEFAULT_TOLERANCES[4]
+
+
+def _layer_norm(x, scale, bias):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-6) * scale + bias
+
+
+def encoder(p, tokens):
+    """Two pre-LayerNorm encoder blocks over token ids, mean-pooled to 10 logits."""
+    b, t = tokens.shape
+    x = p["embed"][tokens] + p["pos"]
+    for blk in p["blocks"]:
+        h = _layer_norm(x, blk["ln1_s"], blk["ln1_b"])
+        q, k, v = jnp.split(h @ blk["qkv"], 3, axis=-1)
+        heads = lambda a: a.reshape(b, t, HEADS, D // HEADS)  # noqa: E731
+        w = jnp.einsum("bqhd,bkhd->bhqk", heads(q), heads(k)) / np.sqrt(D // HEADS)
+        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(w, axis=-1), heads(v))
+        x = x + a.reshape(b, t, D) @ blk["out"]
+        h = _layer_norm(x, blk["ln2_s"], blk["ln2_b"])
+        x = x + jax.nn.gelu(h @ blk["up"]) @ blk["down"]
+    return x.mean(axis=1) @ p["head"]
+
+
+def encoder_params(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    n = lambda *s: (rng.standard_normal(s) * 0.05).astype(np.float32)  # noqa: E731
+    block = lambda: {  # noqa: E731
+        "ln1_s": np.ones(D, np.float32),
+        "ln1_b": np.zeros(D, np.float32),
+        "qkv": n(D, 3 * D),
+        "out": n(D, D),
+        "ln2_s": np.ones(D, np.float32),
+        "ln2_b": np.zeros(D, np.float32),
+        "up": n(D, HIDDEN),
+        "down": n(HIDDEN, D),
+    }
+    return {"embed": n(VOCAB, D), "pos": n(SEQ, D), "blocks": [block(), block()], "head": n(D, 10)}
+
+
+def cnn(p, x):
+    """conv 3x3 -> ReLU -> 2x2 average pool, twice, then a dense layer (NHWC)."""
+    for w in (p["c1"], p["c2"]):
+        x = jax.lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        x = jax.nn.relu(x)
+        x = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4
+    return x.reshape(x.shape[0], -1) @ p["head"]
+
+
+def cnn_params(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    n = lambda *s: (rng.standard_normal(s) * 0.1).astype(np.float32)  # noqa: E731
+    return {"c1": n(3, 3, 1, 16), "c2": n(3, 3, 16, 32), "head": n(7 * 7 * 32, 10)}
+
+
+def tokens(rows: int) -> np.ndarray:
+    return np.random.default_rng(rows).integers(0, VOCAB, (rows, SEQ), dtype=np.int32)
+
+
+def images(rows: int) -> np.ndarray:
+    return np.random.default_rng(rows).standard_normal((rows, 28, 28, 1)).astype(np.float32)
+
+
+def _offloads_reductions(fn, params, x) -> bool:
+    """Whether this jaxlib's defaults fill broadcasts for YNNPACK fusions here (jaxlib 0.10+)."""
+    text = jax.jit(fn).lower(params, x).compile().as_text()
+    return "__ynn_fusion" in text and "wrapped_broadcast" in text
+
+
+@pytest.fixture
+def small_budget(monkeypatch):
+    """The threshold scaled to these small models (the 1 MiB their big batches pass)."""
+    monkeypatch.setattr(cpu_compile, "TEMP_BYTES", 1 << 20)
+    monkeypatch.delenv("JAXEXP_CPU_YNN_CHOICE", raising=False)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cpu-compile")
+    out = {}
+    for name, fn, params, example in (
+        ("encoder", encoder, encoder_params(), tokens(2)),
+        ("cnn", cnn, cnn_params(), images(2)),
+    ):
+        path = root / name
+        mlflow.jaxexp.save_model(jax.jit(fn), path, params=params, input_example=example)
+        out[name] = (path, fn, params)
+    return out
+
+
+def test_big_temporaries_compile_without_ynnpack_reductions(saved, small_budget):
+    path, fn, params = saved["encoder"]
+    x = tokens(64)
+    if not _offloads_reductions(fn, params, x):
+        pytest.skip(f"jaxlib {jax.__version__} does not offload reductions to YNNPACK here")
+    lowered = jax.jit(fn).lower(params, x)
+    default = lowered.compile()
+    chosen, lean = cpu_compile.compile_lowered(lowered)
+    assert lean
+    before = default.memory_analysis().temp_size_in_bytes
+    after = chosen.memory_analysis().temp_size_in_bytes
+    assert 2 * after <= before, (before, after)
+    assert "wrapped_broadcast" not in chosen.as_text()
+
+    model = mlflow.jaxexp.load_model(str(path))
+    got = np.asarray(model(x))
+    assert model._routes[(x.shape, x.dtype)] is model._lean_call
+    want = np.asarray(jax.jit(fn)(params, x))
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    # a small batch stays below the threshold: XLA's defaults
+    model(tokens(1))
+    assert model._routes[((1, SEQ), np.dtype(np.int32))] is model._jit_call
+
+    py = mlflow.pyfunc.load_model(str(path))
+    np.testing.assert_allclose(py.predict(x), want, rtol=RTOL, atol=ATOL)
+
+
+def test_pooling_keeps_the_default(saved, small_budget):
+    path, fn, params = saved["cnn"]
+    x = images(64)
+    chosen, lean = cpu_compile.compile_lowered(jax.jit(fn).lower(params, x))
+    assert not lean
+    model = mlflow.jaxexp.load_model(str(path))
+    np.testing.assert_allclose(
+        np.asarray(model(x)), np.asarray(jax.jit(fn)(params, x)), rtol=RTOL, atol=ATOL
+    )
+    assert model._routes[(x.shape, x.dtype)] is model._jit_call
+
+
+def test_off_by_environment_and_below_the_threshold(saved, monkeypatch):
+    path, fn, params = saved["encoder"]
+    x = tokens(64)
+    lowered = jax.jit(fn).lower(params, x)
+    assert cpu_compile.compile_lowered(lowered)[1] is False  # 32 MiB: this batch is far below
+    monkeypatch.setattr(cpu_compile, "TEMP_BYTES", 1 << 20)
+    monkeypatch.setenv("JAXEXP_CPU_YNN_CHOICE", "0")
+    assert cpu_compile.compile_lowered(lowered)[1] is False
+    model = mlflow.jaxexp.load_model(str(path))
+    assert model._routes is None
+    model(x)  # the default path, as before
+
+
+def test_traced_inputs_take_the_default_path(saved, small_budget):
+    path, fn, params = saved["encoder"]
+    model = mlflow.jaxexp.load_model(str(path))
+    x = tokens(64)
+    got = jax.jit(lambda t: model(t))(x)  # a tracer: not routed, nothing remembered
+    assert model._routes == {}
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(jax.jit(fn)(params, x)), rtol=RTOL, atol=ATOL
+    )
