@@ -174,3 +174,41 @@ def test_traced_inputs_take_the_default_path(saved, small_budget):
     np.testing.assert_allclose(
         np.asarray(got), np.asarray(jax.jit(fn)(params, x)), rtol=RTOL, atol=ATOL
     )
+
+
+def test_broadcast_bytes_read_from_the_module(saved):
+    _, fn, params = saved["encoder"]
+    x = tokens(64)
+    exe = jax.jit(fn).lower(params, x).compile()
+    text = exe.as_text()
+    if "wrapped_broadcast" not in text:
+        pytest.skip(f"jaxlib {jax.__version__} fills no broadcasts for YNNPACK here")
+    # the sum of the shapes XLA states for its broadcast instructions, no more than the
+    # temporaries they live in; most of them in this module
+    got = cpu_compile.broadcast_bytes(text)
+    temp = exe.memory_analysis().temp_size_in_bytes
+    assert temp // 4 <= got <= temp
+    assert cpu_compile.broadcast_bytes("%wrapped_broadcast.3 = bf16[2,3]{1,0} fusion(") == 12
+    assert cpu_compile.broadcast_bytes("%wrapped_broadcast = pred[5]{0} fusion(") == 5
+
+
+def test_a_decode_loop_is_not_compiled_twice(small_budget, monkeypatch):
+    """The small LLM's generate is over the (scaled) threshold and holds YNNPACK fusions, but its
+    temporaries are its loop's, not broadcasts: no second compile."""
+    import functools
+
+    from tests.conftest import llm_example
+
+    llm = llm_example()
+    cfg = llm.CONFIGS["tiny"]
+    params = llm.init_params(cfg, jax.random.key(0))
+    ids = llm.prompt(cfg, batch=2, length=8)
+    lowered = jax.jit(functools.partial(llm.generate, max_new_tokens=4)).lower(params, ids)
+    calls = []
+    compile_ = type(lowered).compile
+    monkeypatch.setattr(
+        type(lowered), "compile", lambda self, **kw: calls.append(kw) or compile_(self, **kw)
+    )
+    exe, lean = cpu_compile.compile_lowered(lowered)
+    assert not lean and calls == [{}]
+    assert exe.memory_analysis().temp_size_in_bytes > cpu_compile.TEMP_BYTES

@@ -13,7 +13,9 @@ setting is right and none is set process-wide.
 :func:`compile_lowered` compiles with XLA's defaults first. Only when that executable needs
 more than :data:`TEMP_BYTES` of temporaries and holds YNNPACK fusions does it compile a second
 time with reductions kept off YNNPACK (``compiler_options`` of that one compile), and keeps the
-second when it needs at most half the temporaries. Its choice is a function of the module and
+second when it needs at most half the temporaries. The second compile is tried only where a
+quarter of the temporaries or more are such broadcasts (the 1B decoder of issue 39: 4 MiB of
+4.1 GiB, no second compile). Its choice is a function of the module and
 this jaxlib only, so an executable stored under a key that names both stays valid.
 ``JAXEXP_CPU_YNN_CHOICE=0`` turns the choice off.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 _logger = logging.getLogger(__name__)
@@ -53,18 +56,36 @@ def _temp_bytes(compiled: Any) -> int | None:
         return None
 
 
+_BROADCAST = re.compile(r"%wrapped_broadcast[.\d]* = ([a-z]+)(\d*)\[([\d,]*)\]")
+
+
+def broadcast_bytes(hlo_text: str) -> int:
+    """The bytes of the broadcasts an optimized HLO module fills in memory as instructions of
+    their own (``wrapped_broadcast`` fusions): what YNNPACK fusions take as inputs."""
+    total = 0
+    for kind, bits, dims in _BROADCAST.findall(hlo_text):
+        size = max(1, int(bits or 8) // 8) if kind != "pred" else 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size
+    return total
+
+
 def lean_is_better(default: Any) -> bool:
     """Whether an executable compiled with XLA's defaults is worth compiling again without
-    YNNPACK's reductions: big temporaries and YNNPACK fusions among its instructions."""
+    YNNPACK's reductions: more than :data:`TEMP_BYTES` of temporaries, a quarter of them or more
+    broadcasts filled for YNNPACK fusions. (A decode loop's temporaries are its weights' f32
+    copies and its caches: compiling it twice would only cost time.)"""
     if _unsupported or not enabled():
         return False
     temp = _temp_bytes(default)
     if temp is None or temp <= TEMP_BYTES:
         return False
     try:
-        return "__ynn_fusion" in default.as_text()
+        text = default.as_text()
     except Exception:  # noqa: BLE001 - no text: nothing to judge by
         return False
+    return "__ynn_fusion" in text and 4 * broadcast_bytes(text) >= temp
 
 
 def compile_lowered(lowered: Any) -> tuple[Any, bool]:
