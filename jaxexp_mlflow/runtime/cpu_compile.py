@@ -71,6 +71,18 @@ def broadcast_bytes(hlo_text: str) -> int:
     return total
 
 
+def _on_cpu(compiled: Any) -> bool:
+    """Whether ``compiled`` runs on CPU devices (its shardings say; a GPU module's text is
+    never read)."""
+    import jax
+
+    try:
+        shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+        return bool(shardings) and all(d.platform == "cpu" for s in shardings for d in s.device_set)
+    except Exception:  # noqa: BLE001 - shardings a release does not state
+        return False
+
+
 def lean_is_better(default: Any) -> bool:
     """Whether an executable compiled with XLA's defaults is worth compiling again without
     YNNPACK's reductions: more than :data:`TEMP_BYTES` of temporaries, a quarter of them or more
@@ -79,7 +91,7 @@ def lean_is_better(default: Any) -> bool:
     if _unsupported or not enabled():
         return False
     temp = _temp_bytes(default)
-    if temp is None or temp <= TEMP_BYTES:
+    if temp is None or temp <= TEMP_BYTES or not _on_cpu(default):
         return False
     try:
         text = default.as_text()
