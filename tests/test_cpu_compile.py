@@ -213,3 +213,18 @@ def test_a_decode_loop_is_not_compiled_twice(small_budget, monkeypatch):
     exe, lean = cpu_compile.compile_lowered(lowered)
     assert not lean and calls == [{}]
     assert exe.memory_analysis().temp_size_in_bytes > cpu_compile.TEMP_BYTES
+
+
+def test_signatures_past_the_limit_take_the_default_unjudged(saved, small_budget):
+    from jaxexp_mlflow.runtime import model as model_mod
+
+    path, fn, params = saved["encoder"]
+    model = mlflow.jaxexp.load_model(str(path))
+    for i in range(model_mod._MAX_ROUTES):  # a model called with as many shapes before
+        model._routes[("earlier", i)] = model._jit_call
+    x = tokens(64)
+    np.testing.assert_allclose(
+        np.asarray(model(x)), np.asarray(jax.jit(fn)(params, x)), rtol=RTOL, atol=ATOL
+    )
+    assert len(model._routes) == model_mod._MAX_ROUTES
+    assert (x.shape, x.dtype) not in model._routes

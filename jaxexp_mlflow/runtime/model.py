@@ -256,15 +256,16 @@ class JaxExpModel:
 
     def _route(self, key: tuple, inputs: tuple, kwargs: dict) -> Any:
         """The jitted callable for a new input signature on the CPU: XLA's defaults, or
-        reductions kept off YNNPACK where that needs at most half the temporaries."""
+        reductions kept off YNNPACK where that needs at most half the temporaries. Past
+        :data:`_MAX_ROUTES` signatures, XLA's defaults without a choice (no lowering per call)."""
+        if len(self._routes) >= _MAX_ROUTES:
+            return self._jit_call
         try:
             lowered = self._jit_call.lower(self.params, *inputs, **kwargs)
             lean = cpu_compile.compile_lowered(lowered)[1]
         except Exception:  # noqa: BLE001 - a bad input: the call below raises it as usual
             return self._jit_call
-        call = self._lean_call if lean else self._jit_call
-        if len(self._routes) < _MAX_ROUTES:
-            self._routes[key] = call
+        call = self._routes[key] = self._lean_call if lean else self._jit_call
         return call
 
     def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
