@@ -10,14 +10,13 @@ pages on every call and 5.0 s a call; with reductions left to XLA, 1.1 GiB and 2
 round (XLA's own ``reduce-window`` took its 1024-row call from 24 to 126 ms), so no single
 setting is right and none is set process-wide.
 
-:func:`compile_lowered` compiles with XLA's defaults first. Only when that executable needs
-more than :data:`TEMP_BYTES` of temporaries and holds YNNPACK fusions does it compile a second
-time with reductions kept off YNNPACK (``compiler_options`` of that one compile), and keeps the
-second when it needs at most half the temporaries. The second compile is tried only where a
-quarter of the temporaries or more are such broadcasts (the 1B decoder of issue 39: 4 MiB of
-4.1 GiB, no second compile). Its choice is a function of the module and
-this jaxlib only, so an executable stored under a key that names both stays valid.
-``JAXEXP_CPU_YNN_CHOICE=0`` turns the choice off.
+:func:`compile_lowered` compiles with XLA's defaults first. Only when that executable runs on
+the CPU, needs more than :data:`TEMP_BYTES` of temporaries, holds YNNPACK fusions and a quarter
+or more of its temporaries are such broadcasts (the 1B decoder of issue 39: 4 MiB of 4.1 GiB,
+so no second compile) does it compile a second time with reductions kept off YNNPACK
+(``compiler_options`` of that one compile), and it keeps the second when it needs at most half
+the temporaries. The choice is a function of the module and this jaxlib only, so an executable
+stored under a key that names both stays valid. ``JAXEXP_CPU_YNN_CHOICE=0`` turns it off.
 """
 
 from __future__ import annotations
