@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from jaxexp_mlflow.runtime.cache import host_cpu
-from jaxexp_mlflow.runtime.cpu_compile import compile_lowered, settings
 
 _logger = logging.getLogger(__name__)
 
@@ -61,6 +60,8 @@ def environment_key() -> dict[str, Any]:
     import jax
     import jaxlib
 
+    from jaxexp_mlflow.runtime import cpu_compile
+
     devices = jax.devices()
     client = devices[0].client
     return {
@@ -71,7 +72,7 @@ def environment_key() -> dict[str, Any]:
         "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")},
         "config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
         "cpu": host_cpu(),
-        "cpu_compile": settings(),
+        "cpu_compile": cpu_compile.settings(),
     }
 
 
@@ -434,7 +435,9 @@ class Executables:
             if stored:
                 self.loaded += 1
             else:
-                exe = compile_lowered(self._jit.lower(*args))[0]
+                from jaxexp_mlflow.runtime import cpu_compile
+
+                exe = cpu_compile.compile_lowered(self._jit.lower(*args))[0]
                 self.compiles += 1
             self._keep(key, _Prepared(self, key, exe, stored))
 
@@ -515,7 +518,9 @@ class Executables:
         if prepared is not None and not prepared.stored:
             exe = prepared.exe
         else:
-            exe = compile_lowered(self._jit.lower(*args))[0]
+            from jaxexp_mlflow.runtime import cpu_compile
+
+            exe = cpu_compile.compile_lowered(self._jit.lower(*args))[0]
             self.compiles += 1
         try:
             outs = exe(*args)
