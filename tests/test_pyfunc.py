@@ -240,10 +240,18 @@ def test_one_array_fast_path_refuses_what_convert_refuses(mlp_dir):
             impl.predict(bad)
     huge = np.full((4, 8), np.finfo(np.float32).max, np.float32)  # finite; no float overflow
     np.testing.assert_array_equal(impl.predict(huge), impl.run(impl.convert_inputs(huge))[0])
-    big = np.ones((9000, 8), np.float32)  # above the direct finiteness pass: the sum path
-    big[-1, -1] = np.nan
-    with pytest.raises(InputError, match=r"NaN or infinite"):
-        impl.predict(big)
+    # above the direct finiteness pass (64 Ki values): max and min, each value of any sign
+    for where, value in [((-1, -1), np.nan), ((0, 0), np.inf), ((4500, 3), -np.inf)]:
+        for dtype in (np.float32, np.float64):
+            big = np.ones((9000, 8), dtype)
+            big[where] = value
+            with pytest.raises(InputError, match=r"NaN or infinite"):
+                impl.predict(big)
+    extremes = np.full((9000, 8), np.finfo(np.float32).max, np.float32)
+    extremes[::2] *= -1  # finite at both ends of the range
+    np.testing.assert_array_equal(
+        impl.predict(extremes), impl.run(impl.convert_inputs(extremes))[0]
+    )
     ok = _load_pyfunc(str(mlp_dir[0]), {**FAST, "allow_nan": True})
     assert np.isnan(ok.predict(np.full((1, 8), np.nan, np.float32))).all()
 

