@@ -21,7 +21,6 @@ from mlflow.models.model import MLMODEL_FILE_NAME, ModelInfo
 from mlflow.utils.file_utils import write_to
 
 from jaxexp_mlflow.errors import ArtifactError
-from jaxexp_mlflow.flavors.readback import one_batch_axis, read_back_and_record, write_mlmodel
 from jaxexp_mlflow.internals import mlflow_private
 from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
 from jaxexp_mlflow.runtime.backend import _check_backend
@@ -210,6 +209,7 @@ def _save_into(
     it is copied, ``params/`` once Orbax has written it (before the read-back checks it).
     """
     from jaxexp_mlflow.flavors import saving
+    from jaxexp_mlflow.flavors.readback import one_batch_axis, read_back_and_record, write_mlmodel
     from jaxexp_mlflow.serving import classifier as classifier_mod
     from jaxexp_mlflow.serving import signature as sig
 
