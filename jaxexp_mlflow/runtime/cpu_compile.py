@@ -3,9 +3,10 @@
 XLA:CPU (jaxlib 0.10-0.12 at least) hands dots, convolutions and reductions to YNNPACK by
 default (``xla_cpu_experimental_ynn_fusion_type``). Around reductions it builds big YNNPACK
 fusions, and where such a fusion cannot hold a broadcast it takes it as an input that XLA fills
-in memory first: the transformer encoder of issue 38 at 1024 rows had 47 of those (LayerNorm,
-softmax and GELU constants broadcast to ``[1024, 128, 1024]``), 3.4 GiB of temporaries, fresh
-pages on every call and 5.0 s a call; with reductions left to XLA, 1.1 GiB and 2.4 s
+in memory first: the transformer encoder of issue 38 at 1024 rows had 9 of those (LayerNorm,
+softmax and GELU constants broadcast up to ``[1024, 128, 1024]``), 2.3 of its 3.4 GiB of
+temporaries, fresh pages on every call and 5.0 s a call; with reductions left to XLA, 1.1 GiB
+and 2.4 s
 (docs/serving.md, "Reductions and YNNPACK"). A CNN's pooling needs the offload the other way
 round (XLA's own ``reduce-window`` took its 1024-row call from 24 to 126 ms), so no single
 setting is right and none is set process-wide.
