@@ -9,6 +9,8 @@ tolerance of the jitted function.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import mlflow
@@ -113,7 +115,7 @@ def saved(tmp_path_factory):
     return out
 
 
-def test_big_temporaries_compile_without_ynnpack_reductions(saved, small_budget):
+def test_big_temporaries_compile_without_ynnpack_reductions(saved, small_budget, caplog):
     path, fn, params = saved["encoder"]
     x = tokens(64)
     if not _offloads_reductions(fn, params, x):
@@ -127,9 +129,17 @@ def test_big_temporaries_compile_without_ynnpack_reductions(saved, small_budget)
     assert 2 * after <= before, (before, after)
     assert "wrapped_broadcast" not in chosen.as_text()
 
+    from jaxexp_mlflow.runtime import model as model_mod
+
     model = mlflow.jaxexp.load_model(str(path))
     got = np.asarray(model(x))
-    assert model._routes[(x.shape, x.dtype)] is model._lean_call
+    route = model._routes[(x.shape, x.dtype)]
+    assert isinstance(route, model_mod._LeanRoute)
+    # called as compiled: nothing is lowered or compiled again for the signature's next call
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level(logging.DEBUG):
+        np.testing.assert_array_equal(np.asarray(model(x)), got)
+    assert not [r for r in caplog.records if "ompil" in r.getMessage()], caplog.text[:500]
     want = np.asarray(jax.jit(fn)(params, x))
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     # a small batch stays below the threshold: XLA's defaults

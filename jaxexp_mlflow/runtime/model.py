@@ -104,6 +104,23 @@ def _signature(inputs: tuple, kwargs: dict) -> tuple | None:
     return tuple(key)
 
 
+class _LeanRoute:
+    """An input signature's executable compiled with reductions off YNNPACK
+    (``runtime.cpu_compile``), called as compiled; arguments it does not take as given (another
+    weak type) go to the jit with the same options."""
+
+    __slots__ = ("compiled", "jitted")
+
+    def __init__(self, compiled: Any, jitted: Any) -> None:
+        self.compiled, self.jitted = compiled, jitted
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.compiled(*args, **kwargs)
+        except TypeError:
+            return self.jitted(*args, **kwargs)
+
+
 class JaxExpModel:
     """An exported JAX function with its parameters bound.
 
@@ -262,10 +279,12 @@ class JaxExpModel:
             return self._jit_call
         try:
             lowered = self._jit_call.lower(self.params, *inputs, **kwargs)
-            lean = cpu_compile.compile_lowered(lowered)[1]
+            compiled, lean = cpu_compile.compile_lowered(lowered)
         except Exception:  # noqa: BLE001 - a bad input: the call below raises it as usual
             return self._jit_call
-        call = self._routes[key] = self._lean_call if lean else self._jit_call
+        # the default executable is the one the jit's own call finds in memory; the lean one
+        # would be compiled again by a jit with those options, so it is called as compiled
+        call = self._routes[key] = _LeanRoute(compiled, self._lean_call) if lean else self._jit_call
         return call
 
     def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
