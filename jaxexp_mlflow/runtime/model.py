@@ -83,25 +83,23 @@ def transform_error(err: Exception, args: Any, vjp_order: int) -> Exception | No
 _MAX_ROUTES = 64
 
 
+def _concrete(x: Any) -> bool:
+    """Whether ``x`` is a numpy array or a JAX array with a value (not a tracer)."""
+    return type(x) is np.ndarray or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
+
+
 def _signature(inputs: tuple, kwargs: dict) -> tuple | None:
     """The shapes and dtypes of concrete array inputs (None for tracers or other leaves: those
-    take the default path)."""
+    take the default path). One positional array, the common call, skips the tree walk."""
     if not kwargs and len(inputs) == 1:
         x = inputs[0]
-        if type(x) is np.ndarray or (
-            isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-        ):
-            return (x.shape, x.dtype)
-        return None
+        return (x.shape, x.dtype) if _concrete(x) else None
     leaves, tree = jax.tree.flatten((inputs, kwargs))
-    key: list = [tree]
-    for x in leaves:
-        if not (type(x) is np.ndarray or isinstance(x, jax.Array)) or isinstance(
-            x, jax.core.Tracer
-        ):
-            return None
-        key.append((x.shape, x.dtype))
-    return tuple(key)
+    if not all(_concrete(x) for x in leaves):
+        return None
+    return (tree, *((x.shape, x.dtype) for x in leaves))
 
 
 class _LeanRoute:
