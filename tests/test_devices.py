@@ -138,6 +138,38 @@ WORKER = textwrap.dedent(
         out["params_replicated"] = tuple(model.params["w1"].sharding.spec) == ()
         return out
 
+    def named_shardings_recorded():
+        # jax >= 0.10 serializes NamedShardings; Exported.in_shardings_hlo is then all None
+        import yaml
+        from jaxexp_mlflow.codec import blob
+        mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+        params = mlp_params()
+        psh = {"w1": NamedSharding(mesh, P(None, "model")), "b1": NamedSharding(mesh, P("model")),
+               "w2": NamedSharding(mesh, P("model", None)), "b2": NamedSharding(mesh, P())}
+        xsh = NamedSharding(mesh, P())
+        f = jax.jit(mlp_apply, in_shardings=(psh, xsh), out_shardings=xsh)
+        sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        exp = jax.export.export(f)(jax.tree.map(sds, params, psh), sds(batch(4), xsh))
+        path = Path(tmp, "named")
+        mlflow.jaxexp.save_model(exp, path, params=params, input_example=batch(4))
+        conf = yaml.safe_load((path / "MLmodel").read_text())["flavors"]["jaxexp"]
+        desc = blob.describe((path / "exported.bin").read_bytes())
+        # a 1-device export annotated with a 1-device mesh: data_parallel must refuse it
+        one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("one",)), P())
+        g = jax.jit(mlp_apply, in_shardings=({k: one for k in params}, one), out_shardings=one)
+        annotated = jax.export.export(g)(
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
+            jax.ShapeDtypeStruct(batch(4).shape, batch(4).dtype))
+        mlflow.jaxexp.save_model(annotated, f"{tmp}/one-mesh", params=params,
+                                 input_example=batch(4))
+        return {
+            "mlmodel": [conf["in_shardings"], conf["out_shardings"]],
+            "blob": [list(desc.in_shardings), list(desc.out_shardings)],
+            "nr_devices": conf["nr_devices"],
+            "data_parallel": message(
+                lambda: mlflow.jaxexp.load_model(f"{tmp}/one-mesh", data_parallel=True)),
+        }
+
     def too_few(version):
         case = CORPUS / f"jax-{version}" / "sharded4"
         if corpus_refusals(case, expired_flag=True):
@@ -237,6 +269,22 @@ def test_corpus_sharded4_runs_on_more_or_equal_devices(n_devices):
         dp = res["data_parallel"]
         assert dp["16"] == {"match": True, "devices": 8, "spec": ["batch"]}
         assert dp["5"]["match"] and dp["params_replicated"]
+
+
+def test_named_shardings_are_recorded_and_seen_by_data_parallel():
+    """An export whose shardings JAX serializes as NamedShardings (every export since jax
+    0.10; its ``in_shardings_hlo`` is all None, and deprecated): MLmodel records the blob's own
+    shardings, and ``data_parallel`` still refuses a 1-device export that carries them."""
+    r = run_worker(2, "named_shardings_recorded")["named_shardings_recorded"]
+    assert r["nr_devices"] == 2
+    assert r["mlmodel"] == r["blob"]  # the JAX-free reader's, from the blob itself
+    ins, outs = r["mlmodel"]
+    assert len(ins) == 5 and len(outs) == 1 and None not in ins + outs  # b1 b2 w1 w2 x, out
+    assert "spec=P(None, 'model')" in ins[2] and "spec=P('model', None)" in ins[3]
+    assert all("NamedSharding(" in s for s in ins + outs)
+    msg = r["data_parallel"]
+    assert msg is not None and "needs a 1-device export without sharding annotations" in msg
+    assert "AbstractMesh('one': 1" in msg and "without data_parallel" in msg
 
 
 @needs_corpus

@@ -302,6 +302,8 @@ def write_model_files(
             else list(description.custom_call_targets)
         ),
         node_types=node_types,
+        in_shardings=description.in_shardings,
+        out_shardings=description.out_shardings,
     )
     section = dataclasses.replace(
         section,

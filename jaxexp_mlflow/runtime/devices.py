@@ -258,13 +258,15 @@ def _data_parallel(exported: Any, platform: str, devs: list[Any]) -> Placement:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    if any(s is not None for s in exported.in_shardings_hlo):
+    from jaxexp_mlflow.internals.jax_private import shardings
+
+    given = shardings(exported, "in")  # named (jax >= 0.8) or HLO: in_shardings_hlo is all None
+    if any(s is not None for s in given):
         from jaxexp_mlflow.errors import IncompatibleError
 
         raise IncompatibleError(
             "data_parallel=True needs a 1-device export without sharding annotations, but this "
-            f"one has input shardings {list(map(str, exported.in_shardings_hlo))}. Load it "
-            "without data_parallel."
+            f"one has input shardings {list(map(str, given))}. Load it without data_parallel."
         )
     mesh = Mesh(np.array(devs), (BATCH_AXIS,))
     repl = NamedSharding(mesh, PartitionSpec())

@@ -20,7 +20,7 @@ import functools
 import importlib.metadata
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,9 +159,14 @@ class FlavorSection:
         schema_generation: int | None,
         custom_call_targets: list[str] | None,
         node_types: list[str],
+        in_shardings: Sequence[str | None],
+        out_shardings: Sequence[str | None],
     ) -> FlavorSection:
         """The section's facts about an ``Exported`` and its blob (``save_model`` adds the rest:
-        params description, io specs, reference, serving defaults)."""
+        params description, io specs, reference, serving defaults). The shardings are the
+        blob's own, as its JAX-free description reads them (``codec.reader``: HLO sharding text
+        for schema < 6, JAX's ``NamedSharding`` repr after): ``Exported.in_shardings_hlo`` is
+        all None for every export made since JAX serializes named shardings (and deprecated)."""
         from jaxexp_mlflow import __version__
 
         jax_version, jaxlib_version = exporter_versions
@@ -180,8 +185,8 @@ class FlavorSection:
             out_tree=str(exported.out_tree),
             in_avals=[aval_str(a) for a in exported.in_avals],
             out_avals=[aval_str(a) for a in exported.out_avals],
-            in_shardings=_sharding_strs(exported.in_shardings_hlo),
-            out_shardings=_sharding_strs(exported.out_shardings_hlo),
+            in_shardings=_sharding_strs(in_shardings),
+            out_shardings=_sharding_strs(out_shardings),
             custom_call_targets=custom_call_targets,
             pytree_node_types=node_types,
             n_param_leaves=int(n_param_leaves),
