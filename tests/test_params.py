@@ -179,9 +179,7 @@ def test_flax_containers_round_trip(tmp_path):
     P.save_params(state, tmp_path / "nnx")
     out = P.restore_params(tmp_path / "nnx", target=sds_tree(state))
     assert type(out) is type(state)
-    np.testing.assert_array_equal(
-        np.asarray(out["kernel"][...]), np.asarray(state["kernel"][...])
-    )
+    np.testing.assert_array_equal(np.asarray(out["kernel"][...]), np.asarray(state["kernel"][...]))
     assert R.LAST_RESTORE_STATS["fast"] == 2
 
 
