@@ -246,20 +246,20 @@ def read_back(
     result.seconds["load"] = time.perf_counter() - t0
     if inputs is not None and model is not None:
         t1 = time.perf_counter()
-        if model.has_params:
+        if model.has_params and params is not None and bind is None:
+            # restored params against the given ones, through the same executable
             outputs = model.call_with_params(model.params, *inputs)
-            if params is not None and bind is None:
-                given = _placed_like(_as_model_params(params, conf), restored)
-                expected = model.call_with_params(given, *inputs)
-                _assert_outputs_agree(
-                    jax.tree.leaves(outputs),
-                    jax.tree.leaves(expected),
-                    "The params read back from the model directory do not reproduce the outputs "
-                    "of the params given to save_model, so the model was not saved. Check that "
-                    "params have distinct key paths (e.g. not both {'a.b': x} and {'a': {'b': y}})"
-                    " and report the issue if they do",
-                )
-        else:
+            given = _placed_like(_as_model_params(params, conf), restored)
+            expected = model.call_with_params(given, *inputs)
+            _assert_outputs_agree(
+                jax.tree.leaves(outputs),
+                jax.tree.leaves(expected),
+                "The params read back from the model directory do not reproduce the outputs "
+                "of the params given to save_model, so the model was not saved. Check that "
+                "params have distinct key paths (e.g. not both {'a.b': x} and {'a': {'b': y}})"
+                " and report the issue if they do",
+            )
+        else:  # the call load_model's model makes: its executable, as runtime.cpu_compile chose
             outputs = model(*inputs)
         result.outputs = jax.block_until_ready(outputs)
         result.seconds["run"] = time.perf_counter() - t1

@@ -1,23 +1,35 @@
-"""Compile for XLA:CPU, choosing per executable whether reductions go to YNNPACK.
+"""Compile for XLA:CPU, choosing per executable two of XLA's defaults that can cost the memory.
 
-XLA:CPU (jaxlib 0.10-0.12 at least) hands dots, convolutions and reductions to YNNPACK by
-default (``xla_cpu_experimental_ynn_fusion_type``). Around reductions it builds big YNNPACK
-fusions, and where such a fusion cannot hold a broadcast it takes it as an input that XLA fills
-in memory first: the transformer encoder of issue 38 at 1024 rows had 9 of those (LayerNorm,
-softmax and GELU constants broadcast up to ``[1024, 128, 1024]``), 2.3 of its 3.4 GiB of
-temporaries, fresh pages on every call and 5.0 s a call; with reductions left to XLA, 1.1 GiB
-and 2.4 s
-(docs/serving.md, "Reductions and YNNPACK"). A CNN's pooling needs the offload the other way
-round (XLA's own ``reduce-window`` took its 1024-row call from 24 to 126 ms), so no single
-setting is right and none is set process-wide.
+**Reductions on YNNPACK.** XLA:CPU (jaxlib 0.10-0.12 at least) hands dots, convolutions and
+reductions to YNNPACK by default (``xla_cpu_experimental_ynn_fusion_type``). Around reductions
+it builds big YNNPACK fusions, and where such a fusion cannot hold a broadcast it takes it as an
+input that XLA fills in memory first: the transformer encoder of issue 38 at 1024 rows had 9 of
+those (LayerNorm, softmax and GELU constants broadcast up to ``[1024, 128, 1024]``), 2.3 of its
+3.4 GiB of temporaries, fresh pages on every call and 5.0 s a call; with reductions left to
+XLA, 1.1 GiB and 2.4 s (docs/serving.md, "Reductions and YNNPACK"). A CNN's pooling needs the
+offload the other way round (XLA's own ``reduce-window`` took its 1024-row call from 24 to 126
+ms), so no single setting is right and none is set process-wide.
+
+**Converted copies hoisted out of loops.** XLA's while-loop-invariant code motion moves a loop's
+invariant instructions before it, converts included: a bfloat16 decoder's decode loop then
+starts by converting every weight to float32 (the 1B decoder of issue 39: 3.8 of its 4.1 GiB
+of temporaries), and each step reads those f32 copies, twice the bytes of the weights. Left in
+the loop, each layer's weights are converted as the step reaches them: 435 MiB of
+temporaries, and ``generate`` took 2.97 s where it took 4.60 s (docs/serving.md, "Loop-invariant
+converts"). The pass also hoists what is worth hoisting (an invariant matmul run once instead
+of once a step: 3.4x slower without it on a small loop), so it is turned off only where it
+moved no dot or convolution out of a loop.
 
 :func:`compile_lowered` compiles with XLA's defaults first. Only when that executable runs on
-the CPU, needs more than :data:`TEMP_BYTES` of temporaries, holds YNNPACK fusions and a quarter
-or more of its temporaries are such broadcasts (the 1B decoder of issue 39: 4 MiB of 4.1 GiB,
-so no second compile) does it compile a second time with reductions kept off YNNPACK
-(``compiler_options`` of that one compile), and it keeps the second when it needs at most half
-the temporaries. The choice is a function of the module and this jaxlib only, so an executable
-stored under a key that names both stays valid. ``JAXEXP_CPU_YNN_CHOICE=0`` turns it off.
+the CPU and needs more than :data:`TEMP_BYTES` of temporaries does it look at its optimized
+module: a quarter or more of the temporaries broadcasts filled for YNNPACK fusions asks for
+:data:`LEAN_OPTIONS`; a quarter or more converted copies made before the loops (instructions
+of the entry computation) asks for :data:`LOOP_OPTIONS`. It then compiles once more with what
+was asked (``compiler_options`` of that one compile) and keeps that executable when it needs at
+most half the temporaries and, with :data:`LOOP_OPTIONS`, has no more dots and convolutions
+inside loops than the default. The choice is a function of the module and this jaxlib only, so
+an executable stored under a key that names both stays valid. ``JAXEXP_CPU_YNN_CHOICE=0``
+turns both off.
 """
 
 from __future__ import annotations
@@ -36,7 +48,11 @@ _OPTION = "xla_cpu_experimental_ynn_fusion_type"
 LEAN_OPTIONS = {
     _OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"
 }
-_unsupported = False  # set once a jaxlib refused the option: never asked again in this process
+#: XLA's while-loop-invariant code motion left out of a compile (a pass name XLA's
+#: ``xla_disable_hlo_passes`` takes).
+_LOOP_OPTION = "xla_disable_hlo_passes"
+LOOP_OPTIONS = {_LOOP_OPTION: "while-loop-invariant-code-motion"}
+_unsupported: set[str] = set()  # options a jaxlib refused: never asked again in this process
 
 
 def enabled() -> bool:
@@ -46,7 +62,12 @@ def enabled() -> bool:
 
 def settings() -> dict[str, Any]:
     """What of this module decides an executable, for the keys of stored executables."""
-    return {"ynn_choice": enabled(), "temp_bytes": TEMP_BYTES, "lean": LEAN_OPTIONS}
+    return {
+        "ynn_choice": enabled(),
+        "temp_bytes": TEMP_BYTES,
+        "lean": LEAN_OPTIONS,
+        "loop": LOOP_OPTIONS,
+    }
 
 
 def _temp_bytes(compiled: Any) -> int | None:
@@ -56,19 +77,66 @@ def _temp_bytes(compiled: Any) -> int | None:
         return None
 
 
-_BROADCAST = re.compile(r"%wrapped_broadcast[.\d]* = ([a-z]+)(\d*)\[([\d,]*)\]")
-
-
-def broadcast_bytes(hlo_text: str) -> int:
-    """The bytes of the broadcasts an optimized HLO module fills in memory as instructions of
-    their own (``wrapped_broadcast`` fusions): what YNNPACK fusions take as inputs."""
+def _instruction_bytes(name: str, hlo_text: str) -> int:
+    """The bytes of the array instructions named ``%<name>``, ``%<name>.N`` in ``hlo_text``."""
     total = 0
-    for kind, bits, dims in _BROADCAST.findall(hlo_text):
+    for kind, bits, dims in re.findall(rf"%{name}[.\d]* = ([a-z]+)(\d*)\[([\d,]*)\]", hlo_text):
         size = max(1, int(bits or 8) // 8) if kind != "pred" else 1
         for d in filter(None, dims.split(",")):
             size *= int(d)
         total += size
     return total
+
+
+def broadcast_bytes(hlo_text: str) -> int:
+    """The bytes of the broadcasts an optimized HLO module fills in memory as instructions of
+    their own (``wrapped_broadcast`` fusions): what YNNPACK fusions take as inputs."""
+    return _instruction_bytes("wrapped_broadcast", hlo_text)
+
+
+_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{$", re.M)
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
+_CALLED_SETS = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
+_LOOP = re.compile(
+    r" while\([^\n]*?(?:condition|body)=%([\w.\-]+)[^\n]*?(?:condition|body)=%([\w.\-]+)"
+)
+_HEAVY = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = \S+ (?:dot|convolution)\(", re.M)
+
+
+def _computations(hlo_text: str) -> dict[str, tuple[str, bool]]:
+    """``{name: (text, is the entry)}`` of an optimized HLO module's computations."""
+    heads = list(_HEADER.finditer(hlo_text))
+    out = {}
+    for i, head in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(hlo_text)
+        out[head.group(2)] = (hlo_text[head.start() : end], bool(head.group(1)))
+    return out
+
+
+def hoisted_convert_bytes(hlo_text: str) -> int:
+    """The bytes of the converted copies an optimized HLO module makes in its entry computation
+    (``wrapped_convert`` fusions there: before any loop, where loop-invariant code motion puts
+    a loop's converted inputs)."""
+    entry = [text for text, is_entry in _computations(hlo_text).values() if is_entry]
+    return _instruction_bytes("wrapped_convert", entry[0]) if entry else 0
+
+
+def loop_heavy_ops(hlo_text: str) -> int:
+    """The dots and convolutions an optimized HLO module runs inside its while loops (in the
+    computations their bodies and conditions call, fusions and YNNPACK fusions included)."""
+    comps = _computations(hlo_text)
+    todo = [name for pair in _LOOP.findall(hlo_text) for name in pair]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        text = comps[name][0]
+        todo += _CALLED.findall(text)
+        for group in _CALLED_SETS.findall(text):
+            todo += [x.strip().lstrip("%") for x in group.split(",") if x.strip()]
+    return sum(len(_HEAVY.findall(comps[name][0])) for name in seen)
 
 
 def _on_cpu(compiled: Any) -> bool:
@@ -83,38 +151,58 @@ def _on_cpu(compiled: Any) -> bool:
         return False
 
 
-def lean_is_better(default: Any) -> bool:
-    """Whether an executable compiled with XLA's defaults is worth compiling again without
-    YNNPACK's reductions: more than :data:`TEMP_BYTES` of temporaries, a quarter of them or more
-    broadcasts filled for YNNPACK fusions. (A decode loop's temporaries are its weights' f32
-    copies and its caches: compiling it twice would only cost time.)"""
-    if _unsupported or not enabled():
-        return False
+def options_for(default: Any) -> dict[str, str]:
+    """The compile options worth a second compile of an executable compiled with XLA's
+    defaults (``{}``: none): :data:`LEAN_OPTIONS` where a quarter or more of its temporaries
+    are broadcasts filled for YNNPACK fusions, :data:`LOOP_OPTIONS` where a quarter or more are
+    converted copies made before its loops; only above :data:`TEMP_BYTES` of temporaries."""
+    if not enabled():
+        return {}
     temp = _temp_bytes(default)
     if temp is None or temp <= TEMP_BYTES or not _on_cpu(default):
-        return False
+        return {}
     try:
         text = default.as_text()
     except Exception:  # noqa: BLE001 - no text: nothing to judge by
-        return False
-    return "__ynn_fusion" in text and 4 * broadcast_bytes(text) >= temp
+        return {}
+    asked: dict[str, str] = {}
+    if "__ynn_fusion" in text and 4 * broadcast_bytes(text) >= temp:
+        asked.update(LEAN_OPTIONS)
+    if " while(" in text and 4 * hoisted_convert_bytes(text) >= temp:
+        asked.update(LOOP_OPTIONS)
+    return {k: v for k, v in asked.items() if k not in _unsupported}
 
 
-def compile_lowered(lowered: Any) -> tuple[Any, bool]:
-    """``lowered.compile()``, or its compile without YNNPACK's reductions where that needs at
-    most half the temporaries; returns ``(compiled, lean)``."""
-    global _unsupported
+def lean_is_better(default: Any) -> bool:
+    """Whether an executable compiled with XLA's defaults is worth compiling again without
+    YNNPACK's reductions (:func:`options_for` asks for :data:`LEAN_OPTIONS`)."""
+    return _OPTION in options_for(default)
+
+
+def compile_lowered(lowered: Any) -> tuple[Any, dict[str, str]]:
+    """``lowered.compile()``, or its compile with the options :func:`options_for` asks for
+    where that needs at most half the temporaries (and, leaving loop-invariant code in its
+    loops, moved no dot or convolution into one); returns ``(compiled, options)``, ``options``
+    ``{}`` for XLA's defaults."""
     default = lowered.compile()
-    if not lean_is_better(default):
-        return default, False
+    options = options_for(default)
+    if not options:
+        return default, {}
     try:
-        lean = lowered.compile(compiler_options=dict(LEAN_OPTIONS))
-    except Exception as err:  # noqa: BLE001 - a jaxlib without the option or its values
-        _unsupported = True
-        _logger.debug("jaxexp: XLA:CPU refused %s: %s", LEAN_OPTIONS, err)
-        return default, False
-    before, after = _temp_bytes(default), _temp_bytes(lean)
+        chosen = lowered.compile(compiler_options=dict(options))
+    except Exception as err:  # noqa: BLE001 - a jaxlib without the options or their values
+        _unsupported.update(options)
+        _logger.debug("jaxexp: XLA:CPU refused %s: %s", options, err)
+        return default, {}
+    before, after = _temp_bytes(default), _temp_bytes(chosen)
     if before is None or after is None or 2 * after > before:
-        return default, False
-    _logger.debug("jaxexp: reductions kept off YNNPACK: temporaries %d -> %d bytes", before, after)
-    return lean, True
+        return default, {}
+    if _LOOP_OPTION in options:
+        try:
+            moved = loop_heavy_ops(chosen.as_text()) > loop_heavy_ops(default.as_text())
+        except Exception:  # noqa: BLE001 - no text: no proof that nothing moved
+            moved = True
+        if moved:
+            return default, {}
+    _logger.debug("jaxexp: compiled with %s: temporaries %d -> %d bytes", options, before, after)
+    return chosen, dict(options)

@@ -103,9 +103,10 @@ def _signature(inputs: tuple, kwargs: dict) -> tuple | None:
 
 
 class _LeanRoute:
-    """An input signature's executable compiled with reductions off YNNPACK
-    (``runtime.cpu_compile``), called as compiled; arguments it does not take as given (another
-    weak type) go to the jit with the same options."""
+    """An input signature's executable compiled with options of its own (``runtime.cpu_compile``:
+    reductions off YNNPACK, loop-invariant converts left in their loops), called as compiled;
+    arguments it does not take as given (another weak type) go to a jit with the same
+    options."""
 
     __slots__ = ("compiled", "jitted")
 
@@ -183,9 +184,9 @@ class JaxExpModel:
         self._jit_call_with_params = jax.jit(self._raw_call)
         # XLA:CPU's compile options per input signature (runtime.cpu_compile); None: not chosen
         self._routes: dict[tuple, Any] | None = None
+        self._option_calls: dict[tuple, Any] = {}  # a jit per set of compile options
         if cpu_compile.enabled() and not self._places_inputs and self.platform == "cpu":
             self._routes = {}
-            self._lean_call = jax.jit(self._raw_call, compiler_options=cpu_compile.LEAN_OPTIONS)
 
     @property
     def platform(self) -> str:
@@ -277,12 +278,20 @@ class JaxExpModel:
             return self._jit_call
         try:
             lowered = self._jit_call.lower(self.params, *inputs, **kwargs)
-            compiled, lean = cpu_compile.compile_lowered(lowered)
+            compiled, options = cpu_compile.compile_lowered(lowered)
         except Exception:  # noqa: BLE001 - a bad input: the call below raises it as usual
             return self._jit_call
-        # the default executable is the one the jit's own call finds in memory; the lean one
-        # would be compiled again by a jit with those options, so it is called as compiled
-        call = self._routes[key] = _LeanRoute(compiled, self._lean_call) if lean else self._jit_call
+        # the default executable is the one the jit's own call finds in memory; one compiled
+        # with options would be compiled again by a jit with those options: called as compiled
+        call = self._jit_call
+        if options:
+            key_options = tuple(sorted(options.items()))
+            jitted = self._option_calls.get(key_options)
+            if jitted is None:
+                jitted = jax.jit(self._raw_call, compiler_options=dict(options))
+                self._option_calls[key_options] = jitted
+            call = _LeanRoute(compiled, jitted)
+        self._routes[key] = call
         return call
 
     def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
