@@ -56,7 +56,8 @@ _unsupported: set[str] = set()  # options a jaxlib refused: never asked again in
 
 
 def enabled() -> bool:
-    """Whether the choice is made (``JAXEXP_CPU_YNN_CHOICE``, default on)."""
+    """Whether the choices are made (``JAXEXP_CPU_YNN_CHOICE``, default on; the name is the
+    first choice's, kept for the environments that set it)."""
     return os.environ.get("JAXEXP_CPU_YNN_CHOICE", "1").strip().lower() not in {"0", "off", "no"}
 
 
@@ -171,12 +172,6 @@ def options_for(default: Any) -> dict[str, str]:
     if " while(" in text and 4 * hoisted_convert_bytes(text) >= temp:
         asked.update(LOOP_OPTIONS)
     return {k: v for k, v in asked.items() if k not in _unsupported}
-
-
-def lean_is_better(default: Any) -> bool:
-    """Whether an executable compiled with XLA's defaults is worth compiling again without
-    YNNPACK's reductions (:func:`options_for` asks for :data:`LEAN_OPTIONS`)."""
-    return _OPTION in options_for(default)
 
 
 def compile_lowered(lowered: Any) -> tuple[Any, dict[str, str]]:
