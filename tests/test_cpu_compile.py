@@ -332,13 +332,19 @@ def test_loop_facts_read_from_module_text():
   ROOT %dot.9 = f32[2]{0} dot(%p, %p), lhs_contracting_dims={0}
 }
 
-ENTRY %main (w: bf16[4,8]) -> f32[2] {
+ENTRY %main (w: bf16[4,8], v: f32[3]) -> f32[2] {
+  %w = bf16[4,8]{1,0} parameter(0), metadata={op_name="w"}
+  %v = f32[3]{0} parameter(1)
   %wrapped_convert.3 = f32[4,8]{1,0} fusion(%w), kind=kLoop, calls=%outside
+  %call.2 = f64[4,8]{1,0} call(%w), to_apply=%outside
+  %slice.1 = f32[2,8]{1,0} fusion(%w), kind=kLoop, calls=%outside
+  %copy.1 = f32[3]{0} copy(%v)
   %while.1 = (s32[], f32[2]) while(%t), condition=%cond, body=%body
 }
 """
     assert cpu_compile.loop_heavy_ops(text) == 2  # %inner's dot (through the fusion), the conv
-    assert cpu_compile.hoisted_convert_bytes(text) == 4 * 8 * 4
+    # converted copies of a parameter, whatever XLA named them; not a slice, not a plain copy
+    assert cpu_compile.hoisted_convert_bytes(text) == 4 * 8 * 4 + 4 * 8 * 8
     assert cpu_compile.hoisted_convert_bytes(text.replace("ENTRY ", "")) == 0  # not the entry
 
 

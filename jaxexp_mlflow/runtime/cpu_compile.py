@@ -114,12 +114,34 @@ def _computations(hlo_text: str) -> dict[str, tuple[str, bool]]:
     return out
 
 
+_PARAMETER = re.compile(
+    r"^\s*%([\w.\-]+) = ([a-z]+\d*)\[([\d,]*)\](?:\{[^}]*\})? parameter\(", re.M
+)
+_ONE_OPERAND = re.compile(
+    r"^\s*%[\w.\-]+ = ([a-z]+)(\d*)\[([\d,]*)\](?:\{[^}]*\})? [\w\-]+\(%([\w.\-]+)\)", re.M
+)
+
+
 def hoisted_convert_bytes(hlo_text: str) -> int:
-    """The bytes of the converted copies an optimized HLO module makes in its entry computation
-    (``wrapped_convert`` fusions there: before any loop, where loop-invariant code motion puts
-    a loop's converted inputs)."""
+    """The bytes of the converted copies of its inputs an optimized HLO module makes in its
+    entry computation, before any loop (where loop-invariant code motion puts a loop's
+    converted inputs): instructions of one operand, an entry parameter of the same shape and
+    another element type (``wrapped_convert`` fusions in jaxlib 0.10, ``parallel_convert``
+    calls in 0.6)."""
     entry = [text for text, is_entry in _computations(hlo_text).values() if is_entry]
-    return _instruction_bytes("wrapped_convert", entry[0]) if entry else 0
+    if not entry:
+        return 0
+    params = {name: (kind, dims) for name, kind, dims in _PARAMETER.findall(entry[0])}
+    total = 0
+    for kind, bits, dims, operand in _ONE_OPERAND.findall(entry[0]):
+        given = params.get(operand)
+        if given is None or given[1] != dims or given[0] == kind + bits or kind == "pred":
+            continue
+        size = max(1, int(bits or 8) // 8)
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size
+    return total
 
 
 def loop_heavy_ops(hlo_text: str) -> int:
