@@ -38,7 +38,7 @@ def counted(monkeypatch, tmp_path):
     with the batch size it ran at; every XLA compile of the model's call (a fresh compilation
     cache: no compile is skipped as a hit)."""
     monkeypatch.setenv("JAXEXP_COMPILATION_CACHE", str(tmp_path / "xla-cache"))
-    seen: dict[str, list] = {"runs": [], "compiles": [], "restores": 0}
+    seen: dict[str, list] = {"runs": [], "compiles": [], "restores": 0, "with_params": []}
     call, call_with = JaxExpModel.__call__, JaxExpModel.call_with_params
     restore = params_restore.restore_params
 
@@ -48,6 +48,7 @@ def counted(monkeypatch, tmp_path):
 
     def counting_call_with(self, params, *inputs, **kw):
         seen["runs"].append(int(jax.tree.leaves(inputs)[0].shape[0]))
+        seen["with_params"].append(int(jax.tree.leaves(inputs)[0].shape[0]))
         return call_with(self, params, *inputs, **kw)
 
     def counting_restore(*a, **k):
@@ -86,6 +87,9 @@ def test_a_save_runs_the_model_once_then_each_distinct_padded_batch(tmp_path, co
     assert counted["runs"] == [1, 1 + k1, 1 + k1]  # was 1 + 1 (restored vs given) + 4
     assert len(counted["compiles"]) == 2  # the example's batch size and the padded one
     assert counted["restores"] == 0
+    # the reference ran through the model's own call, as load_model's model runs (the
+    # executable runtime.cpu_compile chose), not through call_with_params
+    assert counted["with_params"] == []
     padding = _padding(tmp_path / "one")
     assert padding["rows_independent"] is True
     assert "2 identical padded batches run once" in padding["proof"]
@@ -171,6 +175,7 @@ def test_compressed_params_are_still_restored_and_compared(tmp_path, counted, mo
     )
     assert counted["restores"] == 1
     assert counted["runs"][:2] == [3, 3]  # restored, then given: they must agree
+    assert counted["with_params"] == [3, 3]  # both through one executable
     real_save = orbax_io.save
 
     def save_then_damage(tree, path, **kw):
