@@ -137,7 +137,7 @@ def test_big_temporaries_compile_without_ynnpack_reductions(saved, small_budget,
     model = mlflow.jaxexp.load_model(str(path))
     got = np.asarray(model(x))
     route = model._routes[(x.shape, x.dtype)]
-    assert isinstance(route, model_mod._LeanRoute)
+    assert isinstance(route, model_mod._ChosenRoute)
     # called as compiled: nothing is lowered or compiled again for the signature's next call
     caplog.clear()
     with jax.log_compiles(), caplog.at_level(logging.DEBUG):
@@ -289,7 +289,7 @@ def test_a_scan_over_bf16_layers_converts_each_layer_in_the_loop(tmp_path, small
     mlflow.jaxexp.save_model(jax.jit(fn), path, params=params, input_example=x)
     model = mlflow.jaxexp.load_model(str(path))
     np.testing.assert_allclose(np.asarray(model(x)), want, rtol=RTOL, atol=ATOL)
-    assert isinstance(model._routes[(x.shape, x.dtype)], model_mod._LeanRoute)
+    assert isinstance(model._routes[(x.shape, x.dtype)], model_mod._ChosenRoute)
     py = mlflow.pyfunc.load_model(str(path))
     np.testing.assert_allclose(py.predict(x), want, rtol=RTOL, atol=ATOL)
 

@@ -102,7 +102,7 @@ def _signature(inputs: tuple, kwargs: dict) -> tuple | None:
     return (tree, *((x.shape, x.dtype) for x in leaves))
 
 
-class _LeanRoute:
+class _ChosenRoute:
     """An input signature's executable compiled with options of its own (``runtime.cpu_compile``:
     reductions off YNNPACK, loop-invariant converts left in their loops), called as compiled;
     arguments it does not take as given (another weak type) go to a jit with the same
@@ -290,7 +290,7 @@ class JaxExpModel:
             if jitted is None:
                 jitted = jax.jit(self._raw_call, compiler_options=dict(options))
                 self._option_calls[key_options] = jitted
-            call = _LeanRoute(compiled, jitted)
+            call = _ChosenRoute(compiled, jitted)
         self._routes[key] = call
         return call
 
