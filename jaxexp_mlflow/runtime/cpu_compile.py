@@ -179,21 +179,26 @@ def options_for(default: Any) -> dict[str, str]:
     defaults (``{}``: none): :data:`LEAN_OPTIONS` where a quarter or more of its temporaries
     are broadcasts filled for YNNPACK fusions, :data:`LOOP_OPTIONS` where a quarter or more are
     converted copies made before its loops; only above :data:`TEMP_BYTES` of temporaries."""
+    return _judge(default)[0]
+
+
+def _judge(default: Any) -> tuple[dict[str, str], str]:
+    """:func:`options_for` and the module text it read (``""`` where it read none)."""
     if not enabled():
-        return {}
+        return {}, ""
     temp = _temp_bytes(default)
     if temp is None or temp <= TEMP_BYTES or not _on_cpu(default):
-        return {}
+        return {}, ""
     try:
         text = default.as_text()
     except Exception:  # noqa: BLE001 - no text: nothing to judge by
-        return {}
+        return {}, ""
     asked: dict[str, str] = {}
     if "__ynn_fusion" in text and 4 * broadcast_bytes(text) >= temp:
         asked.update(LEAN_OPTIONS)
     if " while(" in text and 4 * hoisted_convert_bytes(text) >= temp:
         asked.update(LOOP_OPTIONS)
-    return {k: v for k, v in asked.items() if k not in _unsupported}
+    return {k: v for k, v in asked.items() if k not in _unsupported}, text
 
 
 def compile_lowered(lowered: Any) -> tuple[Any, dict[str, str]]:
@@ -202,7 +207,7 @@ def compile_lowered(lowered: Any) -> tuple[Any, dict[str, str]]:
     loops, moved no dot or convolution into one); returns ``(compiled, options)``, ``options``
     ``{}`` for XLA's defaults."""
     default = lowered.compile()
-    options = options_for(default)
+    options, text = _judge(default)
     if not options:
         return default, {}
     try:
@@ -216,7 +221,7 @@ def compile_lowered(lowered: Any) -> tuple[Any, dict[str, str]]:
         return default, {}
     if _LOOP_OPTION in options:
         try:
-            moved = loop_heavy_ops(chosen.as_text()) > loop_heavy_ops(default.as_text())
+            moved = loop_heavy_ops(chosen.as_text()) > loop_heavy_ops(text)
         except Exception:  # noqa: BLE001 - no text: no proof that nothing moved
             moved = True
         if moved:
