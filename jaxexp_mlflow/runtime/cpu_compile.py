@@ -78,21 +78,21 @@ def _temp_bytes(compiled: Any) -> int | None:
         return None
 
 
-def _instruction_bytes(name: str, hlo_text: str) -> int:
-    """The bytes of the array instructions named ``%<name>``, ``%<name>.N`` in ``hlo_text``."""
-    total = 0
-    for kind, bits, dims in re.findall(rf"%{name}[.\d]* = ([a-z]+)(\d*)\[([\d,]*)\]", hlo_text):
-        size = max(1, int(bits or 8) // 8) if kind != "pred" else 1
-        for d in filter(None, dims.split(",")):
-            size *= int(d)
-        total += size
-    return total
+def _array_bytes(kind: str, bits: str, dims: str) -> int:
+    """The bytes of an HLO array type read as ``f32[4,8]`` -> ``("f", "32", "4,8")``."""
+    size = max(1, int(bits or 8) // 8) if kind != "pred" else 1
+    for d in filter(None, dims.split(",")):
+        size *= int(d)
+    return size
+
+
+_BROADCAST = re.compile(r"%wrapped_broadcast[.\d]* = ([a-z]+)(\d*)\[([\d,]*)\]")
 
 
 def broadcast_bytes(hlo_text: str) -> int:
     """The bytes of the broadcasts an optimized HLO module fills in memory as instructions of
     their own (``wrapped_broadcast`` fusions): what YNNPACK fusions take as inputs."""
-    return _instruction_bytes("wrapped_broadcast", hlo_text)
+    return sum(_array_bytes(*found) for found in _BROADCAST.findall(hlo_text))
 
 
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{$", re.M)
@@ -137,10 +137,7 @@ def hoisted_convert_bytes(hlo_text: str) -> int:
         given = params.get(operand)
         if given is None or given[1] != dims or given[0] == kind + bits or kind == "pred":
             continue
-        size = max(1, int(bits or 8) // 8)
-        for d in filter(None, dims.split(",")):
-            size *= int(d)
-        total += size
+        total += _array_bytes(kind, bits, dims)
     return total
 
 
