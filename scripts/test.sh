@@ -4,7 +4,8 @@
 #                           the whole default suite, then the Spark standalone-cluster test;
 #  - newest (.venv-newest): Python 3.13 (scripts/python313.sh finds or makes one) with the newest
 #                           jax, jaxlib, mlflow and orbax-checkpoint the registry serves, resolved
-#                           now: the canary, red the day a release breaks us; the whole default suite;
+#                           now: the canary, red the day a release breaks us; the whole default suite,
+#                           then the GPU suite rehearsed on the CPU;
 #  - oldest (.venv-oldest): the oldest supported jax (0.6.2), the flavor and params tests.
 # Every stage runs even if an earlier one failed; the script fails if any did.
 # The newest stage runs beside main then oldest (two jobs on two cores: most of a test's time is
@@ -87,8 +88,15 @@ names = {i["metadata"]["name"].lower() for i in json.load(open(sys.argv[1]))["in
 assert not names & {"jax", "jaxlib"}, f"installing jaxexp-mlflow would change {names}"
 print("  pip install -e . beside this stack changes no JAX version")
 EOF
-      PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pytest" -q -p no:cacheprovider "$@"
-      exit $?
+      rc=0
+      PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pytest" -q -p no:cacheprovider "$@" || rc=$?
+      # the GPU suite rehearsed on this CPU (its tests skip above without an accelerator), so
+      # that it still runs the day a GPU is lent (scripts/gpu_suite.sh; docs/hardware.md)
+      if [ $# -eq 0 ]; then
+        JAXEXP_GPU_TESTS_ON_CPU=1 PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pytest" -q \
+          -p no:cacheprovider -m gpu tests/test_gpu.py || rc=$?
+      fi
+      exit "$rc"
       ;;
     oldest)
       echo "== stage oldest: jax 0.6.2"

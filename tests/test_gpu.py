@@ -232,6 +232,10 @@ def test_pyfunc_and_both_servers_answer_from_this_accelerator(tmp_path):
     env = {
         **os.environ,
         "PYTHONPATH": _pythonpath(),
+        # MLflow starts uvicorn by name: where PATH has none, this interpreter's (a venv not
+        # activated); scripts/gpu_suite.sh puts its wheels' scripts on PATH itself
+        "PATH": os.environ.get("PATH", "")
+        + ("" if shutil.which("uvicorn") else os.pathsep + os.path.dirname(sys.executable)),
         "JAXEXP_COMPILATION_CACHE": str(tmp_path / "c"),
     }
     mlflow_bin = shutil.which("mlflow") or os.path.join(os.path.dirname(sys.executable), "mlflow")
