@@ -112,3 +112,89 @@ def test_pyfunc_whole_when_off(wide_mlp, monkeypatch):
     monkeypatch.setenv(chunks.ENV_CHUNK_TEMP_BYTES, "0")
     model = mlflow.pyfunc.load_model(str(path))
     assert model._model_impl._chunks is None
+
+
+def _temps(fn, *args) -> int:
+    import jax
+
+    return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def test_load_model_call_runs_a_big_batch_in_chunks(wide_mlp, monkeypatch):
+    import jax
+
+    path, params = wide_mlp
+    limit = 64 << 10
+    monkeypatch.setenv(chunks.ENV_CHUNK_TEMP_BYTES, str(limit))
+    model = mlflow.jaxexp.load_model(str(path))
+    x = batch(300)
+    want = np.asarray(mlp_apply(params, x))
+    got = model(x)
+    assert isinstance(got, jax.Array) and got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    route = model._routes[(x.shape, x.dtype)]
+    assert isinstance(route, chunks.RowChunks)
+    rows = route.rows
+    assert rows < 300 and rows & (rows - 1) == 0  # a power of two
+    # XLA's own figures: the whole batch past the budget, the chunk within it
+    assert _temps(mlp_apply, params, x) > limit >= _temps(mlp_apply, params, x[:rows])
+    # a JAX array in, the same rows; under a transformation the call is never cut
+    np.testing.assert_allclose(np.asarray(model(jax.numpy.asarray(x))), want, rtol=1e-5, atol=1e-5)
+    traced = jax.jit(lambda v: model(v))(x)
+    np.testing.assert_allclose(np.asarray(traced), want, rtol=1e-5, atol=1e-5)
+    # a batch that is not a multiple of the chunk: its last chunk padded, the padding dropped
+    odd = batch(rows * 3 + 1)
+    np.testing.assert_allclose(
+        np.asarray(model(odd)), np.asarray(mlp_apply(params, odd)), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_load_model_call_whole_when_off_or_rows_unproven(wide_mlp, tmp_path, monkeypatch):
+    path, params = wide_mlp
+    x = batch(300)
+    monkeypatch.setenv(chunks.ENV_CHUNK_TEMP_BYTES, "0")
+    model = mlflow.jaxexp.load_model(str(path))
+    model(x)
+    assert not isinstance(model._routes[(x.shape, x.dtype)], chunks.RowChunks)
+    # saved with buckets off: no padding proof, so no cutting either, whatever the budget
+    monkeypatch.setenv(chunks.ENV_CHUNK_TEMP_BYTES, str(64 << 10))
+    unproven = tmp_path / "unproven"
+    mlflow.jaxexp.save_model(
+        export_mlp(params),
+        unproven,
+        params=params,
+        input_example=batch(2),
+        serving_config={"buckets": "off"},
+    )
+    model = mlflow.jaxexp.load_model(str(unproven))
+    assert model.metadata["padding"]["rows_independent"] is False
+    np.testing.assert_allclose(
+        np.asarray(model(x)), np.asarray(mlp_apply(params, x)), rtol=1e-5, atol=1e-5
+    )
+    assert not isinstance(model._routes[(x.shape, x.dtype)], chunks.RowChunks)
+
+
+def test_load_model_call_never_cuts_a_loop(tmp_path, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    w = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32) / 8
+
+    def steps(p, x):  # four steps of one layer, rows independent
+        return jax.lax.fori_loop(0, 4, lambda _, h: jnp.tanh(h @ p["w"]), x)
+
+    path = tmp_path / "loop"
+    mlflow.jaxexp.save_model(
+        jax.jit(steps), path, params={"w": w}, input_example=np.ones((2, 64), np.float32)
+    )
+    x = np.random.default_rng(1).normal(size=(256, 64)).astype(np.float32)
+    # a budget a 64-row chunk fits and the whole batch does not: a loop-free model is cut
+    limit = _temps(steps, {"w": w}, x[:64])
+    assert _temps(steps, {"w": w}, x) > limit
+    monkeypatch.setenv(chunks.ENV_CHUNK_TEMP_BYTES, str(limit))
+    model = mlflow.jaxexp.load_model(str(path))
+    assert model.metadata["padding"]["rows_independent"] is True
+    np.testing.assert_allclose(
+        np.asarray(model(x)), np.asarray(jax.jit(steps)({"w": w}, x)), rtol=1e-5, atol=1e-5
+    )
+    assert not isinstance(model._routes[(x.shape, x.dtype)], chunks.RowChunks)

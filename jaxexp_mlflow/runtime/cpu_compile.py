@@ -71,7 +71,8 @@ def settings() -> dict[str, Any]:
     }
 
 
-def _temp_bytes(compiled: Any) -> int | None:
+def temp_bytes(compiled: Any) -> int | None:
+    """The temporaries XLA states for a compiled executable (bytes), None where it states none."""
     try:
         return int(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - a backend or executable without the analysis
@@ -183,7 +184,7 @@ def _judge(default: Any) -> tuple[dict[str, str], str]:
     """:func:`options_for` and the module text it read (``""`` where it read none)."""
     if not enabled():
         return {}, ""
-    temp = _temp_bytes(default)
+    temp = temp_bytes(default)
     if temp is None or temp <= TEMP_BYTES or not _on_cpu(default):
         return {}, ""
     try:
@@ -213,7 +214,7 @@ def compile_lowered(lowered: Any) -> tuple[Any, dict[str, str]]:
         _unsupported.update(options)
         _logger.debug("jaxexp: XLA:CPU refused %s: %s", options, err)
         return default, {}
-    before, after = _temp_bytes(default), _temp_bytes(chosen)
+    before, after = temp_bytes(default), temp_bytes(chosen)
     if before is None or after is None or 2 * after > before:
         return default, {}
     if _LOOP_OPTION in options:

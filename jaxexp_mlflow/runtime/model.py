@@ -90,6 +90,19 @@ def _concrete(x: Any) -> bool:
     )
 
 
+def _key(inputs: tuple, kwargs: dict) -> tuple:
+    """:func:`_signature`'s key of inputs known to be arrays (or ``jax.ShapeDtypeStruct``)."""
+    if not kwargs and len(inputs) == 1:
+        return (inputs[0].shape, inputs[0].dtype)
+    leaves, tree = jax.tree.flatten((inputs, kwargs))
+    return (tree, *((x.shape, x.dtype) for x in leaves))
+
+
+def _symbols(aval: Any) -> tuple[str | None, ...]:
+    """An aval's symbolic dimensions as text (None for a known size)."""
+    return tuple(None if isinstance(d, int | np.integer) else str(d) for d in aval.shape)
+
+
 def _signature(inputs: tuple, kwargs: dict) -> tuple | None:
     """The shapes and dtypes of concrete array inputs (None for tracers or other leaves: those
     take the default path). One positional array, the common call, skips the tree walk."""
@@ -185,6 +198,7 @@ class JaxExpModel:
         # XLA:CPU's compile options per input signature (runtime.cpu_compile); None: not chosen
         self._routes: dict[tuple, Any] | None = None
         self._option_calls: dict[tuple, Any] = {}  # a jit per set of compile options
+        self._cuttable: bool | None = None  # big batches may run in chunks (decided once)
         if cpu_compile.enabled() and not self._places_inputs and self.platform == "cpu":
             self._routes = {}
 
@@ -271,16 +285,28 @@ class JaxExpModel:
             raise self._explain(err, inputs, kwargs) from err
 
     def _route(self, key: tuple, inputs: tuple, kwargs: dict) -> Any:
-        """The jitted callable for a new input signature on the CPU: XLA's defaults, or
-        reductions kept off YNNPACK where that needs at most half the temporaries. Past
+        """The jitted callable for a new input signature on the CPU: XLA's defaults, or the
+        options ``runtime.cpu_compile`` chooses; for a big batch of rows proven independent
+        whose temporaries pass the budget, that call in chunks (``runtime/chunks.py``). Past
         :data:`_MAX_ROUTES` signatures, XLA's defaults without a choice (no lowering per call)."""
         if len(self._routes) >= _MAX_ROUTES:
             return self._jit_call
         try:
-            lowered = self._jit_call.lower(self.params, *inputs, **kwargs)
-            compiled, options = cpu_compile.compile_lowered(lowered)
+            call, temp = self._compiled(key, inputs, kwargs)
         except Exception:  # noqa: BLE001 - a bad input: the call below raises it as usual
             return self._jit_call
+        rows = self._chunk_rows(inputs, kwargs, temp)
+        if rows is not None:
+            from jaxexp_mlflow.runtime.chunks import RowChunks
+
+            call = self._routes[key] = RowChunks(call, rows)
+        return call
+
+    def _compiled(self, key: tuple, inputs: tuple, kwargs: dict) -> tuple[Any, int | None]:
+        """Compile signature ``key`` (``inputs`` arrays or ``jax.ShapeDtypeStruct``) as
+        ``runtime.cpu_compile`` chooses; its route (kept) and its temporaries in bytes."""
+        lowered = self._jit_call.lower(self.params, *inputs, **kwargs)
+        compiled, options = cpu_compile.compile_lowered(lowered)
         # the default executable is the one the jit's own call finds in memory; one compiled
         # with options would be compiled again by a jit with those options: called as compiled
         call = self._jit_call
@@ -292,7 +318,58 @@ class JaxExpModel:
                 self._option_calls[key_options] = jitted
             call = _ChosenRoute(compiled, jitted)
         self._routes[key] = call
-        return call
+        return call, cpu_compile.temp_bytes(compiled)
+
+    def _rows_cuttable(self) -> bool:
+        """Whether a big batch may run in chunks (``runtime/chunks.py``): rows proven
+        independent at save (MLmodel ``jaxexp.padding``), one symbolic leading dimension on
+        every input and output, and no loop in the module."""
+        if self._cuttable is None:
+            from jaxexp_mlflow.runtime import buckets
+
+            padding = self.metadata.get("padding")
+            avals = list(self.exported.in_avals)[self._n_param_leaves :]
+            self._cuttable = bool(
+                isinstance(padding, dict)
+                and padding.get("rows_independent") is True
+                and avals
+                and buckets.batch_symbol(
+                    [_symbols(a) for a in avals], [_symbols(a) for a in self.exported.out_avals]
+                )
+                is not None
+                and not buckets.has_loop(self.exported)
+            )
+        return self._cuttable
+
+    def _chunk_rows(self, inputs: tuple, kwargs: dict, temp: int | None) -> int | None:
+        """The rows a call of these inputs runs in, when its executable's temporaries (``temp``
+        bytes) exceed ``runtime.chunks.budget()`` and a smaller power of two fits it; None:
+        whole. Each size tried is compiled once and kept as its own route."""
+        from jaxexp_mlflow.runtime import chunks
+
+        limit = chunks.budget()
+        if limit <= 0 or temp is None or temp <= limit or not self._rows_cuttable():
+            return None
+        leaves, tree = jax.tree.flatten((inputs, kwargs))
+        if not all(isinstance(x.dtype, np.dtype) and x.ndim >= 1 for x in leaves):
+            return None  # e.g. typed PRNG keys: not cut
+        n = leaves[0].shape[0]
+        if n <= 1 or any(x.shape[0] != n for x in leaves):
+            return None
+
+        def temp_of(rows: int) -> int | None:
+            if rows == n:
+                return temp
+            specs = [jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype) for x in leaves]
+            args, kw = jax.tree.unflatten(tree, specs)
+            try:
+                return self._compiled(_key(args, kw), args, kw)[1]
+            except Exception:  # noqa: BLE001 - that size does not compile: not cut
+                return None
+
+        plan = chunks.ChunkPlan(chunks.POWERS, temp_of, limit, tries=chunks.IN_PROCESS_TRIES)
+        rows = plan.rows(n)
+        return rows if rows < n else None
 
     def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
         """Run with other ``params`` shaped like ``model.params``, e.g. to differentiate wrt
