@@ -198,3 +198,9 @@ def test_load_model_call_never_cuts_a_loop(tmp_path, monkeypatch):
         np.asarray(model(x)), np.asarray(jax.jit(steps)({"w": w}, x)), rtol=1e-5, atol=1e-5
     )
     assert not isinstance(model._routes[(x.shape, x.dtype)], chunks.RowChunks)
+    # nor through pyfunc, whose buckets are padded all the same
+    served = mlflow.pyfunc.load_model(str(path))
+    assert served._model_impl._chunks is None
+    np.testing.assert_allclose(
+        served.predict(x), np.asarray(jax.jit(steps)({"w": w}, x)), rtol=1e-5, atol=1e-5
+    )

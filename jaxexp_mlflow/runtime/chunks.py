@@ -10,12 +10,12 @@ of temporaries, 2.8 M page faults and 4.9-5.0 s a call; run as 64 calls of its 1
 (22 MiB each) it takes 1.50 s, with no page faults, outputs within 1e-6. The MLP and the CNN
 there have temporaries of under 1 MiB at 1024 rows and are never cut.
 
-So a pyfunc whose rows are proven independent (it pads them to buckets already) runs a batch
-whose bucket's temporaries exceed the budget (``JAXEXP_CHUNK_TEMP_BYTES``, default 32 MiB;
-``0`` turns it off) as chunks of the largest smaller bucket within it, on the CPU. The bucket is
-chosen once per size, from the temporaries XLA states for the compiled executables: the first
-guess scales the big bucket's figure down linearly, then smaller buckets are tried (each one
-compiled, or loaded from the executable store, once).
+So a pyfunc whose rows are proven independent (it pads them to buckets already), with no loop,
+runs a batch whose bucket's temporaries exceed the budget (``JAXEXP_CHUNK_TEMP_BYTES``, default
+32 MiB; ``0`` turns it off) as chunks of the largest smaller bucket within it, on the CPU. The
+bucket is chosen once per size, from the temporaries XLA states for the compiled executables:
+the first guess scales the big bucket's figure down linearly, then smaller buckets are tried
+(each one compiled, or loaded from the executable store, once).
 
 ``load_model(path)(x)`` does the same on the CPU (``runtime/model.py``, :class:`RowChunks`) for
 a model whose rows were proven independent at save, with one symbolic leading dimension on every

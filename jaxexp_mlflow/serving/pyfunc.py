@@ -177,7 +177,8 @@ class JaxExpPyfunc:
 
     def _chunk_plan(self) -> Any:
         """The rows each bucket runs in (``runtime/chunks.py``): on the CPU, for a padded model
-        called through our executables, with only its batch dimension symbolic; else None."""
+        called through our executables, with only its batch dimension symbolic and no loop (a
+        decode loop reads every weight once a step whatever its rows); else None."""
         from jaxexp_mlflow.runtime import chunks
 
         flat = getattr(self, "_flat", None)
@@ -186,6 +187,7 @@ class JaxExpPyfunc:
             and isinstance(flat, executables_mod.Executables)
             and self._only_batch_symbolic()
             and getattr(self.model, "platform", None) == "cpu"
+            and not buckets_mod.has_loop(self.model.exported)
         ):
             return None
         limit = chunks.budget()
