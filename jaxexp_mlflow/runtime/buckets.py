@@ -167,6 +167,11 @@ def has_loop(exported: Any) -> bool:
     return ops is not None and any(op.startswith("while") for op in ops)
 
 
+def aval_symbols(aval: Any) -> tuple[str | None, ...]:
+    """An aval's dimensions as symbols: the text of each symbolic one, None for a known size."""
+    return tuple(None if isinstance(d, int | np.integer) else str(d) for d in aval.shape)
+
+
 def batch_symbol(in_symbols: Sequence[tuple], out_symbols: Sequence[tuple]) -> str | None:
     """The symbolic leading dimension shared by every input and output leaf, else None."""
     firsts = {syms[0] if syms else None for syms in (*in_symbols, *out_symbols)}

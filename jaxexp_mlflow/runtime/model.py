@@ -98,11 +98,6 @@ def _key(inputs: tuple, kwargs: dict) -> tuple:
     return (tree, *((x.shape, x.dtype) for x in leaves))
 
 
-def _symbols(aval: Any) -> tuple[str | None, ...]:
-    """An aval's symbolic dimensions as text (None for a known size)."""
-    return tuple(None if isinstance(d, int | np.integer) else str(d) for d in aval.shape)
-
-
 def _signature(inputs: tuple, kwargs: dict) -> tuple | None:
     """The shapes and dtypes of concrete array inputs (None for tracers or other leaves: those
     take the default path). One positional array, the common call, skips the tree walk."""
@@ -334,7 +329,8 @@ class JaxExpModel:
                 and padding.get("rows_independent") is True
                 and avals
                 and buckets.batch_symbol(
-                    [_symbols(a) for a in avals], [_symbols(a) for a in self.exported.out_avals]
+                    [buckets.aval_symbols(a) for a in avals],
+                    [buckets.aval_symbols(a) for a in self.exported.out_avals],
                 )
                 is not None
                 and not buckets.has_loop(self.exported)

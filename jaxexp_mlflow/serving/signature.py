@@ -79,16 +79,11 @@ def _join(path: tuple) -> str:
 
 
 def _symbols(aval: Any) -> tuple[tuple[int | None, ...], tuple[str | None, ...]]:
-    shape: list[int | None] = []
-    syms: list[str | None] = []
-    for d in aval.shape:
-        if isinstance(d, int | np.integer):
-            shape.append(int(d))
-            syms.append(None)
-        else:
-            shape.append(None)
-            syms.append(str(d))
-    return tuple(shape), tuple(syms)
+    from jaxexp_mlflow.runtime.buckets import aval_symbols
+
+    syms = aval_symbols(aval)
+    shape = tuple(int(d) if s is None else None for d, s in zip(aval.shape, syms, strict=True))
+    return shape, syms
 
 
 def _placeholders(treedef: Any) -> Any:
