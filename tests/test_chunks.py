@@ -136,6 +136,8 @@ def test_load_model_call_runs_a_big_batch_in_chunks(wide_mlp, monkeypatch):
     assert isinstance(route, chunks.RowChunks)
     rows = route.rows
     assert rows < 300 and rows & (rows - 1) == 0  # a power of two
+    # the chunks run through the chunk size's own route, compiled for that size
+    assert route.inner is model._routes[(x[:rows].shape, x.dtype)]
     # XLA's own figures: the whole batch past the budget, the chunk within it
     assert _temps(mlp_apply, params, x) > limit >= _temps(mlp_apply, params, x[:rows])
     # a JAX array in, the same rows; under a transformation the call is never cut
@@ -147,6 +149,21 @@ def test_load_model_call_runs_a_big_batch_in_chunks(wide_mlp, monkeypatch):
     np.testing.assert_allclose(
         np.asarray(model(odd)), np.asarray(mlp_apply(params, odd)), rtol=1e-5, atol=1e-5
     )
+    # a bigger batch is cut alike, without compiling anything for its whole size
+    from jaxexp_mlflow.runtime import cpu_compile
+
+    compiled = []
+    real = cpu_compile.compile_lowered
+    monkeypatch.setattr(
+        cpu_compile, "compile_lowered", lambda lowered: compiled.append(1) or real(lowered)
+    )
+    big = batch(700)
+    np.testing.assert_allclose(
+        np.asarray(model(big)), np.asarray(mlp_apply(params, big)), rtol=1e-5, atol=1e-5
+    )
+    cut = model._routes[(big.shape, big.dtype)]
+    assert isinstance(cut, chunks.RowChunks) and cut.rows == rows and cut.inner is route.inner
+    assert compiled == []
 
 
 def test_load_model_call_whole_when_off_or_rows_unproven(wide_mlp, tmp_path, monkeypatch):

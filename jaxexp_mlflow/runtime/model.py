@@ -14,7 +14,7 @@ from jaxexp_mlflow.errors import (
     UnsupportedTransformError,
 )
 from jaxexp_mlflow.internals import jax_private
-from jaxexp_mlflow.runtime import cpu_compile
+from jaxexp_mlflow.runtime import chunks, cpu_compile
 
 
 def _guard_vjp(exported: Any, vjp_order: int, level: int = 0) -> Any:
@@ -96,6 +96,18 @@ def _key(inputs: tuple, kwargs: dict) -> tuple:
         return (inputs[0].shape, inputs[0].dtype)
     leaves, tree = jax.tree.flatten((inputs, kwargs))
     return (tree, *((x.shape, x.dtype) for x in leaves))
+
+
+def _rows_layout(inputs: tuple, kwargs: dict) -> tuple[int, tuple] | None:
+    """``(rows, the signature without them)`` where every input leaf is an array (a plain
+    dtype) with the same number of rows along axis 0; else None (not cut into chunks)."""
+    leaves, tree = jax.tree.flatten((inputs, kwargs))
+    if not leaves or not all(isinstance(x.dtype, np.dtype) and x.ndim >= 1 for x in leaves):
+        return None  # e.g. typed PRNG keys: not cut
+    n = leaves[0].shape[0]
+    if any(x.shape[0] != n for x in leaves):
+        return None
+    return n, (tree, *((x.shape[1:], x.dtype) for x in leaves))
 
 
 def _signature(inputs: tuple, kwargs: dict) -> tuple | None:
@@ -194,6 +206,8 @@ class JaxExpModel:
         self._routes: dict[tuple, Any] | None = None
         self._option_calls: dict[tuple, Any] = {}  # a jit per set of compile options
         self._cuttable: bool | None = None  # big batches may run in chunks (decided once)
+        # a signature without its rows -> (the fewest rows cut, that cut): more rows, cut alike
+        self._cuts: dict[tuple, tuple[int, Any]] = {}
         if cpu_compile.enabled() and not self._places_inputs and self.platform == "cpu":
             self._routes = {}
 
@@ -286,15 +300,19 @@ class JaxExpModel:
         :data:`_MAX_ROUTES` signatures, XLA's defaults without a choice (no lowering per call)."""
         if len(self._routes) >= _MAX_ROUTES:
             return self._jit_call
+        layout = _rows_layout(inputs, kwargs) if self._cuts else None
+        if layout is not None and chunks.budget() > 0:
+            known = self._cuts.get(layout[1])
+            if known is not None and layout[0] >= known[0]:  # temporaries grow with the rows
+                self._routes[key] = known[1]  # cut alike, without compiling the whole batch
+                return known[1]
         try:
             call, temp = self._compiled(key, inputs, kwargs)
         except Exception:  # noqa: BLE001 - a bad input: the call below raises it as usual
             return self._jit_call
-        rows = self._chunk_rows(inputs, kwargs, temp)
-        if rows is not None:
-            from jaxexp_mlflow.runtime.chunks import RowChunks
-
-            call = self._routes[key] = RowChunks(call, rows)
+        chunked = self._chunked(inputs, kwargs, temp)
+        if chunked is not None:
+            call = self._routes[key] = chunked
         return call
 
     def _compiled(self, key: tuple, inputs: tuple, kwargs: dict) -> tuple[Any, int | None]:
@@ -337,27 +355,28 @@ class JaxExpModel:
             )
         return self._cuttable
 
-    def _chunk_rows(self, inputs: tuple, kwargs: dict, temp: int | None) -> int | None:
-        """The rows a call of these inputs runs in, when its executable's temporaries (``temp``
-        bytes) exceed ``runtime.chunks.budget()`` and a smaller power of two fits it; None:
-        whole. Each size tried is compiled once and kept as its own route."""
-        from jaxexp_mlflow.runtime import chunks
-
+    def _chunked(self, inputs: tuple, kwargs: dict, temp: int | None) -> Any:
+        """These inputs' call in chunks (``runtime.chunks.RowChunks`` over the route of a
+        smaller power of two rows) when their executable's temporaries (``temp`` bytes) exceed
+        ``runtime.chunks.budget()`` and such a size fits it; None: whole. Each size tried is
+        compiled once and kept as its own route; the cut is kept for bigger batches alike."""
         limit = chunks.budget()
         if limit <= 0 or temp is None or temp <= limit or not self._rows_cuttable():
             return None
-        leaves, tree = jax.tree.flatten((inputs, kwargs))
-        if not all(isinstance(x.dtype, np.dtype) and x.ndim >= 1 for x in leaves):
-            return None  # e.g. typed PRNG keys: not cut
-        n = leaves[0].shape[0]
-        if n <= 1 or any(x.shape[0] != n for x in leaves):
+        layout = _rows_layout(inputs, kwargs)
+        if layout is None or layout[0] <= 1:
             return None
+        n, rest = layout
+        leaves, tree = jax.tree.flatten((inputs, kwargs))
+
+        def shaped(rows: int) -> tuple[tuple, dict]:
+            specs = [jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype) for x in leaves]
+            return jax.tree.unflatten(tree, specs)
 
         def temp_of(rows: int) -> int | None:
             if rows == n:
                 return temp
-            specs = [jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype) for x in leaves]
-            args, kw = jax.tree.unflatten(tree, specs)
+            args, kw = shaped(rows)
             try:
                 return self._compiled(_key(args, kw), args, kw)[1]
             except Exception:  # noqa: BLE001 - that size does not compile: not cut
@@ -365,7 +384,12 @@ class JaxExpModel:
 
         plan = chunks.ChunkPlan(chunks.POWERS, temp_of, limit, tries=chunks.IN_PROCESS_TRIES)
         rows = plan.rows(n)
-        return rows if rows < n else None
+        if rows >= n:
+            return None
+        cut = chunks.RowChunks(self._routes[_key(*shaped(rows))], rows)
+        if rest not in self._cuts or n < self._cuts[rest][0]:
+            self._cuts[rest] = (n, cut)
+        return cut
 
     def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
         """Run with other ``params`` shaped like ``model.params``, e.g. to differentiate wrt
