@@ -90,14 +90,6 @@ def _concrete(x: Any) -> bool:
     )
 
 
-def _key(inputs: tuple, kwargs: dict) -> tuple:
-    """:func:`_signature`'s key of inputs known to be arrays (or ``jax.ShapeDtypeStruct``)."""
-    if not kwargs and len(inputs) == 1:
-        return (inputs[0].shape, inputs[0].dtype)
-    leaves, tree = jax.tree.flatten((inputs, kwargs))
-    return (tree, *((x.shape, x.dtype) for x in leaves))
-
-
 def _rows_layout(inputs: tuple, kwargs: dict) -> tuple[int, tuple] | None:
     """``(rows, the signature without them)`` where every input leaf is an array (a plain
     dtype) with the same number of rows along axis 0; else None (not cut into chunks)."""
@@ -110,16 +102,23 @@ def _rows_layout(inputs: tuple, kwargs: dict) -> tuple[int, tuple] | None:
     return n, (tree, *((x.shape[1:], x.dtype) for x in leaves))
 
 
-def _signature(inputs: tuple, kwargs: dict) -> tuple | None:
+def _signature(inputs: tuple, kwargs: dict, leaf_ok: Any = _concrete) -> tuple | None:
     """The shapes and dtypes of concrete array inputs (None for tracers or other leaves: those
-    take the default path). One positional array, the common call, skips the tree walk."""
+    take the default path). One positional array, the common call, skips the tree walk.
+    ``leaf_ok``: which leaves have a key (see :func:`_spec_key`)."""
     if not kwargs and len(inputs) == 1:
         x = inputs[0]
-        return (x.shape, x.dtype) if _concrete(x) else None
+        return (x.shape, x.dtype) if leaf_ok(x) else None
     leaves, tree = jax.tree.flatten((inputs, kwargs))
-    if not all(_concrete(x) for x in leaves):
+    if not all(leaf_ok(x) for x in leaves):
         return None
     return (tree, *((x.shape, x.dtype) for x in leaves))
+
+
+def _spec_key(inputs: tuple, kwargs: dict) -> tuple:
+    """:func:`_signature` of ``jax.ShapeDtypeStruct`` inputs (a size compiled ahead of its
+    call): the key arrays of those shapes and dtypes will have."""
+    return _signature(inputs, kwargs, leaf_ok=lambda _: True)
 
 
 class _ChosenRoute:
@@ -378,7 +377,7 @@ class JaxExpModel:
                 return temp
             args, kw = shaped(rows)
             try:
-                return self._compiled(_key(args, kw), args, kw)[1]
+                return self._compiled(_spec_key(args, kw), args, kw)[1]
             except Exception:  # noqa: BLE001 - that size does not compile: not cut
                 return None
 
@@ -386,7 +385,7 @@ class JaxExpModel:
         rows = plan.rows(n)
         if rows >= n:
             return None
-        cut = chunks.RowChunks(self._routes[_key(*shaped(rows))], rows)
+        cut = chunks.RowChunks(self._routes[_spec_key(*shaped(rows))], rows)
         if rest not in self._cuts or n < self._cuts[rest][0]:
             self._cuts[rest] = (n, cut)
         return cut
