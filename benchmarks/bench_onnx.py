@@ -26,6 +26,12 @@ thread (``--cpu-dispatch server``, the default; ``jax`` keeps jax's handoff to a
   specialized to static shapes, params bound into the module: docs/longevity.md), so each batch
   size is called once, untimed, before the rounds.
 
+Each model runs in a process of its own (the conversion and the compilation cache shared):
+measured in one process, an earlier model's state (onnxruntime's and IREE's worker threads, our
+buckets and stores) slowed a later model's rows on both sides, e.g. the CNN's ``pyfunc`` at
+batch 1 549 us after the MLP and the transformer against 165-174 us alone (BENCHMARKS.md,
+twenty-second session). ``--one-process`` keeps them in this one.
+
     python benchmarks/bench_onnx.py                 # 5 rounds
     python benchmarks/bench_onnx.py --quick         # 1 round, fewer calls
     python benchmarks/bench_onnx.py --models mlp --json out.json
@@ -109,7 +115,15 @@ def per_call(fn, x, target: float) -> float:
 
 
 def steady(pairs: dict, xs: dict, rounds: int, target: float) -> dict:
-    """Median per-call seconds of every ``(ours, peer)`` pair, rounds interleaved."""
+    """Median per-call seconds of every ``(ours, peer)`` pair, rounds interleaved. Every pair
+    is called once first, and what a first call leaves to the flavor's store thread (writing
+    and proving the bucket's executable) is waited for: none of it runs inside a timing."""
+    from jaxexp_mlflow.runtime import executables
+
+    for k, (ours, peer) in pairs.items():
+        ours(xs[k[-1]])
+        peer(xs[k[-1]])
+    executables.flush()
     times: dict = {k: ([], []) for k in pairs}
     for _ in range(rounds):
         for k, (ours, peer) in pairs.items():
@@ -275,6 +289,32 @@ def measure(
         medians(rows, name, "serve start -> /ping", a, b)
 
 
+def per_model(args: argparse.Namespace, names: list[str]) -> None:
+    """Each model's figures in a fresh process of this script; the rows gathered into one."""
+    load0 = os.getloadavg()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-onnx-"))
+    convert(onnx_python(args.onnx_python), tmp / "onnx")
+    rows: list[dict] = []
+    for name in names:
+        out = tmp / f"{name}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--models", name]
+        cmd += ["--rounds", str(args.rounds), "--skip", args.skip, "--json", str(out)]
+        cmd += ["--cpu-dispatch", args.cpu_dispatch, "--workdir", str(tmp)]
+        cmd += ["--quick"] if args.quick else []
+        subprocess.run(cmd, check=True)
+        rows += json.loads(out.read_text())["rows"]
+    load1 = os.getloadavg()
+    print(
+        f"all models: load average before {load0[0]:.2f} after {load1[0]:.2f} (1 min); "
+        f"{os.cpu_count()} cores",
+        flush=True,
+    )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "loadavg": [load0[0], load1[0]]}, indent=1)
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -290,7 +330,17 @@ def main() -> None:
         help="in-process rows: 'server' runs CPU computations on the calling thread, as the "
         "flavor sets a scoring server (runtime/dispatch.py); 'jax': jax's default handoff",
     )
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="measure every model in this process (default: a process of its own for each)",
+    )
+    ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # a parent's, reused
     args = ap.parse_args()
+    names = args.models.split(",")
+    if len(names) > 1 and not args.one_process:
+        per_model(args, names)
+        return
     if args.cpu_dispatch == "server":  # before anything makes jax's CPU client
         import jax
 
@@ -304,8 +354,11 @@ def main() -> None:
 
     print(compile_package(), flush=True)  # as bench_cold_start: an installed wheel has bytecode
     load0 = os.getloadavg()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-onnx-"))
-    convert(onnx_python(args.onnx_python), tmp / "onnx")
+    if args.workdir:  # a parent made the ONNX files and owns the caches
+        tmp = Path(args.workdir)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="bench-onnx-"))
+        convert(onnx_python(args.onnx_python), tmp / "onnx")
     env = {
         **os.environ,
         "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
@@ -318,7 +371,7 @@ def main() -> None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = env["JAX_COMPILATION_CACHE_DIR"]
     rows: list[dict] = []
 
-    for name in args.models.split(","):
+    for name in names:
         measure(name, tmp, env, rows, rounds, target, skip)
 
     load1 = os.getloadavg()
