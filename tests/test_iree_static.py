@@ -204,6 +204,43 @@ def test_large_batches_run_on_the_task_driver(cnn):
     assert chosen._task is None
 
 
+def test_a_small_size_is_timed_on_both_drivers_past_the_trial_time(cnn, monkeypatch):
+    """A size under TASK_MIN_ROWS whose ``local-sync`` call takes at least the trial time is
+    timed on both drivers at its first use and kept on the faster: the recorded driver is the
+    one its function runs on, and every driver gives the same bytes. Under the trial time (this
+    small CNN: ~0.05 ms a call, against 50 ms) or with the trial off, the size stays on
+    ``local-sync`` and no thread pool is made."""
+    from jaxexp_mlflow.iree.static import ENV_TRIAL, TASK_DRIVER, trial_ms
+
+    f, params, path = cnn
+    x = images(2, seed=11)
+    want = {}
+    for driver in ("local-sync", TASK_DRIVER):  # the same compiled code on either driver
+        want[driver] = np.asarray(
+            mlflow.jaxexp.load_model(path, backend="iree", iree_driver=driver)(x)
+        )
+    np.testing.assert_array_equal(want["local-sync"], want[TASK_DRIVER])
+    np.testing.assert_allclose(want["local-sync"], np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
+
+    monkeypatch.setenv(ENV_TRIAL, "0")  # every size is timed on both
+    model = mlflow.jaxexp.load_model(path, backend="iree")
+    np.testing.assert_array_equal(model(x), want["local-sync"])
+    chosen = model.driver_for(2)
+    assert model._task is not None  # the trial made the thread pool's function
+    device = model._task[0].device if chosen == TASK_DRIVER else model._config.device
+    assert model._functions[2].device is device
+    np.testing.assert_array_equal(model(x), want["local-sync"])
+
+    for setting in ("50", "off"):  # a trial time this CNN's ~0.05 ms call never reaches; none
+        monkeypatch.setenv(ENV_TRIAL, setting)
+        model = mlflow.jaxexp.load_model(path, backend="iree")
+        np.testing.assert_array_equal(model(x), want["local-sync"])
+        assert model.driver_for(2) == "local-sync" and model._task is None
+    monkeypatch.setenv(ENV_TRIAL, "soon")
+    with pytest.raises(ValueError, match="expected milliseconds"):
+        trial_ms()
+
+
 def test_branches_and_a_multi_platform_export_run_per_batch_size(tmp_path):
     """A ``lax.cond`` and an export for ``("cpu", "cuda")`` (which dispatches on a platform
     index, its first argument) both lower to ``stablehlo.case``, whose branches are specialized

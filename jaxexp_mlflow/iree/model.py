@@ -517,12 +517,7 @@ class IreeModel:
             if len(self._shapes_seen) < 1024:
                 self._shapes_seen[key] = seen
         expected, runner = seen
-        rt = self._rt
-        args = rt.VmVariantList(self._n_args)
-        for ref, j in runner.plan:
-            args.push_ref(ref if j < 0 else self._upload(arrays[j], n + j, runner.device))
-        results = rt.VmVariantList(len(self._out_dtypes))
-        runner.context.invoke(runner.function, args, results)
+        results = self._invoke(runner, arrays)
         if results.size != len(self._out_dtypes):
             raise ArtifactError(
                 f"{self._source} returned {results.size} results, expected "
@@ -534,6 +529,17 @@ class IreeModel:
             host = view.map().asarray(view.shape, bits)
             outs.append(np.array(host).view(dtype))  # a copy: the mapping ends with the view
         return outs
+
+    def _invoke(self, runner: Runner, arrays: list[np.ndarray]) -> Any:
+        """Run ``runner`` on the input arrays (already of the model's dtypes); its raw
+        results (a ``VmVariantList``)."""
+        rt, n = self._rt, self.n_param_leaves
+        args = rt.VmVariantList(self._n_args)
+        for ref, j in runner.plan:
+            args.push_ref(ref if j < 0 else self._upload(arrays[j], n + j, runner.device))
+        results = rt.VmVariantList(len(self._out_dtypes))
+        runner.context.invoke(runner.function, args, results)
+        return results
 
     def _checked_view(self, results: Any, i: int, shape: tuple, bits: np.dtype) -> Any:
         """Result ``i`` as a buffer view whose element type, shape and size are the out aval's

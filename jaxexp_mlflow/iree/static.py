@@ -21,7 +21,13 @@ call: the 784-512-512-10 MLP 2.02 at 1 row, 1.70 at 8, 0.89 at 32, 0.63-0.73 at 
 0.64-0.98 at 1024-2048; the CNN of ``benchmarks/onnx_models.py`` 1.48 at 1 row, 0.83 at 4, 0.81
 at 16, 0.28-0.59 at 256-1024 (docs/longevity.md). Each driver has a VM instance and device of
 its own; the modules of a size on ``local-task`` read the same bound params (a module packs its
-own copy of them at load either way).
+own copy of them at load either way). Rows are not work, though: one row of the transformer of
+``onnx_models.py`` is 128 tokens, and its sizes of 2-8 rows ran 1.5-1.9x faster on
+``local-task``. So a smaller size whose call on ``local-sync`` takes at least
+:data:`TRIAL_MS` is timed on both drivers at its first use (zeros of its input shapes, a warm
+call and up to three timed ones on each) and runs on the faster from then on; below that, the
+thread pool's hand-off per dispatch cannot pay. Both drivers run the same compiled code: the
+outputs are the same bytes (``tests/test_iree_static.py``).
 
 Big batches: a padded model runs a batch of more than :data:`CHUNK_ROWS` rows as consecutive
 chunks of that many (rows are proven independent, so the answer is the same; each chunk padded
@@ -34,8 +40,10 @@ of 128 or 256 (chunks of 512: 94.7 ms), the MLP 5.7 against 4.7 ms, the transfor
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +67,14 @@ ENV_STATIC = "JAXEXP_IREE_STATIC"
 #: Batch sizes of at least this many rows run on ``local-task`` where the driver is ours to
 #: choose (module docstring).
 TASK_MIN_ROWS = 32
+#: A size below TASK_MIN_ROWS whose call on ``local-sync`` takes at least this many ms is timed
+#: on both drivers at its first use and runs on the faster (module docstring);
+#: ``JAXEXP_IREE_TRIAL_MS`` sets it (``0``: every size; ``off``: none).
+TRIAL_MS = 1.0
+ENV_TRIAL = "JAXEXP_IREE_TRIAL_MS"
+#: ``local-task`` must be at least this much faster to be chosen (timings swing a few %).
+_TASK_GAIN = 0.9
+_logger = logging.getLogger(__name__)
 #: A padded model runs a batch of more rows than this as consecutive chunks of this many rows
 #: (module docstring); ``JAXEXP_IREE_CHUNK_ROWS`` sets it, ``0`` turns chunking off.
 CHUNK_ROWS = 256
@@ -79,6 +95,26 @@ def chunk_rows() -> int:
         raise ValueError(
             f"{ENV_CHUNK}={text!r}: expected a number of rows (0 runs every batch whole), "
             f"found {text!r}. Set it to an integer such as {CHUNK_ROWS}, or unset it."
+        )
+    return value
+
+
+def trial_ms() -> float | None:
+    """The ``local-sync`` call time (ms) from which a small size is timed on both drivers
+    (``JAXEXP_IREE_TRIAL_MS``; None: never)."""
+    text = os.environ.get(ENV_TRIAL, "").strip()
+    if not text:
+        return TRIAL_MS
+    if text.lower() in ("off", "never", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(
+            f"{ENV_TRIAL}={text!r}: expected milliseconds (0 times every size on both drivers) "
+            "or 'off' (sizes under TASK_MIN_ROWS stay on local-sync). Fix or unset it."
         )
     return value
 
@@ -147,6 +183,8 @@ class StaticIreeModel(IreeModel):
         self._lock = threading.Lock()
         self._var = shapes.dim_var(self._input_avals) or ""
         self._functions: dict[int, Runner] = {1: self._runner}
+        #: size -> the driver its function runs on, once chosen (:meth:`_choose`)
+        self._drivers: dict[int, str] = {}
         #: sizes from TASK_MIN_ROWS up run on the task driver (``_task``: its config, params
         #: module and platform argument, made on first use) where the driver is ours
         self.splits_drivers = self.driver_chosen is None and (self._bound or not self.has_params)
@@ -168,7 +206,11 @@ class StaticIreeModel(IreeModel):
         return sorted(self._functions)
 
     def driver_for(self, size: int) -> str:
-        """The IREE driver that runs batches of ``size`` rows."""
+        """The IREE driver that runs batches of ``size`` rows (for a size under
+        TASK_MIN_ROWS, ``local-sync`` until its first use has timed both)."""
+        chosen = self._drivers.get(size)
+        if chosen is not None:
+            return chosen
         if self.splits_drivers and size >= TASK_MIN_ROWS and task_driver_usable():
             return TASK_DRIVER
         return self.driver_chosen or DEFAULT_DRIVER
@@ -199,6 +241,7 @@ class StaticIreeModel(IreeModel):
             self._orphans.append((self._task, stale))
             self._task = None
             self._functions = {k: r for k, r in self._functions.items() if k not in stale}
+            self._drivers = {k: d for k, d in self._drivers.items() if k not in stale}
             self._shapes_seen.clear()
 
     def _function_for(self, key: tuple, env: dict[str, int]) -> Runner:
@@ -207,15 +250,63 @@ class StaticIreeModel(IreeModel):
             found = self._functions.get(size)
             if found is None:
                 found = self._functions[size] = self._load(size)
+            if size not in self._drivers:
+                found = self._functions[size] = self._choose(size, found)
         return found
 
-    def _load(self, size: int) -> Runner:
-        """What runs the module for batch ``size`` (on :meth:`driver_for` its driver), its
-        interface checked against the blob's avals at that size."""
+    def _choose(self, size: int, runner: Runner) -> Runner:
+        """The function that runs ``size`` from now on: ``runner`` (on :meth:`driver_for`'s
+        driver), or the same module on ``local-task`` where this size is under TASK_MIN_ROWS,
+        its ``local-sync`` call takes at least :func:`trial_ms` and ``local-task`` ran it
+        faster (module docstring). The driver is recorded either way."""
+        driver = self.driver_for(size)
+        limit = trial_ms()
+        usable = self.splits_drivers and driver != TASK_DRIVER and task_driver_usable()
+        inputs = self._zeros(size) if usable and limit is not None else None
+        if inputs is None:
+            self._drivers[size] = driver
+            return runner
+        sync = self._timed(runner, inputs, limit)
+        if sync < limit:
+            self._drivers[size] = driver
+            return runner
+        task = self._load(size, TASK_DRIVER)
+        task_ms = self._timed(task, inputs, 0.0)
+        won = task_ms < _TASK_GAIN * sync
+        _logger.debug(
+            "jaxexp: IREE batch %d: local-sync %.3f ms, local-task %.3f ms", size, sync, task_ms
+        )
+        self._drivers[size] = TASK_DRIVER if won else driver
+        return task if won else runner
+
+    def _zeros(self, size: int) -> list[np.ndarray] | None:
+        """Zeros of every input's shape at batch ``size``, in the model's dtypes (None where
+        the shapes cannot be solved for it)."""
+        found = batch_shapes(self._input_avals, self.out_avals, self._constraints, size)
+        if found is None:
+            return None
+        n = self.n_param_leaves
+        return [np.zeros(s, self._dtypes[n + i]) for i, s in enumerate(found[0])]
+
+    def _timed(self, runner: Runner, inputs: list[np.ndarray], limit: float) -> float:
+        """Median ms of up to three calls of ``runner`` after a warm one; one call only where
+        the warm one took under ``limit`` ms."""
+        times = []
+        for i in range(4):
+            start = time.perf_counter()
+            self._invoke(runner, inputs)
+            times.append((time.perf_counter() - start) * 1e3)
+            if i == 0 and times[0] < limit:
+                return times[0]
+        return float(np.median(times[1:]))
+
+    def _load(self, size: int, driver: str | None = None) -> Runner:
+        """What runs the module for batch ``size`` on ``driver`` (default: :meth:`driver_for`
+        its driver), its interface checked against the blob's avals at that size."""
         rt = self._rt
         vmfb = self._vmfb_for(size)
         config, param_module, plan = self._config, self._param_module, self._arg_plan
-        if self.driver_for(size) == TASK_DRIVER:
+        if (driver or self.driver_for(size)) == TASK_DRIVER:
             config, param_module, platform = self._task_parts()
             if platform is not None:  # the platform index, uploaded to that device
                 plan = [(platform.ref, -1), *plan[1:]]
