@@ -224,7 +224,10 @@ def test_a_small_size_is_timed_on_both_drivers_past_the_trial_time(cnn, monkeypa
 
     monkeypatch.setenv(ENV_TRIAL, "0")  # every size is timed on both
     model = mlflow.jaxexp.load_model(path, backend="iree")
+    asked, vmfb_for = [], model._vmfb_for
+    model._vmfb_for = lambda size: asked.append(size) or vmfb_for(size)
     np.testing.assert_array_equal(model(x), want["local-sync"])
+    assert asked == [2]  # both drivers load the size's one .vmfb: nothing compiled twice
     chosen = model.driver_for(2)
     assert model._task is not None  # the trial made the thread pool's function
     device = model._task[0].device if chosen == TASK_DRIVER else model._config.device

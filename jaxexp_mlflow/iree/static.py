@@ -178,8 +178,11 @@ class StaticIreeModel(IreeModel):
         rows_independent: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(vmfb_for(1), description, metadata, params, **kwargs)
+        first = vmfb_for(1)
+        super().__init__(first, description, metadata, params, **kwargs)
         self._vmfb_for = vmfb_for
+        #: size -> its ``.vmfb`` until its driver is chosen (a trial loads it twice: one compile)
+        self._vmfb_pending: dict[int, Any] = {1: first}
         self._lock = threading.Lock()
         self._var = shapes.dim_var(self._input_avals) or ""
         self._functions: dict[int, Runner] = {1: self._runner}
@@ -247,11 +250,15 @@ class StaticIreeModel(IreeModel):
     def _function_for(self, key: tuple, env: dict[str, int]) -> Runner:
         size = env.get(self._var, 1)
         with self._lock:
-            found = self._functions.get(size)
-            if found is None:
-                found = self._functions[size] = self._load(size)
-            if size not in self._drivers:
-                found = self._functions[size] = self._choose(size, found)
+            try:
+                found = self._functions.get(size)
+                if found is None:
+                    self._vmfb_pending[size] = self._vmfb_for(size)
+                    found = self._functions[size] = self._load(size)
+                if size not in self._drivers:
+                    found = self._functions[size] = self._choose(size, found)
+            finally:
+                self._vmfb_pending.pop(size, None)
         return found
 
     def _choose(self, size: int, runner: Runner) -> Runner:
@@ -266,12 +273,17 @@ class StaticIreeModel(IreeModel):
         if inputs is None:
             self._drivers[size] = driver
             return runner
-        sync = self._timed(runner, inputs, limit)
-        if sync < limit:
+        try:
+            sync = self._timed(runner, inputs, limit)
+            if sync < limit:
+                self._drivers[size] = driver
+                return runner
+            task = self._load(size, TASK_DRIVER)
+            task_ms = self._timed(task, inputs, 0.0)
+        except (RuntimeError, ValueError, TypeError) as err:  # the real call will say why
+            _logger.debug("jaxexp: IREE batch %d: driver trial failed: %s", size, err)
             self._drivers[size] = driver
             return runner
-        task = self._load(size, TASK_DRIVER)
-        task_ms = self._timed(task, inputs, 0.0)
         won = task_ms < _TASK_GAIN * sync
         _logger.debug(
             "jaxexp: IREE batch %d: local-sync %.3f ms, local-task %.3f ms", size, sync, task_ms
@@ -304,7 +316,9 @@ class StaticIreeModel(IreeModel):
         """What runs the module for batch ``size`` on ``driver`` (default: :meth:`driver_for`
         its driver), its interface checked against the blob's avals at that size."""
         rt = self._rt
-        vmfb = self._vmfb_for(size)
+        vmfb = self._vmfb_pending.get(size)
+        if vmfb is None:
+            vmfb = self._vmfb_for(size)
         config, param_module, plan = self._config, self._param_module, self._arg_plan
         if (driver or self.driver_for(size)) == TASK_DRIVER:
             config, param_module, platform = self._task_parts()
