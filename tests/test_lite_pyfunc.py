@@ -304,3 +304,79 @@ def test_entries_follow_the_content_not_the_path(mlp_dir, tmp_path):
     got = child(forged, x_file, cache)
     assert got["impl"] == "JaxExpPyfunc"  # not the original's folded params
     assert got["y"] != first["y"]  # the forged values: checksums detect damage, not forgery
+
+
+STORES_CHILD = r"""
+import json, sys
+import numpy as np
+import mlflow.pyfunc
+from jaxexp_mlflow.runtime import executables
+model = mlflow.pyfunc.load_model(sys.argv[1], model_config={"buckets": [1, 2, 4]})
+impl = model._model_impl
+out = {"impl": type(impl).__name__, "y": model.predict(np.load(sys.argv[2])).tolist()}
+if out["impl"] != "LitePyfunc":
+    executables.flush()  # the bucket's store entry and the lite entry are written
+    writer = getattr(impl, "lite_writer", None)
+    out["lite_written"] = None if writer is None else writer.written
+    out["buckets_compiled"] = impl._flat.compiles
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _stores_child(model_dir: Path, x_file: Path, cache: Path, **env: str) -> dict:
+    run_env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(cache), "JAX_PLATFORMS": "cpu"}
+    run_env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    run_env.update(env)
+    proc = subprocess.run(
+        [sys.executable, "-c", STORES_CHILD, str(model_dir), str(x_file)],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return result_of(proc)
+
+
+@needs_lite
+def test_entries_are_stored_when_jax_cache_compiled_them_before(mlp_dir, tmp_path):
+    """JAX's persistent cache keys a compile by its module; an executable it hands back
+    serializes without its kernels on XLA:CPU. Before session 45 a second environment (here
+    ``JAX_TRACEBACK_FILTERING``, part of both stores' keys, not of JAX's) compiled the same
+    modules, got them from JAX's cache and could store neither entry, in any later process:
+    its fresh processes never answered without jax."""
+    from jaxexp_mlflow.runtime import executables
+
+    model_dir, params = mlp_dir
+    cache = tmp_path / "cache"
+    x_file = tmp_path / "x.npy"
+    np.save(x_file, batch(3))
+    want = np.asarray(jax.jit(mlp_apply)(params, batch(3)))
+    lite_dir, exec_dir = cache / lite.LITE_SUBDIR, cache / executables.EXEC_SUBDIR
+
+    def entries() -> tuple[int, int]:
+        return len(list(lite_dir.glob("*.lite"))), len(list(exec_dir.glob("*.bin")))
+
+    first = _stores_child(model_dir, x_file, cache)
+    assert first["impl"] == "JaxExpPyfunc" and entries() == (1, 1)
+    (name,) = first["lite_written"]
+    assert name.startswith("jaxexp_lite_") and name.count("_") == 2  # named after its entry
+
+    other = {"JAX_TRACEBACK_FILTERING": "off"}
+    second = _stores_child(model_dir, x_file, cache, **other)
+    assert second["impl"] == "JaxExpPyfunc" and entries() == (2, 2)
+    assert len(second["lite_written"]) == 1 and second["lite_written"][0] != name
+    third = _stores_child(model_dir, x_file, cache, **other)
+    assert third["impl"] == "LitePyfunc"
+    for got in (first, second, third):
+        np.testing.assert_allclose(np.asarray(got["y"], np.float32), want, rtol=1e-5, atol=1e-6)
+
+    # the entries gone while JAX's cache keeps their compiles (a store interrupted, a store
+    # directory cleared): each compiled once more, under a name of its own, and stored
+    for path in [*lite_dir.glob("*.lite"), *exec_dir.glob("*.bin")]:
+        path.unlink()
+    fourth = _stores_child(model_dir, x_file, cache)
+    (again,) = fourth["lite_written"]
+    assert again.startswith(name + "_") and entries() == (1, 1)
+    fifth = _stores_child(model_dir, x_file, cache, JAXEXP_LITE="0")
+    assert fifth["impl"] == "JaxExpPyfunc" and fifth["buckets_compiled"] == 0  # read, not compiled
+    assert _stores_child(model_dir, x_file, cache)["impl"] == "LitePyfunc"

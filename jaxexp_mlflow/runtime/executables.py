@@ -126,39 +126,59 @@ def _read_entry(path: Path) -> bytes | None:
     return payload
 
 
-def write_executable(digest: str, compiled: Any, args: tuple, outs: Any) -> bool:
+def write_executable(
+    digest: str, compiled: Any, args: tuple, outs: Any, recompile: Any = None
+) -> bool:
     """Store ``compiled`` under ``digest`` (atomically) if it survives the trip: serialized,
     loaded back in this process and called on ``args``, it must give ``outs`` (its own outputs
     on them) bit for bit. An executable that JAX's persistent cache handed back serializes
     without its kernels on XLA:CPU (jax 0.10.2 and 0.12.0.1: "Function ... not found" when
-    called), so a stored entry is proved, never assumed. Whether it was stored; never fails
-    the caller."""
+    called), so a stored entry is proved, never assumed. When the trip fails, ``recompile()``
+    (if given) compiles the same computation where that cache cannot answer, and its executable
+    makes the trip once more. Whether it was stored; never fails the caller."""
     directory = executable_dir()
     if directory is None:
         return False
-    try:
-        from jax.experimental import serialize_executable
+    from jax.experimental import serialize_executable
 
-        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        again = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-        if not _same_outputs(again(*args), outs):
-            _logger.debug("jaxexp: executable %s not stored: it differs once reloaded", digest[:16])
+    for attempt in (0, 1):
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        except Exception as err:  # e.g. an executable that cannot be serialized
+            _logger.debug("jaxexp: executable %s not stored: %s", digest[:16], err)
             return False
-        _write_entry(directory, _entry_path(directory, digest), payload)
-        return True
-    except Exception as err:  # e.g. an executable that cannot be serialized, a full disk
-        _logger.debug("jaxexp: executable %s not stored: %s", digest[:16], err)
-        return False
+        try:
+            again = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            same = _same_outputs(again(*args), outs)
+            why = "it differs once reloaded"
+        except Exception as err:  # noqa: BLE001 - e.g. handed back by JAX's cache: no kernels
+            same, why = False, str(err).splitlines()[0][:200] if str(err) else repr(err)
+        if same:
+            try:
+                _write_entry(directory, _entry_path(directory, digest), payload)
+            except OSError as err:  # e.g. a full disk
+                _logger.debug("jaxexp: executable %s not stored: %s", digest[:16], err)
+                return False
+            return True
+        _logger.debug("jaxexp: executable %s not stored: %s", digest[:16], why)
+        if recompile is None or attempt:
+            return False
+        try:
+            compiled = recompile()
+        except Exception as err:  # noqa: BLE001 - the entry stays missing, nothing else
+            _logger.debug("jaxexp: executable %s not compiled again: %s", digest[:16], err)
+            return False
+    return False
 
 
-def store_later(digest: str, compiled: Any, args: tuple, outs: Any) -> None:
+def store_later(digest: str, compiled: Any, args: tuple, outs: Any, recompile: Any = None) -> None:
     """:func:`write_executable` on the store's one worker thread: the caller already has its
     outputs, so serializing, proving and writing (~45 ms for a 24-layer MLP) stay off its first
     call. The inputs are copied (a caller may reuse its buffers); :func:`flush` waits for what
     is queued, and runs at interpreter exit so that a normal exit finishes its writes. A
     forked child (which inherits the queue but not the thread) starts its own."""
     leaves = tuple(np.array(x, copy=True) if isinstance(x, np.ndarray) else x for x in args)
-    _queue().put((digest, compiled, leaves, outs))
+    _queue().put((digest, compiled, leaves, outs, recompile))
 
 
 def run_later(job: Any) -> None:
@@ -437,7 +457,8 @@ class Executables:
             else:
                 from jaxexp_mlflow.runtime import cpu_compile
 
-                exe = cpu_compile.compile_lowered(self._jit.lower(*args))[0]
+                digest = self._digest(_shapes(leaves))
+                exe = cpu_compile.compile_lowered(self._lower(digest, args))[0]
                 self.compiles += 1
             self._keep(key, _Prepared(self, key, exe, stored))
 
@@ -520,7 +541,7 @@ class Executables:
         else:
             from jaxexp_mlflow.runtime import cpu_compile
 
-            exe = cpu_compile.compile_lowered(self._jit.lower(*args))[0]
+            exe = cpu_compile.compile_lowered(self._lower(digest, args))[0]
             self.compiles += 1
         try:
             outs = exe(*args)
@@ -528,9 +549,35 @@ class Executables:
             return self._to_jit(key, args)
         self._keep(key, exe)
         if self._store:
-            store_later(digest, exe, args, outs)
+            from jaxexp_mlflow.runtime import cpu_compile
+
+            def recompile() -> Any:
+                return cpu_compile.compile_lowered(self._lower(digest, args, fresh=True))[0]
+
+            store_later(digest, exe, args, outs, recompile)
         self._first_done(leaves, outs)
         return outs
+
+    def _lower(self, digest: str, args: tuple, *, fresh: bool = False) -> Any:
+        """``jitted`` lowered for ``args``; with the store on, as a function named after the
+        store entry ``digest``. JAX's persistent cache keys a compile by its module, and an
+        executable it hands back serializes without its kernels on XLA:CPU (see
+        :func:`write_executable`): under its entry's name, a bucket's compile comes from that
+        cache only if it was compiled for this very entry before, not for a twin entry (the
+        same module in another environment, e.g. ``JAX_PLATFORMS`` set or not), which left
+        the bucket unstorable for good."""
+        if not self._store:
+            return self._jit.lower(*args)
+        import jax
+
+        jitted = self._jit
+
+        def bucket(*a: Any) -> Any:
+            return jitted(*a)
+
+        name = f"jaxexp_bucket_{digest[:16]}" + (f"_{os.urandom(4).hex()}" if fresh else "")
+        bucket.__name__ = bucket.__qualname__ = name
+        return jax.jit(bucket).lower(*args)
 
     def _first_done(self, leaves: tuple, outs: Any) -> None:
         hook = self.on_first

@@ -369,6 +369,8 @@ class LiteWriter:
         self._environment = lite.environment()
         self._done: set[tuple] = set()
         self._lock = threading.Lock()
+        #: the function names of the entries this writer stored (for tests)
+        self.written: list[str] = []
 
     def __call__(self, x: np.ndarray, out: Any) -> None:
         """Queue the lite entry of ``x``'s bucket (``out``: the JAX path's output on it)."""
@@ -405,40 +407,67 @@ class LiteWriter:
     def _write(self, x: np.ndarray, want: np.ndarray) -> bool:
         import jax
 
-        from jaxexp_mlflow.archive.reproduce import DEFAULT_TOLERANCES
         from jaxexp_mlflow.internals import jaxlib_private
-        from jaxexp_mlflow.runtime.cpu_compile import compile_lowered
 
         if dict(jax.config.values) != self._config:
             return False
         directory = lite.lite_dir(self._setting)
         if directory is None or self._identity is None:
             return False
-        if lite.has_entry(directory, self._key(x)):
-            return False  # stored already (e.g. by the process before, whose lite path it left)
-        impl = self._impl
-        model, flat_call = impl.model, impl._flat.function
-        params = model.params
-        folded = compile_lowered(jax.jit(lambda x: flat_call(params, x)).lower(x))[0]
-        got = np.asarray(folded(x)[0])
-        if got.shape != want.shape or got.dtype != want.dtype:
-            return False
-        if got.dtype.kind in "fc":
-            rtol, atol = DEFAULT_TOLERANCES.get(
-                got.dtype.itemsize // (2 if got.dtype.kind == "c" else 1), (0.0, 0.0)
-            )
-            if not np.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
-                return False
-        elif not np.array_equal(got, want):
-            return False
-        payload = jaxlib_private.serialize(folded)
-        again = jaxlib_private.CpuExecutable(payload, [(got.shape, got.dtype)])([x])[0]
-        if again.dtype != got.dtype or again.tobytes() != got.tobytes():
-            return False
         key = self._key(x)
-        header = {"output": [list(got.shape), str(got.dtype)]}
-        lite.write_entry(directory, key, header, payload)
-        return True
+        if lite.has_entry(directory, key):
+            return False  # stored already (e.g. by the process before, whose lite path it left)
+        # JAX's persistent cache keys a compile by its module, and an executable it hands back
+        # serializes without its kernels on XLA:CPU (jaxlib 0.10.2: "Function ... not found"
+        # once reloaded). The folded function is named after this entry, so that only an
+        # earlier compile of this very entry can come from that cache; if one does, it is
+        # compiled once more under a name of its own.
+        name = f"jaxexp_lite_{key[:16]}"
+        for attempt in (name, f"{name}_{os.urandom(4).hex()}"):
+            got, payload = self._folded(x, attempt)
+            if got.shape != want.shape or got.dtype != want.dtype or not _close(got, want):
+                return False
+            try:
+                again = jaxlib_private.CpuExecutable(payload, [(got.shape, got.dtype)])([x])[0]
+            except Exception as err:  # noqa: BLE001 - handed back by JAX's cache: no kernels
+                _logger.debug("jaxexp: the lite executable did not run reloaded (%s)", err)
+                continue
+            if again.dtype != got.dtype or again.tobytes() != got.tobytes():
+                return False
+            header = {"output": [list(got.shape), str(got.dtype)]}
+            lite.write_entry(directory, key, header, payload)
+            self.written.append(attempt)
+            return True
+        return False
+
+    def _folded(self, x: np.ndarray, name: str) -> tuple[np.ndarray, bytes]:
+        """The outputs on ``x`` and the serialized executable of the model with its params
+        folded in as constants, compiled as a function called ``name``."""
+        import jax
+
+        from jaxexp_mlflow.internals import jaxlib_private
+        from jaxexp_mlflow.runtime.cpu_compile import compile_lowered
+
+        flat_call, params = self._impl._flat.function, self._impl.model.params
+
+        def folded(x: Any) -> Any:
+            return flat_call(params, x)
+
+        folded.__name__ = folded.__qualname__ = name
+        compiled = compile_lowered(jax.jit(folded).lower(x))[0]
+        return np.asarray(compiled(x)[0]), jaxlib_private.serialize(compiled)
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    """``got`` within ``DEFAULT_TOLERANCES`` of ``want`` (floats), else equal."""
+    from jaxexp_mlflow.archive.reproduce import DEFAULT_TOLERANCES
+
+    if got.dtype.kind in "fc":
+        rtol, atol = DEFAULT_TOLERANCES.get(
+            got.dtype.itemsize // (2 if got.dtype.kind == "c" else 1), (0.0, 0.0)
+        )
+        return bool(np.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True))
+    return bool(np.array_equal(got, want))
 
 
 def params_bytes(model: Any) -> int:
