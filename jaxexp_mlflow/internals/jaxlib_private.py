@@ -40,9 +40,10 @@ PRIVATE_NAMES: dict[str, tuple[str, str]] = {
         "the lite path is off",
     ),
     "_jax.array_result_handler": (
-        "wrap the output buffer without jax's array class (_skip_checks, jaxlib 0.10; jaxlib "
-        "0.12 has no _skip_checks and imports jax to wrap an output)",
-        "the lite path is off (jaxlib 0.12): models load through jax",
+        "wrap the output buffer without jax's array class: (aval, sharding, committed, "
+        "_skip_checks=True) in jaxlib 0.10, whose checks would import jax; (aval, sharding, "
+        "committed) in jaxlib 0.12, which checks nothing through jax",
+        "the lite path is off (another signature): models load through jax",
     ),
     "_jax.buffer_to_dlpack_managed_tensor": (
         "read the output into numpy without a copy (DLPack)",
@@ -88,14 +89,22 @@ def available() -> bool:
             )
         )
         and hasattr(_jax.Client, "deserialize_executable")
-        and _skips_checks(_jax)
+        and _handler_tail(_jax) is not None
     )
 
 
-def _skips_checks(_jax: Any) -> bool:
-    """Whether ``array_result_handler`` takes ``_skip_checks`` (jaxlib 0.10; gone in 0.12,
-    where wrapping an output imports jax: the lite path is then off)."""
-    return "_skip_checks" in (getattr(_jax.array_result_handler, "__doc__", None) or "")
+def _handler_tail(_jax: Any) -> tuple | None:
+    """The arguments after ``committed`` that make ``array_result_handler`` wrap an output
+    without jax: ``(True,)`` where it takes ``_skip_checks`` (jaxlib 0.10: its checks import
+    jax), ``()`` where its signature is ``(aval, sharding, committed)`` (jaxlib 0.12: nothing
+    to skip, nothing imported; ``tests/test_lite_pyfunc.py`` checks that a fresh process never
+    imports jax), None for any other signature (the lite path is then off)."""
+    doc = getattr(_jax.array_result_handler, "__doc__", None) or ""
+    if "_skip_checks" in doc:
+        return (True,)
+    if "(aval: object, sharding: object, committed: bool) ->" in doc:
+        return ()
+    return None
 
 
 def _client() -> dict[str, Any]:
@@ -175,8 +184,9 @@ class CpuExecutable:
         self._state = state
         self._pid = state["pid"]
         try:
+            tail = _handler_tail(state["jax"]) or ()
             self._handlers = [
-                state["jax"].array_result_handler(_Aval(s, d), state["sharding"], True, True)
+                state["jax"].array_result_handler(_Aval(s, d), state["sharding"], True, *tail)
                 for s, d in outputs
             ]
         except TypeError as err:
