@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -301,20 +302,31 @@ def measure(
         medians(rows, name, "serve start -> /ping", a, b)
 
 
+def keep_or_remove(tmp: Path, keep: bool) -> None:
+    """Remove the run's working directory (40 MB or so a run), or say where it was kept."""
+    if keep:
+        print(f"kept {tmp}", flush=True)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def per_model(args: argparse.Namespace, names: list[str]) -> None:
     """Each model's figures in a fresh process of this script; the rows gathered into one."""
     load0 = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="bench-onnx-"))
-    convert(onnx_python(args.onnx_python), tmp / "onnx")
     rows: list[dict] = []
-    for name in names:
-        out = tmp / f"{name}.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--models", name]
-        cmd += ["--rounds", str(args.rounds), "--skip", args.skip, "--json", str(out)]
-        cmd += ["--cpu-dispatch", args.cpu_dispatch, "--workdir", str(tmp)]
-        cmd += ["--quick"] if args.quick else []
-        subprocess.run(cmd, check=True)
-        rows += json.loads(out.read_text())["rows"]
+    try:
+        convert(onnx_python(args.onnx_python), tmp / "onnx")
+        for name in names:
+            out = tmp / f"{name}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--models", name]
+            cmd += ["--rounds", str(args.rounds), "--skip", args.skip, "--json", str(out)]
+            cmd += ["--cpu-dispatch", args.cpu_dispatch, "--workdir", str(tmp)]
+            cmd += ["--quick"] if args.quick else []
+            subprocess.run(cmd, check=True)
+            rows += json.loads(out.read_text())["rows"]
+    finally:
+        keep_or_remove(tmp, args.keep)
     load1 = os.getloadavg()
     print(
         f"all models: load average before {load0[0]:.2f} after {load1[0]:.2f} (1 min); "
@@ -346,6 +358,11 @@ def main() -> None:
         "--one-process",
         action="store_true",
         help="measure every model in this process (default: a process of its own for each)",
+    )
+    ap.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the working directory (models, ONNX files, caches); removed by default",
     )
     ap.add_argument("--workdir", default=None, help=argparse.SUPPRESS)  # a parent's, reused
     args = ap.parse_args()
@@ -383,8 +400,12 @@ def main() -> None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = env["JAX_COMPILATION_CACHE_DIR"]
     rows: list[dict] = []
 
-    for name in names:
-        measure(name, tmp, env, rows, rounds, target, skip)
+    try:
+        for name in names:
+            measure(name, tmp, env, rows, rounds, target, skip)
+    finally:
+        if not args.workdir:  # a parent's is the parent's to remove
+            keep_or_remove(tmp, args.keep)
 
     load1 = os.getloadavg()
     print(
