@@ -171,6 +171,17 @@ def write_executable(
     return False
 
 
+def jit_named(fn: Any, name: str, *, fresh: bool = False) -> Any:
+    """``jax.jit(fn)`` as a function called ``name`` (``fresh``: with 8 random hex digits of its
+    own appended). A compile made for one of our stores is named after its entry: JAX's
+    persistent cache keys a compile by its module, which holds the name, and an executable
+    that cache hands back cannot be stored (:func:`write_executable`)."""
+    import jax
+
+    fn.__name__ = fn.__qualname__ = name + (f"_{os.urandom(4).hex()}" if fresh else "")
+    return jax.jit(fn)
+
+
 def store_later(digest: str, compiled: Any, args: tuple, outs: Any, recompile: Any = None) -> None:
     """:func:`write_executable` on the store's one worker thread: the caller already has its
     outputs, so serializing, proving and writing (~45 ms for a 24-layer MLP) stay off its first
@@ -568,16 +579,12 @@ class Executables:
         the bucket unstorable for good."""
         if not self._store:
             return self._jit.lower(*args)
-        import jax
-
         jitted = self._jit
 
         def bucket(*a: Any) -> Any:
             return jitted(*a)
 
-        name = f"jaxexp_bucket_{digest[:16]}" + (f"_{os.urandom(4).hex()}" if fresh else "")
-        bucket.__name__ = bucket.__qualname__ = name
-        return jax.jit(bucket).lower(*args)
+        return jit_named(bucket, f"jaxexp_bucket_{digest[:16]}", fresh=fresh).lower(*args)
 
     def _first_done(self, leaves: tuple, outs: Any) -> None:
         hook = self.on_first

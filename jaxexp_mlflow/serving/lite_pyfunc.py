@@ -417,14 +417,11 @@ class LiteWriter:
         key = self._key(x)
         if lite.has_entry(directory, key):
             return False  # stored already (e.g. by the process before, whose lite path it left)
-        # JAX's persistent cache keys a compile by its module, and an executable it hands back
-        # serializes without its kernels on XLA:CPU (jaxlib 0.10.2: "Function ... not found"
-        # once reloaded). The folded function is named after this entry, so that only an
-        # earlier compile of this very entry can come from that cache; if one does, it is
-        # compiled once more under a name of its own.
-        name = f"jaxexp_lite_{key[:16]}"
-        for attempt in (name, f"{name}_{os.urandom(4).hex()}"):
-            got, payload = self._folded(x, attempt)
+        # named after this entry, so that only an earlier compile of this very entry can come
+        # from JAX's cache (whose executables run no more once reloaded); if one does, it is
+        # compiled once more under a name of its own (executables.jit_named)
+        for fresh in (False, True):
+            name, got, payload = self._folded(x, f"jaxexp_lite_{key[:16]}", fresh)
             if got.shape != want.shape or got.dtype != want.dtype or not _close(got, want):
                 return False
             try:
@@ -436,26 +433,25 @@ class LiteWriter:
                 return False
             header = {"output": [list(got.shape), str(got.dtype)]}
             lite.write_entry(directory, key, header, payload)
-            self.written.append(attempt)
+            self.written.append(name)
             return True
         return False
 
-    def _folded(self, x: np.ndarray, name: str) -> tuple[np.ndarray, bytes]:
-        """The outputs on ``x`` and the serialized executable of the model with its params
-        folded in as constants, compiled as a function called ``name``."""
-        import jax
-
+    def _folded(self, x: np.ndarray, name: str, fresh: bool) -> tuple[str, np.ndarray, bytes]:
+        """The function name, the outputs on ``x`` and the serialized executable of the model
+        with its params folded in as constants, compiled as ``executables.jit_named`` names
+        it."""
         from jaxexp_mlflow.internals import jaxlib_private
         from jaxexp_mlflow.runtime.cpu_compile import compile_lowered
+        from jaxexp_mlflow.runtime.executables import jit_named
 
         flat_call, params = self._impl._flat.function, self._impl.model.params
 
         def folded(x: Any) -> Any:
             return flat_call(params, x)
 
-        folded.__name__ = folded.__qualname__ = name
-        compiled = compile_lowered(jax.jit(folded).lower(x))[0]
-        return np.asarray(compiled(x)[0]), jaxlib_private.serialize(compiled)
+        compiled = compile_lowered(jit_named(folded, name, fresh=fresh).lower(x))[0]
+        return folded.__name__, np.asarray(compiled(x)[0]), jaxlib_private.serialize(compiled)
 
 
 def _close(got: np.ndarray, want: np.ndarray) -> bool:
