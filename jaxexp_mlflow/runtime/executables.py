@@ -456,19 +456,17 @@ class Executables:
             if self._get(key) is not None:
                 return
             args = (params, *leaves)
+            digest = self._digest(_shapes(leaves))
             exe = None
             if self._store:
                 out_tree = jax.tree.structure([0] * self._n_out)
-                exe = read_executable(
-                    self._digest(_shapes(leaves)), jax.tree.structure((args, {})), out_tree
-                )
+                exe = read_executable(digest, jax.tree.structure((args, {})), out_tree)
             stored = exe is not None
             if stored:
                 self.loaded += 1
             else:
                 from jaxexp_mlflow.runtime import cpu_compile
 
-                digest = self._digest(_shapes(leaves))
                 exe = cpu_compile.compile_lowered(self._lower(digest, args))[0]
                 self.compiles += 1
             self._keep(key, _Prepared(self, key, exe, stored))
