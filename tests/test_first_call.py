@@ -135,7 +135,21 @@ def test_a_load_parses_the_mlmodel_once(model_dir, monkeypatch):
 
 def test_store_reads_only_intact_regular_files(tmp_path):
     executables._write_entry(tmp_path, tmp_path / "good.bin", b"payload")
-    assert executables._read_entry(tmp_path / "good.bin") == b"payload"
+    assert executables._read_entry(tmp_path / "good.bin") == (b"", b"payload")
+    # a payload with a header of its own (the lite store's): both parts, each checked
+    head = b'{"output": 1}'
+    executables._write_entry(
+        tmp_path, tmp_path / "headed.bin", len(head).to_bytes(4, "little") + head + b"exe"
+    )
+    assert executables._read_entry(tmp_path / "headed.bin", headed=True) == (head, b"exe")
+    data = bytearray((tmp_path / "headed.bin").read_bytes())
+    data[-5] ^= 1  # inside the header: the sha256 covers it
+    (tmp_path / "flipped.bin").write_bytes(bytes(data))
+    assert executables._read_entry(tmp_path / "flipped.bin", headed=True) is None
+    data = bytearray((tmp_path / "headed.bin").read_bytes())
+    data[84:88] = (1 << 20).to_bytes(4, "little")  # a header longer than the file
+    (tmp_path / "long.bin").write_bytes(bytes(data))
+    assert executables._read_entry(tmp_path / "long.bin", headed=True) is None
     os.mkfifo(tmp_path / "fifo.bin")  # refused without blocking
     assert executables._read_entry(tmp_path / "fifo.bin") is None
     (tmp_path / "short.bin").write_bytes(executables._EXEC_MAGIC + b"0" * 10)

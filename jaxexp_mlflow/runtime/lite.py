@@ -145,19 +145,18 @@ def read_entry(directory: Path, key: str) -> tuple[dict[str, Any], bytes] | None
     from jaxexp_mlflow.runtime.executables import _read_entry
 
     try:
-        data = _read_entry(_path(directory, key))
+        entry = _read_entry(_path(directory, key), headed=True)
     except OSError:
         return None
-    if data is None or len(data) < 4:
+    if entry is None:
         return None
-    n = int.from_bytes(data[:4], "little")
     try:
-        header = json.loads(data[4 : 4 + n])
+        header = json.loads(entry[0])
     except ValueError:
         return None
     if not isinstance(header, dict):
         return None
-    return header, data[4 + n :]
+    return header, entry[1]
 
 
 def remove_entry(directory: Path, key: str) -> None:
