@@ -147,7 +147,8 @@ def test_store_reads_only_intact_regular_files(tmp_path):
     (tmp_path / "flipped.bin").write_bytes(bytes(data))
     assert executables._read_entry(tmp_path / "flipped.bin", headed=True) is None
     data = bytearray((tmp_path / "headed.bin").read_bytes())
-    data[84:88] = (1 << 20).to_bytes(4, "little")  # a header longer than the file
+    at = len(executables._EXEC_MAGIC) + 64  # the magic and the hex sha256, then the header
+    data[at : at + 4] = (1 << 20).to_bytes(4, "little")  # a header longer than the file
     (tmp_path / "long.bin").write_bytes(bytes(data))
     assert executables._read_entry(tmp_path / "long.bin", headed=True) is None
     os.mkfifo(tmp_path / "fifo.bin")  # refused without blocking
