@@ -278,15 +278,24 @@ def _same_outputs(a: Any, b: Any) -> bool:
     return True
 
 
-def _write_entry(directory: Path, path: Path, payload: bytes) -> None:
+def _write_entry(directory: Path, path: Path, payload: bytes, header: bytes | None = None) -> None:
+    """Store ``payload`` at ``path`` atomically, after the magic and the sha256 of what follows;
+    ``header``: written before the payload, framed as :func:`_read_entry` ``headed=True`` reads
+    it (its 4-byte little-endian length first). The parts are written as they are, not joined."""
     import hashlib
     import tempfile
 
+    parts = [payload] if header is None else [len(header).to_bytes(4, "little"), header, payload]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(_EXEC_MAGIC + hashlib.sha256(payload).hexdigest().encode() + payload)
+            fh.write(_EXEC_MAGIC + digest.hexdigest().encode())
+            for part in parts:
+                fh.write(part)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -132,7 +132,7 @@ def write_entry(directory: Path, key: str, header: dict[str, Any], payload: byte
     from jaxexp_mlflow.runtime.executables import _write_entry
 
     head = json.dumps(header, sort_keys=True).encode()
-    _write_entry(directory, _path(directory, key), len(head).to_bytes(4, "little") + head + payload)
+    _write_entry(directory, _path(directory, key), payload, header=head)
     entries = [p for p in directory.glob("*.lite") if p.is_file()]
     if len(entries) > MAX_ENTRIES:  # the oldest go first
         entries.sort(key=lambda p: p.stat().st_mtime)
