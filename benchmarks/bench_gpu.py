@@ -10,7 +10,8 @@ Ratios (ours / baseline, below 1 = ours faster), each baseline measured in this 
 
     python benchmarks/bench_gpu.py [--quick] [--sizes 1,4] [--json out.json]
 
-It names the device it ran on; docs/hardware.md keeps the figures with the card.
+It names the device it ran on. ``run_all.py`` runs it where an accelerator is visible and
+stores its rows as the ``gpu`` family of a results file (BENCHMARKS.md, "GPU").
 """
 
 from __future__ import annotations
