@@ -157,7 +157,7 @@ def bench_load(tmp: Path, gib: float, dtype: str, rounds: int) -> dict:
         "bench": f"load {gbs:.2f} GiB {dtype}",
         "ours_s": m,
         "base_s": b,
-        "speed_vs_baseline": b / m,  # >= 0.8 is the goal (issue 34)
+        "speed_vs_baseline": b / m,  # the goal: >= 0.8
         "ours_GiB_s": gbs / m,
         "base_GiB_s": gbs / b,
     }

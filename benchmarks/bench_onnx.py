@@ -1,4 +1,4 @@
-"""The ONNX route beside ours (issue 38): the same three models both ways, in one interleaved run.
+"""The ONNX route beside ours: the same three models both ways, in one interleaved run.
 
 The route a JAX user would most likely pick instead of this flavor: convert the function with
 jax2onnx, log it with MLflow's built-in ``mlflow.onnx``, run it with onnxruntime. The models

@@ -159,6 +159,13 @@ def fmt(v: object) -> str:
     return f"{v:.4g}"
 
 
+def fmt_ratio(v: object) -> str:
+    """A ratio with two decimals (three significant digits below 0.1)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.3g}"
+    return fmt(v)
+
+
 def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -226,7 +233,7 @@ def _family(key: str, title: str, what: str, picked: dict) -> list[str]:
     for row in res["rows"]:
         lines.append(
             f"| {_cell(row.get('figure', ''))} | {_cell(fmt(row.get('value')))} | "
-            f"{_cell(_baseline(row))} | {_cell(fmt(row.get('ratio')))} | "
+            f"{_cell(_baseline(row))} | {_cell(fmt_ratio(row.get('ratio')))} | "
             f"{_cell(row.get('goal') or '')} |"
         )
     return lines
