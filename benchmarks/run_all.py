@@ -11,6 +11,10 @@ their prerequisites are missing.
 and page go to a temporary folder (or ``--out-dir``), never over the stored ones. ``--render``
 rebuilds the page from the stored results without running anything. Nothing here is asserted.
 
+Where an accelerator is visible, the LLM is stored as the ``gpu_llm`` family beside ``gpu``: run
+``python benchmarks/run_all.py --only gpu,llm`` on that machine and commit its results file here
+for the page's GPU tables to come from it.
+
     python benchmarks/run_all.py [--only call,codec] [--quick] [--out-dir DIR] [--render]
 """
 
