@@ -13,7 +13,7 @@
    - ``jax deserialize``: ``import jax`` + ``jax.export.deserialize``,
    - ``python -c pass``: the interpreter start-up floor.
 
-Goals (issue 3): read < 1 ms, fresh process < 0.3 s. ``--quick`` runs in a few seconds.
+Goals: read < 1 ms, fresh process < 0.3 s. ``--quick`` runs in a few seconds.
 
     python benchmarks/bench_codec.py [--quick] [--corpus DIR]
 """

@@ -1,4 +1,4 @@
-"""Cold start: a fresh process, from interpreter start to the first prediction (issue 5, point 5).
+"""Cold start: a fresh process, from interpreter start to the first prediction.
 
 Each measurement is a new Python process (so every import, the backend start-up and the
 compilation are paid again), timed by the parent from spawn to the child's report, and split by

@@ -38,7 +38,7 @@ from bench_cold_start import build_model, spawn  # the same MLP, the same child 
 
 DRIVERS = ("local-task", "local-sync")  # IREE's thread-pool and calling-thread CPU drivers
 SETTINGS = {
-    "default": {},  # per batch size, params bound (issue 38), speed flags
+    "default": {},  # per batch size, params bound, speed flags
     "one-module": {"JAXEXP_IREE_STATIC": "0"},  # one dynamic main + the batch-1 function
     "base": {"JAXEXP_IREE_STATIC": "0", "JAXEXP_IREE_SPEED": "0"},  # base flags, main only
 }

@@ -1,4 +1,4 @@
-"""An LLM end to end (issue 39, point 2): examples/llm.py's ``generate``, archived and loaded,
+"""An LLM end to end: examples/llm.py's ``generate``, archived and loaded,
 against the raw JAX path on the same params, measured in the same run.
 
 Figures (medians of interleaved rounds; the load average is printed with them):

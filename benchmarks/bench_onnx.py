@@ -1,4 +1,4 @@
-"""The ONNX route beside ours (issue 38): the same three models both ways, in one interleaved run.
+"""The ONNX route beside ours: the same three models both ways, in one interleaved run.
 
 The route a JAX user would most likely pick instead of this flavor: convert the function with
 jax2onnx, log it with MLflow's built-in ``mlflow.onnx``, run it with onnxruntime. The models
@@ -30,8 +30,8 @@ thread (``--cpu-dispatch server``, the default; ``jax`` keeps jax's handoff to a
 Each model runs in a process of its own (the conversion and the compilation cache shared):
 measured in one process, an earlier model's state (onnxruntime's and IREE's worker threads, our
 buckets and stores) slowed a later model's rows on both sides, e.g. the CNN's ``pyfunc`` at
-batch 1 549 us after the MLP and the transformer against 165-174 us alone (BENCHMARKS.md,
-twenty-second session). ``--one-process`` keeps them in this one.
+batch 1 549 us after the MLP and the transformer against 165-174 us alone. ``--one-process``
+keeps them in this one.
 
     python benchmarks/bench_onnx.py                 # 5 rounds
     python benchmarks/bench_onnx.py --quick         # 1 round, fewer calls

@@ -7,14 +7,14 @@ shared VM drifts, so each round measures raw and Orbax back to back and the medi
 * restore warm: raw ``readinto`` of those files into fresh buffers, page cache warm;
 * restore cold: the same after ``posix_fadvise(DONTNEED)`` on every file (after fsync).
 
-Peak memory (point 2 of issue 7): a subprocess builds a params tree of ``--mem-gib`` GiB, saves
+Peak memory: a subprocess builds a params tree of ``--mem-gib`` GiB, saves
 it, and a second subprocess restores it; each reports its peak RSS (VmHWM, the ru_maxrss of
 that process image). Goal: peak below two copies.
 
     python benchmarks/bench_params.py               # 1 GiB in 20 float32 arrays, 4 GiB memory
     python benchmarks/bench_params.py --quick       # 64 MiB, 256 MiB memory: seconds
     python benchmarks/bench_params.py --json out.json --size-gib 1 --mem-gib 4
-    python benchmarks/bench_params.py --only model --sizes 0.5,2 --rounds 4   # issue 39
+    python benchmarks/bench_params.py --only model --sizes 0.5,2 --rounds 4
 
 The load average (1 min) is printed each round and stored with the rows: this VM is shared.
 """
@@ -234,7 +234,7 @@ def bench_io(size_gib: float, rounds: int, compressions: list, workdir: str) -> 
 
 
 def bench_read_back(size_gib: float, rounds: int, workdir: str) -> list[dict]:
-    """What the read-back of ``save_model`` (issue 10: never publish what cannot load) adds.
+    """What the read-back of ``save_model`` (never publish what cannot load) adds.
 
     Saves a model whose params are ``size_gib`` GiB with an input example; the read-back
     (``flavors.readback``: MLmodel, blob, params restored, one compile, two runs) is timed
@@ -280,7 +280,7 @@ def bench_read_back(size_gib: float, rounds: int, workdir: str) -> list[dict]:
 
 
 def bench_model(size_gib: float, rounds: int, workdir: str) -> list[dict]:
-    """Params through the flavor (issue 26, point 4): ``mlflow.jaxexp.save_model`` of an
+    """Params through the flavor: ``mlflow.jaxexp.save_model`` of an
     ``Exported`` with ``size_gib`` of params (Orbax writes, manifest, fsync pass, read-back)
     against raw write+fsync of the same bytes, and ``mlflow.jaxexp.load_model`` of the directory
     until the params are in memory (blob checks, manifest, restore) against raw ``readinto``

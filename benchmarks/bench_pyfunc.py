@@ -1,4 +1,4 @@
-"""pyfunc.predict latency of a jaxexp model as a ratio to the raw jitted call (issue 4).
+"""pyfunc.predict latency of a jaxexp model as a ratio to the raw jitted call.
 
 For each model, in the same process: ``jax.jit(f)(params, x)`` (blocked until ready) is the
 baseline; ``mlflow.pyfunc.load_model(...).predict(x)`` is measured at batch 1 and 1024, and so

@@ -18,7 +18,7 @@ reports the peak RSS above the interpreter (VmHWM) against the params size (goal
     python benchmarks/bench_remote.py                     # 1 GiB, 3 rounds
     python benchmarks/bench_remote.py --quick             # 64 MiB, 1 round: seconds
     python benchmarks/bench_remote.py --scale 4,8 --rounds 1
-    python benchmarks/bench_remote.py --size-gib 2 --rounds 3      # issue 39, point 4
+    python benchmarks/bench_remote.py --size-gib 2 --rounds 3
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The three models of the ONNX comparison (issue 38), built the same way in both venvs.
+"""The three models of the ONNX comparison, built the same way in both venvs.
 
 ``benchmarks/bench_onnx.py`` runs in the project's venv; jax2onnx pins an older Orbax than ours,
 so the conversion to ONNX runs in a venv of its own (``python onnx_models.py convert OUTDIR``
