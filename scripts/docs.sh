@@ -3,7 +3,7 @@
 #
 #   bash scripts/docs.sh [VENV]     # VENV: the docs tools' virtualenv (default .venv-docs)
 #
-# Installs mkdocs-material, mkdocstrings[python] and mkdocs-click into VENV (made if absent),
+# Installs mkdocs-material, mkdocstrings[python], mkdocs-click and ruff (signatures) into VENV (made if absent),
 # then runs `mkdocs build --strict` into a temporary directory, removed afterwards. The API and
 # command-line references are read from the source tree (PYTHONPATH): neither JAX nor MLflow
 # needs to be installed in VENV.
@@ -15,7 +15,7 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 "$venv/bin/pip" install --quiet --disable-pip-version-check \
-    mkdocs-material 'mkdocstrings[python]' mkdocs-click
+    mkdocs-material 'mkdocstrings[python]' mkdocs-click ruff
 site="$(mktemp -d)"
 trap 'rm -rf "$site"' EXIT
 NO_MKDOCS_2_WARNING=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
