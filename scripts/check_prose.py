@@ -156,8 +156,8 @@ def default_files(root: Path = ROOT) -> list[Path]:
 
     Returns:
         README.md and the other Markdown files at the root, ``docs/**/*.md``,
-        ``jaxexp_mlflow/**/*.py``, ``tests/**/*.py``, ``benchmarks/**/*.py`` and every text file
-        under ``examples/`` and ``scripts/``, less the generated ones.
+            ``jaxexp_mlflow/**/*.py``, ``tests/**/*.py``, ``benchmarks/**/*.py`` and every text
+            file under ``examples/`` and ``scripts/``, less the generated ones.
     """
     out: list[Path] = sorted(root.glob("*.md"))
     out += sorted(root.glob("docs/**/*.md"))

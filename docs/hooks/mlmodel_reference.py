@@ -75,8 +75,8 @@ def read_schema(path: Path = SECTION) -> dict[str, Any]:
 
     Returns:
         ``fields`` (name, type, default or None when required, comment), ``when_set`` (the
-        fields written only when set), ``bounds`` (name, value) and
-        ``load_time_only`` (key, environment variable or None).
+            fields written only when set), ``bounds`` (name, value) and ``load_time_only``
+            (key, environment variable or None).
 
     Raises:
         ValueError: the source no longer holds ``FlavorSection`` (the page would be empty).

@@ -235,7 +235,7 @@ class JaxExpModel:
 
         Returns:
             ``cpu``, ``cuda``, ``rocm`` or ``tpu``: the placement's platform, or the running
-            platform when the model has no placement.
+                platform when the model has no placement.
         """
         if self.placement is not None:
             return str(self.placement.platform)

@@ -7,8 +7,9 @@ content, however often ``predict`` is called), each executor unpacks it once
 into its own Spark files directory (removed with the application), each Python worker loads it
 once (``serving.pyfunc.load_pyfunc``: checksums, verdict, params), and every Arrow
 record batch goes Arrow list column -> numpy (one reshape of the values buffer, no per-row
-Python) -> the input contract (names, shapes, dtypes, lossless casts: the same ``InputError``\\ s
-as every other door) -> the model -> Arrow list arrays built on the output buffers.
+Python) -> the input contract (names, shapes, dtypes, lossless casts: the same
+``InputError`` messages as every other door) -> the model -> Arrow list arrays built on the
+output buffers.
 
 The outputs are what ``mlflow.pyfunc.load_model(uri).predict`` returns on the same rows (a
 classifier's labels included). ``mlflow.pyfunc.spark_udf`` works too (docs/serving.md); this path
@@ -102,7 +103,7 @@ def predict(
 
     Returns:
         A DataFrame with ``df``'s columns (unless ``keep_columns=False``) and one column per
-        output, computed when a Spark action reads it.
+            output, computed when a Spark action reads it.
 
     Raises:
         UnsupportedModelError: the model records no input/output specs, or takes no inputs.
@@ -487,7 +488,7 @@ def numpy_to_arrow(values: np.ndarray) -> Any:
 
     Returns:
         A ``pyarrow`` array of ``n`` values (1-d input) or of ``n`` lists nested once per
-        dimension after the first.
+            dimension after the first.
     """
     import pyarrow as pa
 
