@@ -55,6 +55,7 @@ def test_finds_process_talk(line: str, rule: str | None) -> None:
         "expired-flag (closes 2027-05-20): refresh before then.",
         "schema < 10 is to be removed six months after 2026-04-04",
         "jaxexp audit --as-of 2027-03-01",
+        "JAX's 6-month window: for schema < 10, any jax after 2026-10-04 may drop its layout",
         "float32[b,784] and 12:30 without a zone",
         "a model at version 3.17.2",
     ],
