@@ -39,8 +39,8 @@ _ORDINAL = (
 #: Words that, before "session", point at one session of work rather than a product session.
 _DEICTIC = "this that last previous next same earlier later prior".split()
 _BEFORE_SESSION = r"(?:" + _ORDINAL + r"|" + "|".join(_DEICTIC) + r")"
-#: A date on a line with one of these words is a product fact (a route's closing date, a window,
-#: deprecation schedule, an ``--as-of`` argument), not the date something was done.
+#: A date on a line with one of these words is a product fact (a route's closing date, a
+#: compatibility window, a deprecation schedule, an ``--as-of`` argument), not a work log.
 _PRODUCT_DATE = re.compile(
     r"\b(?:closes?|closed|closing|built|expir\w*|deprecat\w*|remov\w*|as[-_ ]of|releas\w*|written|"
     r"schedule\w*|window)\b",
