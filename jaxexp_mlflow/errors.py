@@ -15,6 +15,8 @@ status from its ``error_code``. Any other rewrite (a shorter text, another text)
 
 from __future__ import annotations
 
+from typing import Any
+
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import (
     INVALID_PARAMETER_VALUE,
@@ -25,11 +27,21 @@ from mlflow.protos.databricks_pb2 import (
 
 
 class JaxExpError(MlflowException):
-    """Base class of every error this package raises on purpose."""
+    """Base class of every error this package raises on purpose.
+
+    Args:
+        message: what was expected, what was found and what to do.
+        **kwargs: passed to ``MlflowException`` (``error_code`` defaults to the class's
+            ``default_code``).
+
+    Attributes:
+        default_code: the MLflow error code, which sets the HTTP status a scoring server
+            answers with (``INVALID_PARAMETER_VALUE``: 400; the others: 500 or their own).
+    """
 
     default_code = INVALID_STATE
 
-    def __init__(self, message: str, **kwargs) -> None:
+    def __init__(self, message: str, **kwargs: Any) -> None:
         kwargs.setdefault("error_code", self.default_code)
         super().__init__(message, **kwargs)
 
@@ -48,27 +60,33 @@ class JaxExpError(MlflowException):
 
 
 class UnsupportedModelError(JaxExpError):
-    """The object passed as ``exported`` cannot be turned into a jaxexp model."""
+    """The object passed as ``exported`` cannot be turned into a jaxexp model (HTTP 400)."""
 
     default_code = INVALID_PARAMETER_VALUE
 
 
 class ArtifactError(JaxExpError):
-    """A stored artifact is missing, truncated, altered or does not match its metadata."""
+    """A stored artifact is missing, truncated, altered or does not match its metadata.
+
+    Raised before anything is allocated or run from a damaged or hostile model directory.
+    """
 
 
 class ParamsMismatchError(JaxExpError):
-    """The params (given at save time or found in the checkpoint) do not fit the export."""
+    """The params (given at save time or found in the checkpoint) do not fit the export (400)."""
 
     default_code = INVALID_PARAMETER_VALUE
 
 
 class IncompatibleError(JaxExpError):
-    """The model cannot run here: platform, devices, JAX version or custom calls."""
+    """The model cannot run here: platform, devices, JAX version or custom calls.
+
+    The message names the routes that would run it (see ``jaxexp check``).
+    """
 
 
 class InputError(JaxExpError):
-    """A prediction input does not match the model's signature (shape, dtype, names)."""
+    """A prediction input does not match the model's signature (shape, dtype, names; 400)."""
 
     default_code = INVALID_PARAMETER_VALUE
 
@@ -86,6 +104,9 @@ class SaveConflictError(JaxExpError):
 
 
 class UnsupportedTransformError(JaxExpError):
-    """A JAX transformation a loaded model cannot support (forward-mode, vmap, deeper grads)."""
+    """A JAX transformation a loaded model cannot support (forward-mode, vmap, deeper grads).
+
+    HTTP 400 when raised in a server.
+    """
 
     default_code = INVALID_PARAMETER_VALUE

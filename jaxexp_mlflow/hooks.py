@@ -77,36 +77,50 @@ def _memoize_vjp(exported: Any, order: int) -> Any:
 class TrainingHook:
     """Log metrics every step and the model (export + params) every N steps or on improvement.
 
-    ``apply_fn(params, *inputs)`` is the function to serve; ``input_example`` its inputs after
-    the params (a tuple for several), used to export it and stored with its outputs as the
-    model's reference result (what ``jaxexp verify`` reproduces).
+    An improvement fewer than ``log_every`` steps after the last improvement log is not logged
+    at once: its params are checkpointed (locally, cheap) and logged when the spacing allows, or
+    by :meth:`close`, unless a better one replaces it meanwhile. So the model is logged on
+    improvement at most once per ``log_every`` steps and ``@best`` still ends on the best params
+    seen. Only process 0 logs.
 
-    - ``log_every``: log the model every N steps (``step % N == 0``, step 0 excluded); with
-      ``monitor``, also the least number of steps between two logs made on improvement.
-    - ``monitor`` / ``mode`` / ``min_delta``: log the model when this metric beats the best logged
-      value (``"min"`` or ``"max"``) by more than ``min_delta``; the first value seen counts as an
-      improvement. An improvement fewer than ``log_every`` steps after the last improvement log is
-      not logged at once: its params are checkpointed (locally, cheap) and logged when the
-      spacing allows, or by :meth:`close`, unless a better one replaces it meanwhile. So the
-      model is logged on improvement at most once per ``log_every`` steps and ``@best`` still
-      ends on the best params seen.
-    - ``registered_model_name`` / ``register``: which logged models become registry versions:
-      ``"best"`` (default) those logged on improvement (every logged model when nothing is
-      monitored), ``"all"`` every logged model. ``alias`` (default ``"best"``) then follows the
-      best version (with ``monitor``) or the latest one (without).
-    - ``checkpoint_manager``: your Orbax ``CheckpointManager`` (a single PyTree item, or
-      composite with an item named ``params``); steps it already holds are reused as they are.
-      Without one, the hook keeps its own under ``checkpoint_dir`` (a temporary directory by
-      default) holding ``max_to_keep`` steps.
-    - ``metrics_every``: log metrics every N steps (1: every step); ``async_metrics`` sends them
-      through MLflow's background queue (~1 ms a call instead of ~12 ms on a sqlite store),
-      flushed by :meth:`close`.
-    - ``run_id``: the run to log into (default: the active run, or a new one the hook ends in
-      :meth:`close`).
-    - ``log_model_kwargs``: extra arguments for ``mlflow.jaxexp.log_model`` (signature,
-      pip_requirements, metadata, ...).
-    - ``batch_polymorphic`` / ``polymorphic_shapes`` / ``platforms``: how the function is
-      exported, as for ``save_model`` (docs/saving.md: symbolic dimensions).
+    Args:
+        apply_fn: ``apply_fn(params, *inputs)``, the function to serve.
+        input_example: its inputs after the params (a tuple for several), used to export it and
+            stored with its outputs as the model's reference result (what ``jaxexp verify``
+            reproduces).
+        name: the logged model's name.
+        log_every: log the model every N steps (``step % N == 0``, step 0 excluded); with
+            ``monitor``, also the least number of steps between two logs made on improvement.
+        monitor: a metric name: log the model when it beats the best logged value by more than
+            ``min_delta``; the first value seen counts as an improvement.
+        mode: ``"min"`` or ``"max"``: which way ``monitor`` improves.
+        min_delta: the least change that counts as an improvement.
+        registered_model_name: the registered model the logged models become versions of.
+        register: ``"best"`` (those logged on improvement; every logged model when nothing is
+            monitored) or ``"all"`` (every logged model).
+        alias: the registry alias that follows the best version (with ``monitor``) or the
+            latest one (without); None: no alias.
+        checkpoint_manager: your Orbax ``CheckpointManager`` (a single PyTree item, or composite
+            with an item named ``params``); steps it already holds are reused as they are.
+        checkpoint_dir: where the hook keeps its own checkpoints when no manager is given (a
+            temporary directory by default).
+        max_to_keep: how many steps the hook's own checkpoint manager keeps.
+        metrics_every: log metrics every N steps (1: every step).
+        async_metrics: send metrics through MLflow's background queue (much cheaper per call
+            than a synchronous log), flushed by :meth:`close`.
+        run_id: the run to log into (default: the active run, or a new one the hook ends in
+            :meth:`close`).
+        vjp_order: how many times the logged model may be differentiated.
+        batch_polymorphic: export with a symbolic leading (batch) dimension.
+        platforms: the platforms to export for, as for ``save_model``.
+        log_model_kwargs: extra arguments for ``mlflow.jaxexp.log_model`` (signature,
+            pip_requirements, metadata, ...).
+        polymorphic_shapes: the export's symbolic shapes, as for ``save_model`` (docs/saving.md:
+            symbolic dimensions).
+
+    Raises:
+        ValueError: the hook would never log the model (neither ``log_every`` nor ``monitor``),
+            or ``mode``, ``register``, ``log_every`` or ``metrics_every`` is out of range.
     """
 
     def __init__(
@@ -184,7 +198,16 @@ class TrainingHook:
     # -- public API -----------------------------------------------------------------------------
 
     def __call__(self, step: int, params: Any, metrics: Mapping[str, Any] | None = None) -> Any:
-        """Record one training step; return the ``ModelInfo`` when a model was logged."""
+        """Record one training step: log its metrics, and the model when the schedule says so.
+
+        Args:
+            step: the training step.
+            params: the params at this step.
+            metrics: scalar metrics of this step (``monitor`` among them when it is set).
+
+        Returns:
+            The ``ModelInfo`` when a model was logged at this step, else None.
+        """
         step = int(step)
         values = {k: _scalar(v) for k, v in (metrics or {}).items()}
         reasons = []
@@ -218,7 +241,16 @@ class TrainingHook:
         return info
 
     def log_now(self, step: int, params: Any, metrics: Mapping[str, Any] | None = None) -> Any:
-        """Log the model for ``params`` now (e.g. at the end of training), whatever the schedule."""
+        """Log the model for ``params`` now (e.g. at the end of training), whatever the schedule.
+
+        Args:
+            step: the training step.
+            params: the params to log.
+            metrics: metrics of this step (the ``monitor`` value is recorded with the model).
+
+        Returns:
+            The ``ModelInfo`` of the logged model (None on processes other than 0).
+        """
         values = {k: _scalar(v) for k, v in (metrics or {}).items()}
         return self._log(int(step), params, ("manual",), values.get(self.monitor or ""))
 
@@ -244,10 +276,15 @@ class TrainingHook:
         return None
 
     def close(self, status: str = "FINISHED") -> None:
-        """Log a pending improvement, finish checkpoint writes, end the hook's run with
-        ``status`` (``FAILED`` when the ``with`` block raised, as ``mlflow.start_run`` does),
-        drop temps. A pending improvement is logged on a failure too: the best model seen
-        before the failure is not lost."""
+        """Log a pending improvement, finish checkpoint writes, end the hook's run, drop temps.
+
+        A pending improvement is logged on a failure too: the best model seen before the
+        failure is not lost.
+
+        Args:
+            status: the status the hook's own run ends with (``FAILED`` when the ``with`` block
+                raised, as ``mlflow.start_run`` does).
+        """
         if self._pending is not None:
             self._flush_pending(None)
         if self._manager is not None:

@@ -2,13 +2,13 @@
 
 MLflow does not promise anything about names that start with an underscore, and it does remove
 them: 3.18.0 dropped ``ModelsArtifactRepository._add_registered_model_meta_file``, which
-``download.download_model`` called after each ``models:/`` download from a remote store, so that
-``load_model`` through a tracking server or from S3 failed with ``AttributeError`` (GitHub issues
-23 and 26). This module is the only place in the package that uses such a name. Each function
+``download.download_model`` calls after each ``models:/`` download from a remote store; called
+unguarded, it would fail every such ``load_model`` with ``AttributeError``. This module is the
+only place in the package that uses such a name. Each function
 below uses the private name when the installed MLflow has it (same behaviour as MLflow's own
 flavors) and otherwise takes a fallback built on public API, or a small reimplementation, so
 that a release removing the name costs speed or a nicety, never correctness. Where a public API
-does the same job the private name is no longer used at all (:data:`REPLACED_BY_PUBLIC`).
+does the same job the private name is not used at all (:data:`REPLACED_BY_PUBLIC`).
 
 :data:`PRIVATE_NAMES` lists them (``"module:qualified.name"`` -> where it lives, why we use it,
 the fallback); ``tests/test_mlflow_private.py`` checks each against the installed MLflow and
@@ -19,9 +19,9 @@ What replaced ``_add_registered_model_meta_file`` (read in MLflow 3.18.0's sourc
 ``ModelsArtifactRepository.download_artifacts`` in 3.17.2 wrote a YAML file
 ``registered_model_meta`` (``model_name``, ``model_version``) into a downloaded model directory;
 3.18.0 removed the method, the ``REGISTERED_MODEL_META_FILE_NAME`` constant and that step
-together: its download now just returns ``self.repo.download_artifacts(...)``. Nothing in
-MLflow 3.17.2 or 3.18.0 reads the file (only the removed method wrote it), and jaxexp never
-did. So :func:`add_registered_model_meta` writes it when the installed MLflow still has the
+together: its download just returns ``self.repo.download_artifacts(...)``. Nothing in
+MLflow 3.17.2 or 3.18.0 reads the file (only the removed method wrote it), and jaxexp does not
+either. So :func:`add_registered_model_meta` writes it when the installed MLflow still has the
 method (downloads stay identical to MLflow's own there) and otherwise does nothing, which is
 exactly what MLflow 3.18's own download does.
 """
@@ -157,7 +157,7 @@ PRIVATE_NAMES: dict[str, PrivateName] = {
     ),
 }
 
-#: Private names the package used to touch and now replaces outright by public API.
+#: Private names the package does not touch, replaced outright by public API or its own code.
 REPLACED_BY_PUBLIC: dict[str, str] = {
     "mlflow.tracking.artifact_utils:_download_artifact_from_uri": (
         "mlflow.artifacts.download_artifacts(artifact_uri=..., dst_path=...), which calls it "
@@ -171,14 +171,14 @@ REPLACED_BY_PUBLIC: dict[str, str] = {
         "nothing: no jaxexp path puts a model's code/ on sys.path (docs/security.md)"
     ),
     f"{_HTTP_REPO}._is_multipart_upload_enabled": (
-        "nothing: it served the upload of params chunk files from memory, removed by issue 26"
+        "nothing: params go up as files through log_artifact"
     ),
     "mlflow.utils.mime_type_utils:_guess_mime_type": (
-        "nothing: it served the upload of params chunk files from memory, removed by issue 26"
+        "nothing: params go up as files through log_artifact"
     ),
     "mlflow.models.signature:ModelSignature._is_signature_from_type_hint": (
         "nothing: the stored signature declares no inputs (serving/signature.served_signature), "
-        "MLflow's public way to hand a model its input unchanged at every door (issue 35)"
+        "MLflow's public way to hand a model its input unchanged at every door"
     ),
 }
 

@@ -3,22 +3,21 @@
 **Reductions on YNNPACK.** XLA:CPU (jaxlib 0.10-0.12 at least) hands dots, convolutions and
 reductions to YNNPACK by default (``xla_cpu_experimental_ynn_fusion_type``). Around reductions
 it builds big YNNPACK fusions, and where such a fusion cannot hold a broadcast it takes it as an
-input that XLA fills in memory first: the transformer encoder of issue 38 at 1024 rows had 9 of
-those (LayerNorm, softmax and GELU constants broadcast up to ``[1024, 128, 1024]``), 2.3 of its
-3.4 GiB of temporaries, fresh pages on every call and 5.0 s a call; with reductions left to
-XLA, 1.1 GiB and 2.4 s (docs/serving.md, "Reductions and YNNPACK"). A CNN's pooling needs the
-offload the other way round (XLA's own ``reduce-window`` took its 1024-row call from 24 to 126
-ms), so no single setting is right and none is set process-wide.
+input that XLA fills in memory first: a transformer encoder at a large batch gets several of
+those (LayerNorm, softmax and GELU constants broadcast up to ``[rows, tokens, hidden]``), most
+of its temporaries, fresh pages on every call and a slower call than with reductions left to
+XLA (docs/serving.md, "Reductions and YNNPACK"). A CNN's pooling needs the offload the other
+way round (XLA's own ``reduce-window`` is several times slower there), so no single setting is
+right and none is set process-wide.
 
 **Converted copies hoisted out of loops.** XLA's while-loop-invariant code motion moves a loop's
 invariant instructions before it, converts included: a bfloat16 decoder's decode loop then
-starts by converting every weight to float32 (the 1B decoder of issue 39: 3.8 of its 4.1 GiB
-of temporaries), and each step reads those f32 copies, twice the bytes of the weights. Left in
-the loop, each layer's weights are converted as the step reaches them: 435 MiB of
-temporaries, and ``generate`` took 2.97 s where it took 4.60 s (docs/serving.md, "Loop-invariant
-converts"). The pass also hoists what is worth hoisting (an invariant matmul run once instead
-of once a step: 3.4x slower without it on a small loop), so it is turned off only where it
-moved no dot or convolution out of a loop.
+starts by converting every weight to float32 (most of its temporaries), and each step reads
+those f32 copies, twice the bytes of the weights. Left in the loop, each layer's weights are
+converted as the step reaches them: a fraction of the temporaries, and a faster ``generate``
+(docs/serving.md, "Loop-invariant converts"). The pass also hoists what is worth hoisting (an
+invariant matmul run once instead of once a step), so it is turned off only where it moved no
+dot or convolution out of a loop.
 
 :func:`compile_lowered` compiles with XLA's defaults first. Only when that executable runs on
 the CPU and needs more than :data:`TEMP_BYTES` of temporaries does it look at its optimized

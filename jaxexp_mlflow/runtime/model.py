@@ -151,6 +151,25 @@ class JaxExpModel:
     (``l1.kernel``, ``layers[0].weight``), typed PRNG keys rebuilt; ``call_with_params`` takes
     the same dict. Older models give back the export's params tree. See
     docs/model-families.md.
+
+    A model is built by ``load_model``; building one directly is for the flavor's own save path.
+
+    Args:
+        exported: the deserialized ``jax.export.Exported``.
+        params: the params tree (or ``{name: array}`` dict) bound as the export's first
+            argument; None for a model saved without params.
+        metadata: the model's MLmodel ``jaxexp`` section (names, avals, ``vjp_order``).
+        vjp_order: how many times the model may be differentiated; default: the metadata's.
+        placement: the devices and shardings chosen by the loader; None: one device, or a plan
+            made here for a multi-device export.
+
+    Attributes:
+        exported: the ``Exported``, its VJPs refused beyond ``vjp_order``.
+        params: the bound params, placed on the model's devices.
+        metadata: the MLmodel ``jaxexp`` section the model was loaded with.
+        placement: the device placement, or None.
+        verdict: the compatibility verdict the loader reached, or None.
+        has_params: whether the model has params bound.
     """
 
     def __init__(
@@ -212,7 +231,12 @@ class JaxExpModel:
 
     @property
     def platform(self) -> str:
-        """The platform the model runs on, as ``jax.export`` names it (``cuda``, not ``gpu``)."""
+        """The platform the model runs on, as ``jax.export`` names it (``cuda``, not ``gpu``).
+
+        Returns:
+            ``cpu``, ``cuda``, ``rocm`` or ``tpu``: the placement's platform, or the running
+                platform when the model has no placement.
+        """
         if self.placement is not None:
             return str(self.placement.platform)
         from jaxexp_mlflow.runtime.platforms import running_platform
@@ -237,7 +261,15 @@ class JaxExpModel:
         return {name: params[name] for name in names}
 
     def export_arg(self, params: Any) -> Any:
-        """The export's first argument from ``params`` shaped like ``model.params``."""
+        """The export's first argument from ``params`` shaped like ``model.params``.
+
+        Args:
+            params: a dict ``{name: array}`` like ``model.params`` (or, for older models, the
+                export's params tree).
+
+        Returns:
+            The params tree the exported function takes as its first argument.
+        """
         if self._param_names is None:
             return params
         from jaxexp_mlflow.params.names import export_arg
@@ -273,7 +305,23 @@ class JaxExpModel:
         )
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run the model on ``inputs`` with the bound params; returns the exported out pytree."""
+        """Run the model on ``inputs`` with the bound params.
+
+        Differentiable with ``jax.grad``/``jax.vjp`` up to the model's ``vjp_order``.
+
+        Args:
+            *inputs: the exported function's inputs after its params (arrays or pytrees).
+            **kwargs: its keyword inputs, if it was exported with any.
+
+        Returns:
+            The exported function's output pytree.
+
+        Raises:
+            InputError: the inputs do not match the exported dtypes and shapes (the message
+                gives what was expected and what was found).
+            UnsupportedTransformError: a JAX transformation the export cannot go through
+                (``vmap``, forward-mode ``jvp``, or a derivative beyond ``vjp_order``).
+        """
         if self._places_inputs:
             inputs, kwargs = self._place(inputs, kwargs)
         call = self._jit_call
@@ -392,7 +440,22 @@ class JaxExpModel:
 
     def call_with_params(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
         """Run with other ``params`` shaped like ``model.params``, e.g. to differentiate wrt
-        them."""
+        them.
+
+        Args:
+            params: a dict ``{name: array}`` with the names, dtypes and shapes of
+                ``model.params``.
+            *inputs: the exported function's inputs after its params.
+            **kwargs: its keyword inputs, if it was exported with any.
+
+        Returns:
+            The exported function's output pytree.
+
+        Raises:
+            InputError: the model was saved without params.
+            ParamsMismatchError: ``params`` does not have the model's names and structure.
+            UnsupportedTransformError: a JAX transformation the export cannot go through.
+        """
         if not self.has_params:
             raise InputError(
                 "This model was saved without params, so there are none to replace: "

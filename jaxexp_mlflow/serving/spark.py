@@ -7,8 +7,9 @@ content, however often ``predict`` is called), each executor unpacks it once
 into its own Spark files directory (removed with the application), each Python worker loads it
 once (``serving.pyfunc.load_pyfunc``: checksums, verdict, params), and every Arrow
 record batch goes Arrow list column -> numpy (one reshape of the values buffer, no per-row
-Python) -> the input contract (names, shapes, dtypes, lossless casts: the same ``InputError``\\ s
-as every other door) -> the model -> Arrow list arrays built on the output buffers.
+Python) -> the input contract (names, shapes, dtypes, lossless casts: the same
+``InputError`` messages as every other door) -> the model -> Arrow list arrays built on the
+output buffers.
 
 The outputs are what ``mlflow.pyfunc.load_model(uri).predict`` returns on the same rows (a
 classifier's labels included). ``mlflow.pyfunc.spark_udf`` works too (docs/serving.md); this path
@@ -83,17 +84,31 @@ def predict(
 ) -> Any:
     """``df`` scored by the jaxexp model at ``model_uri``: its columns plus one per output.
 
-    ``columns``: the column of each input, by position (a list) or by input name (a dict);
-    default: the column named like each input (a model with one input also takes a DataFrame
-    of one column, whatever its name). Array inputs are Spark ``array`` columns (nested once per
-    dimension after the batch one). ``output_cols``: the names of the new columns (default:
-    ``prediction`` for a single output, else the output names; a classifier gives one column of
-    labels). ``model_config``: as for ``mlflow.pyfunc.load_model`` (buckets: powers of two up to
-    Spark's Arrow batch size by default). ``keep_columns=False`` returns the output columns only.
-
+    Array inputs are Spark ``array`` columns (nested once per dimension after the batch one).
     Lazy like any DataFrame transformation: a bad cell (a ragged row, a wrong width, a lossy
     cast) fails the Spark job that reads it, with the contract's ``InputError`` text in the
     ``PythonException`` Spark raises; column names and types are checked here, before any job.
+
+    Args:
+        df: the Spark DataFrame to score (classic Spark, not Spark Connect).
+        model_uri: any model URI MLflow understands (``runs:/``, ``models:/``, a local path).
+        columns: the column of each input, by position (a list) or by input name (a dict);
+            default: the column named like each input (a model with one input also takes a
+            DataFrame of one column, whatever its name).
+        output_cols: the names of the new columns (default: ``prediction`` for a single
+            output, else the output names; a classifier gives one column of labels).
+        model_config: as for ``mlflow.pyfunc.load_model`` (buckets: powers of two up to Spark's
+            Arrow batch size by default).
+        keep_columns: keep ``df``'s columns beside the outputs; False returns the outputs only.
+
+    Returns:
+        A DataFrame with ``df``'s columns (unless ``keep_columns=False``) and one column per
+            output, computed when a Spark action reads it.
+
+    Raises:
+        UnsupportedModelError: the model records no input/output specs, or takes no inputs.
+        InputError: a column is missing, has a type the input cannot take, or an output column
+            name already exists in ``df``.
     """
     from pyspark.sql.types import StructField, StructType
 
@@ -422,6 +437,17 @@ def arrow_to_numpy(column: Any, spec: Any, name: str = "") -> np.ndarray:
 
     Each list level must hold the same number of values in every row (the offsets are checked
     vectorised); nulls are refused. The result keeps Arrow's dtype: the input contract casts.
+
+    Args:
+        column: a ``pyarrow`` Array or ChunkedArray of numbers or of (nested) lists of them.
+        spec: the input's spec, named in the error.
+        name: the column's name, named in the error.
+
+    Returns:
+        An array of shape ``[rows, width, ...]``, one dimension per list level.
+
+    Raises:
+        InputError: null cells or values, or rows of different lengths (a ragged array).
     """
     import pyarrow as pa
 
@@ -455,7 +481,15 @@ def arrow_to_numpy(column: Any, spec: Any, name: str = "") -> np.ndarray:
 
 
 def numpy_to_arrow(values: np.ndarray) -> Any:
-    """A numpy array ``[n, ...]`` as an Arrow array of ``n`` (nested) lists, on its buffer."""
+    """A numpy array ``[n, ...]`` as an Arrow array of ``n`` (nested) lists, on its buffer.
+
+    Args:
+        values: the array; its first dimension becomes the rows.
+
+    Returns:
+        A ``pyarrow`` array of ``n`` values (1-d input) or of ``n`` lists nested once per
+            dimension after the first.
+    """
     import pyarrow as pa
 
     out = pa.array(np.ascontiguousarray(values).reshape(-1))
