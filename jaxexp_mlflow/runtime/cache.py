@@ -126,7 +126,11 @@ def configure(setting: Any = None) -> str | None:
 
     Returns the cache directory in use, or None when the cache is off. Call it before the
     first compilation of the process; a cache JAX already initialised without a directory is
-    reset so the directory takes effect.
+    reset so the directory takes effect. A directory others could write (:func:`private_dir`)
+    leaves the cache off, with a warning.
+
+    Raises:
+        CacheSettingError: ``setting`` (or the env var) is a relative directory or no flag.
     """
     global _configured
     import jax
