@@ -145,6 +145,8 @@ def _compilation_cache_in_tmp(tmp_path_factory):
     os.environ.setdefault("JAXEXP_COMPILATION_CACHE", str(tmp_path_factory.mktemp("xla-cache")))
     # one IREE .vmfb cache for the whole session (and the subprocesses the tests start)
     os.environ.setdefault("JAXEXP_IREE_CACHE", str(tmp_path_factory.mktemp("iree-cache")))
+    # the per-user secret that signs stored executables (runtime/cache_auth.py), not the user's
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config"))
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
-from jaxexp_mlflow.runtime import executables
+from jaxexp_mlflow.runtime import entries, executables
 from jaxexp_mlflow.serving.pyfunc import load_pyfunc
 from tests.models import batch, export_mlp, mlp_params
 
@@ -134,27 +134,25 @@ def test_a_load_parses_the_mlmodel_once(model_dir, monkeypatch):
 
 
 def test_store_reads_only_intact_regular_files(tmp_path):
-    executables._write_entry(tmp_path, tmp_path / "good.bin", b"payload")
-    assert executables._read_entry(tmp_path / "good.bin") == (b"", b"payload")
+    entries.write_entry(tmp_path, tmp_path / "good.bin", b"payload")
+    assert entries.read_entry(tmp_path / "good.bin") == (b"", b"payload")
     # a payload with a header of its own (the lite store's): both parts, each checked
     head = b'{"output": 1}'
-    executables._write_entry(
-        tmp_path, tmp_path / "headed.bin", len(head).to_bytes(4, "little") + head + b"exe"
-    )
-    assert executables._read_entry(tmp_path / "headed.bin", headed=True) == (head, b"exe")
+    entries.write_entry(tmp_path, tmp_path / "headed.bin", b"exe", header=head)
+    assert entries.read_entry(tmp_path / "headed.bin", headed=True) == (head, b"exe")
     data = bytearray((tmp_path / "headed.bin").read_bytes())
-    data[-5] ^= 1  # inside the header: the sha256 covers it
+    data[-5] ^= 1  # inside the header: the HMAC covers it
     (tmp_path / "flipped.bin").write_bytes(bytes(data))
-    assert executables._read_entry(tmp_path / "flipped.bin", headed=True) is None
+    assert entries.read_entry(tmp_path / "flipped.bin", headed=True) is None
     data = bytearray((tmp_path / "headed.bin").read_bytes())
-    at = len(executables._EXEC_MAGIC) + 64  # the magic and the hex sha256, then the header
+    at = len(entries.MAGIC) + 64  # the magic and the hex HMAC, then the header
     data[at : at + 4] = (1 << 20).to_bytes(4, "little")  # a header longer than the file
     (tmp_path / "long.bin").write_bytes(bytes(data))
-    assert executables._read_entry(tmp_path / "long.bin", headed=True) is None
+    assert entries.read_entry(tmp_path / "long.bin", headed=True) is None
     os.mkfifo(tmp_path / "fifo.bin")  # refused without blocking
-    assert executables._read_entry(tmp_path / "fifo.bin") is None
-    (tmp_path / "short.bin").write_bytes(executables._EXEC_MAGIC + b"0" * 10)
-    assert executables._read_entry(tmp_path / "short.bin") is None
+    assert entries.read_entry(tmp_path / "fifo.bin") is None
+    (tmp_path / "short.bin").write_bytes(entries.MAGIC + b"0" * 10)
+    assert entries.read_entry(tmp_path / "short.bin") is None
 
 
 def test_an_executable_from_jaxs_cache_is_stored_only_if_it_runs_reloaded(
@@ -194,7 +192,7 @@ def test_a_stored_executable_that_fails_when_called_is_compiled_again(
     hit.predict(x)  # a compile that JAX's persistent cache answered
     exe = hit._flat.executable(x)
     payload, _, _ = serialize_executable.serialize(exe)
-    executables._write_entry(entry.parent, entry, payload)  # as the unproved store wrote it
+    entries.write_entry(entry.parent, entry, payload)  # as the unproved store wrote it
     impl = _load(model_dir, cache, monkeypatch)
     np.testing.assert_array_equal(impl.predict(x), expected)
     if impl._flat.compiles == 1:  # the planted entry failed when called: dropped, compiled

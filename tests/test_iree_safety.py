@@ -260,6 +260,48 @@ def test_cache_entry_of_another_key_is_not_run(doubling, tmp_path, caplog):
     assert any("recompil" in r.getMessage() for r in caplog.records)
 
 
+def test_cache_entry_forged_for_another_key_is_not_run(doubling, tmp_path, caplog):
+    """Another module's intact entry with its header rewritten for this key (the key, size and
+    sha256 all consistent, as anyone who can write the cache directory can make them): the
+    HMAC under this user's secret does not verify, so it is recompiled, never run."""
+    import json
+
+    data, _ = doubling
+    cache = tmp_path / "cache"
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    loader.build(data, {}, source="doubling", iree_cache=str(cache))
+    (entry,) = [p for p in cache.iterdir() if p.suffix == compiler.ENTRY_SUFFIX]
+    key = entry.name[: -len(compiler.ENTRY_SUFFIX)]
+    triple = jax.export.export(jax.jit(lambda x: x * 3))(
+        jax.ShapeDtypeStruct((jax.export.symbolic_shape("b")[0], 3), jnp.float32)
+    )
+    loader.build(triple.serialize(), {}, source="triple", iree_cache=str(cache))
+    (tentry,) = [p for p in cache.iterdir() if p.suffix == compiler.ENTRY_SUFFIX and p != entry]
+    raw = tentry.read_bytes()
+    end = raw.index(b"\n", len(compiler.ENTRY_MAGIC))
+    header = json.loads(raw[len(compiler.ENTRY_MAGIC) : end])
+    header["key"] = key  # the x*3 module, its header claiming the x*2 key
+    entry.write_bytes(compiler.ENTRY_MAGIC + json.dumps(header).encode() + raw[end:])
+    with caplog.at_level("WARNING", logger="jaxexp_mlflow"):
+        y = loader.build(data, {}, source="doubling", iree_cache=str(cache))(x)
+    np.testing.assert_array_equal(y, x * 2)
+    assert any("recompil" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_entry_of_another_machine_is_not_run(doubling, tmp_path, monkeypatch, caplog):
+    """A cache copied from another machine: its entries were signed with another secret."""
+    data, _ = doubling
+    cache = tmp_path / "cache"
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "other-machine"))
+    loader.build(data, {}, source="doubling", iree_cache=str(cache))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "this-machine"))
+    with caplog.at_level("WARNING", logger="jaxexp_mlflow"):
+        y = loader.build(data, {}, source="doubling", iree_cache=str(cache))(x)
+    np.testing.assert_array_equal(y, x * 2)
+    assert any("HMAC" in r.getMessage() for r in caplog.records)
+
+
 # -- compile fallback (issue 24, point 4): speed flags by default, base flags if they fail ------
 
 

@@ -21,6 +21,10 @@ Settings, first match wins (as ``runtime.cache`` for JAX's cache):
 2. the environment variable ``JAXEXP_IREE_CACHE`` (``0``/``off`` turns it off, else a directory);
 3. ``$XDG_CACHE_HOME/jaxexp-mlflow/iree`` (``~/.cache/jaxexp-mlflow/iree``).
 
+A directory must be absolute (a relative one is refused, never resolved against the working
+directory). Every entry carries an HMAC under this user's secret (``runtime/cache_auth.py``):
+one planted, renamed or copied from another machine is discarded and compiled again.
+
 Flags: ``--iree-input-demote-f64-to-f32=false`` keeps float64 (IREE demotes it by default);
 ``--iree-llvmcpu-target-cpu=host`` uses the CPU's vector units; by default also ``SPEED_FLAGS``
 (matmul operands packed to the CPU's tile layout, IREE's mmt4d kernels: large batches ~2x
@@ -54,6 +58,7 @@ from typing import Any
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.iree import specialize
 from jaxexp_mlflow.runtime import cache as cache_settings
+from jaxexp_mlflow.runtime import cache_auth
 
 _logger = logging.getLogger(__name__)
 
@@ -284,7 +289,7 @@ def _attr_list(op: Any, name: str, n: int) -> list[str]:
 
 
 #: First line of every cache entry; a new format gets a new line (old entries are not read).
-ENTRY_MAGIC = b"jaxexp-mlflow iree cache entry 1\n"
+ENTRY_MAGIC = b"jaxexp-mlflow iree cache entry 2\n"
 ENTRY_SUFFIX = ".entry"
 _MAX_HEADER = 4096
 
@@ -294,8 +299,21 @@ class _Damaged(Exception):
 
 
 def pack_entry(key: str, vmfb: bytes) -> bytes:
-    """The bytes of the cache entry of ``vmfb`` under ``key`` (header, then the ``.vmfb``)."""
-    header = {"key": key, "sha256": hashlib.sha256(vmfb).hexdigest(), "size": len(vmfb)}
+    """The bytes of the cache entry of ``vmfb`` under ``key`` (header, then the ``.vmfb``).
+
+    A ``.vmfb`` holds native code that the IREE runtime loads: the header records an HMAC of
+    the entry's file name and module under this user's secret (``runtime/cache_auth.py``), so
+    only an entry this user's process wrote for this key is ever loaded. ``OSError`` without a
+    usable secret."""
+    mac = cache_auth.tag(f"{key}{ENTRY_SUFFIX}", bytes(vmfb))
+    if mac is None:
+        raise PermissionError(f"no usable cache key ({cache_auth.key_path()})")
+    header = {
+        "key": key,
+        "sha256": hashlib.sha256(vmfb).hexdigest(),
+        "size": len(vmfb),
+        "hmac": mac,
+    }
     return ENTRY_MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + bytes(vmfb)
 
 
@@ -320,6 +338,11 @@ def unpack_entry(raw: bytes, key: str) -> memoryview:
     found = hashlib.sha256(payload).hexdigest()
     if header.get("sha256") != found:
         raise _Damaged(f"expected sha256 {header.get('sha256')}, found {found}")
+    mac = cache_auth.signer(f"{key}{ENTRY_SUFFIX}")
+    if mac is not None:
+        mac.update(payload)
+    if not isinstance(header.get("hmac"), str) or not cache_auth.matches(mac, header["hmac"]):
+        raise _Damaged("no valid HMAC of this user's cache key: not written here for this key")
     return payload
 
 
@@ -424,6 +447,8 @@ def compiled(
     last one raised (``IncompatibleError``).
     """
     directory = cache_settings.resolve(cache, env_var=ENV_VAR, kind="iree")
+    if directory is not None and cache_auth.secret() is None:
+        directory = None  # entries could be neither authenticated nor signed: no cache
     plans = attempts(flags, entry)
     for n, (plan_flags, plan_entry) in enumerate(plans, 1):
         key = cache_key(module, plan_flags, plan_entry)

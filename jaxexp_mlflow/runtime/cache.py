@@ -11,12 +11,21 @@ Settings, first match wins:
    ``1``/``on``/``true`` uses the default directory, anything else is a directory;
 3. the default directory ``$XDG_CACHE_HOME/jaxexp-mlflow/xla`` (``~/.cache/jaxexp-mlflow/xla``).
 
-A cache directory the user already gave JAX (``jax.config.update("jax_compilation_cache_dir",
-...)`` or ``JAX_COMPILATION_CACHE_DIR``) is always kept. Nothing happens at import time: the
-loader calls ``configure`` before it compiles anything.
+A directory must be absolute (``~`` is expanded): a relative one is refused, never resolved
+against the working directory. A model directory can only turn the cache off (MLmodel
+``serving.compilation_cache: false``), never point it somewhere (``store/section.py``).
+
+JAX reads the executables of its persistent cache without authenticating them, so we enable it
+only in a directory that only this user can write: made with mode 0700 when absent, else owned
+by this user and neither group- nor other-writable; any other directory turns the cache off with
+a warning. A cache directory the user already gave JAX (``jax.config.update(
+"jax_compilation_cache_dir", ...)`` or ``JAX_COMPILATION_CACHE_DIR``) is always kept: JAX
+trusts it because the user chose it. Nothing happens at import time: the loader calls
+``configure`` before it compiles anything.
 
 Next to JAX's entries, ``runtime/executables.py`` keeps each compiled bucket of a pyfunc model
-under a key of what determines it (subdirectory ``jaxexp-executables``).
+under a key of what determines it (subdirectory ``jaxexp-executables``), authenticated with this
+user's secret (``runtime/cache_auth.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +34,10 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
+
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+from jaxexp_mlflow.errors import JaxExpError
 
 _logger = logging.getLogger(__name__)
 
@@ -43,20 +56,69 @@ def default_cache_dir(kind: str = "xla") -> Path:
     return Path(base, "jaxexp-mlflow", kind)
 
 
+class CacheSettingError(JaxExpError):
+    """A compilation cache setting that names no usable directory (a relative path, a number)."""
+
+    default_code = INVALID_PARAMETER_VALUE
+
+
 def resolve(setting: Any = None, *, env_var: str = ENV_VAR, kind: str = "xla") -> Path | None:
-    """The cache directory to use (None when off) for a model_config value and the env."""
+    """The cache directory to use (None when off) for a model_config value and the env.
+
+    Only typed values are taken: ``None`` (the env var, else the default), ``True``/``False``,
+    or a string (``0``/``off``/... and ``1``/``on``/... as in the module docstring, else a
+    directory). A directory must be absolute once ``~`` is expanded: a relative one would be
+    resolved against the working directory, which may be a model directory.
+
+    Raises:
+        CacheSettingError: another type, or a relative directory.
+    """
+    option = "iree_cache" if kind == "iree" else "compilation_cache"
+    where = f"model_config {option}" if setting is not None else env_var
     if setting is None:
         setting = os.environ.get(env_var)
     if setting is None or setting is True:
         return default_cache_dir(kind)
     if setting is False:
         return None
-    text = str(setting).strip()
+    if not isinstance(setting, (str, os.PathLike)):
+        raise CacheSettingError(
+            f"{where}: expected false, true or an absolute directory, found a "
+            f"{type(setting).__name__} ({setting!r:.40}). Pass a directory as a string, or false."
+        )
+    text = os.fspath(setting).strip()
     if text.lower() in _OFF:
         return None
     if text.lower() in _ON:
         return default_cache_dir(kind)
-    return Path(os.path.expanduser(text))
+    directory = Path(os.path.expanduser(text))
+    if not directory.is_absolute():
+        raise CacheSettingError(
+            f"{where}: expected an absolute directory, found the relative path {text!r:.200}, "
+            "which would be resolved against the working directory (a model directory, it may "
+            "be). Give an absolute path (or ~/...), or 0/off to turn the cache off."
+        )
+    return directory
+
+
+def private_dir(directory: Path, *, create: bool = True) -> bool:
+    """Whether ``directory`` is one only this user can write: a real directory (no symbolic
+    link) owned by this user, neither group- nor other-writable; ``create``: made (mode 0700)
+    when absent. JAX's persistent cache reads executables from it without authenticating
+    them, so it is enabled only in such a directory."""
+    import stat
+
+    if create and not os.path.lexists(directory):
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            return False
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return False
+    mine = not hasattr(os, "getuid") or st.st_uid == os.getuid()
+    return stat.S_ISDIR(st.st_mode) and mine and not st.st_mode & 0o022
 
 
 def configure(setting: Any = None) -> str | None:
@@ -64,7 +126,11 @@ def configure(setting: Any = None) -> str | None:
 
     Returns the cache directory in use, or None when the cache is off. Call it before the
     first compilation of the process; a cache JAX already initialised without a directory is
-    reset so the directory takes effect.
+    reset so the directory takes effect. A directory others could write (:func:`private_dir`)
+    leaves the cache off, with a warning.
+
+    Raises:
+        CacheSettingError: ``setting`` (or the env var) is a relative directory or no flag.
     """
     global _configured
     import jax
@@ -81,10 +147,16 @@ def configure(setting: Any = None) -> str | None:
         return None
     if _configured == str(directory):
         return _configured
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        _logger.warning("jaxexp: compilation cache disabled, cannot create %s: %s", directory, err)
+    if not private_dir(directory):
+        _logger.warning(
+            "jaxexp: compilation cache off: %s is not a directory of this user that only this "
+            "user can write (JAX would run executables others put there); chmod 700 it, or "
+            "choose another directory",
+            directory,
+        )
+        if _configured:
+            jax.config.update("jax_compilation_cache_dir", None)
+            _reset()
         _configured = ""
         return None
     jax.config.update("jax_compilation_cache_dir", str(directory))

@@ -6,10 +6,10 @@ dialects), then reads the executable. ``Executables`` keys each compiled bucket 
 determines the lowering instead (the verified blob digest, the MLmodel section, the wrapper's
 code, argument avals, JAX/XLA versions, flags and config, the host CPU), so a process that
 finds its entry loads the executable without lowering. Entries live in the subdirectory
-``jaxexp-executables`` of the compilation cache directory in use (local directories only), are
-written atomically with a sha256 of their payload and are read only when owned by this user:
-the directory is trusted like JAX's own cache (an executable is machine code), the model
-directory never is.
+``jaxexp-executables`` of the compilation cache directory in use (local, absolute directories
+only), in the format of ``runtime/entries.py``: authenticated with this user's secret, so an
+entry runs only if a process of this user wrote it under that very name; the model directory
+never chooses where they live.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow.runtime import entries
 from jaxexp_mlflow.runtime.cache import host_cpu
+from jaxexp_mlflow.runtime.capacity import (  # noqa: F401  (their home before)
+    DEFAULT_MAX_SHAPES,
+    ENV_MAX_SHAPES,
+    max_shapes,
+    release_freed_memory,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -39,9 +46,7 @@ STORABLE_CUSTOM_CALLS = frozenset(
     }
 )
 EXEC_SUBDIR = "jaxexp-executables"
-EXEC_MAX_ENTRIES = 256
-EXEC_MAX_BYTES = 1 << 30
-_EXEC_MAGIC = b"jaxexp-executable-1\n"
+EXEC_MAX_ENTRIES = entries.MAX_ENTRIES
 
 
 def executable_dir() -> Path | None:
@@ -52,7 +57,10 @@ def executable_dir() -> Path | None:
     current = jax.config.values.get("jax_compilation_cache_dir")
     if not current or "://" in str(current):
         return None
-    return Path(os.path.expanduser(str(current)), EXEC_SUBDIR)
+    directory = Path(os.path.expanduser(str(current)))
+    if not directory.is_absolute():  # never a directory of the working directory's choosing
+        return None
+    return directory / EXEC_SUBDIR
 
 
 def environment_key() -> dict[str, Any]:
@@ -86,7 +94,7 @@ def read_executable(digest: str, in_tree: Any, out_tree: Any) -> Any:
     if directory is None:
         return None
     try:
-        entry = _read_entry(_entry_path(directory, digest))
+        entry = entries.read_entry(_entry_path(directory, digest))
     except OSError:
         return None
     if entry is None:
@@ -98,51 +106,6 @@ def read_executable(digest: str, in_tree: Any, out_tree: Any) -> Any:
     except Exception as err:  # a stale or damaged entry: compile instead
         _logger.debug("jaxexp: cached executable %s unusable: %s", digest[:16], err)
         return None
-
-
-def _read_entry(path: Path, headed: bool = False) -> tuple[bytes, bytes] | None:
-    """One entry: a regular file of this user, its sha256 verified; ``(header, payload)``.
-
-    ``headed``: the payload starts with a header of its own (a 4-byte little-endian length, then
-    that many bytes: the lite store's), returned apart. Each part is read into a bytes object
-    of its own (a serialized executable must be one for jaxlib), so a 7.5 MB entry costs one
-    allocation of its size, not three copies (a fresh process pays each in new pages: 19-53 ->
-    9-13 ms for the transformer of the ONNX comparison). ``header`` is ``b""`` otherwise."""
-    import hashlib
-    import stat
-
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # no link, no FIFO wait
-    fd = os.open(path, flags)
-    try:
-        st = os.fstat(fd)
-        mine = not hasattr(os, "getuid") or st.st_uid == os.getuid()
-        if not stat.S_ISREG(st.st_mode) or not mine or st.st_size > EXEC_MAX_BYTES:
-            return None
-        head = len(_EXEC_MAGIC) + 64
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            lead = fh.read(head)
-            if len(lead) < head or not lead.startswith(_EXEC_MAGIC):
-                return None
-            digest, header, left = hashlib.sha256(), b"", st.st_size - head
-            if headed:
-                size = fh.read(4)
-                n = int.from_bytes(size, "little")
-                if len(size) < 4 or n > left - 4:
-                    return None
-                header = fh.read(n)
-                digest.update(size)
-                digest.update(header)
-                left -= 4 + n
-            payload = fh.read(left)  # one bytes object of the stated size
-            if len(payload) != left or fh.read(1):  # the file changed size meanwhile
-                return None
-    finally:
-        os.close(fd)
-    digest.update(payload)
-    if digest.hexdigest().encode() != lead[len(_EXEC_MAGIC) :]:
-        return None
-    return header, payload
 
 
 def write_executable(
@@ -174,7 +137,8 @@ def write_executable(
             same, why = False, str(err).splitlines()[0][:200] if str(err) else repr(err)
         if same:
             try:
-                _write_entry(directory, _entry_path(directory, digest), payload)
+                entries.write_entry(directory, _entry_path(directory, digest), payload)
+                entries.prune(directory, "*.bin", EXEC_MAX_ENTRIES)
             except OSError as err:  # e.g. a full disk
                 _logger.debug("jaxexp: executable %s not stored: %s", digest[:16], err)
                 return False
@@ -275,89 +239,6 @@ def _same_outputs(a: Any, b: Any) -> bool:
         x, y = np.asarray(x), np.asarray(y)
         if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
             return False
-    return True
-
-
-def _write_entry(directory: Path, path: Path, payload: bytes, header: bytes | None = None) -> None:
-    """Store ``payload`` at ``path`` atomically, after the magic and the sha256 of what follows;
-    ``header``: written before the payload, framed as :func:`_read_entry` ``headed=True`` reads
-    it (its 4-byte little-endian length first). The parts are written as they are, not joined."""
-    import hashlib
-    import tempfile
-
-    parts = [payload] if header is None else [len(header).to_bytes(4, "little"), header, payload]
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(_EXEC_MAGIC + digest.hexdigest().encode())
-            for part in parts:
-                fh.write(part)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _prune(directory)
-
-
-def _prune(directory: Path) -> None:
-    """Keep the newest ``EXEC_MAX_ENTRIES`` entries; drop writes left half done an hour ago
-    (a process killed while storing)."""
-    import time
-
-    for tmp in directory.glob(".tmp-*"):
-        try:
-            if tmp.is_file() and time.time() - tmp.stat().st_mtime > 3600:
-                tmp.unlink()
-        except OSError:
-            pass
-    entries = [p for p in directory.glob("*.bin") if p.is_file()]
-    if len(entries) <= EXEC_MAX_ENTRIES:
-        return
-    entries.sort(key=lambda p: p.stat().st_mtime)
-    for old in entries[: len(entries) - EXEC_MAX_ENTRIES]:
-        old.unlink(missing_ok=True)
-
-
-ENV_MAX_SHAPES = "JAXEXP_MAX_SHAPES"
-#: compiled input shapes kept per model in memory (least recently used evicted): a model with a
-#: symbolic dimension besides the batch (``[b, t]``) compiles one executable per new ``t``
-DEFAULT_MAX_SHAPES = 64
-
-
-def max_shapes(at_least: int = 0) -> int:
-    """How many compiled shapes a model keeps in memory: ``JAXEXP_MAX_SHAPES`` (default 64),
-    never fewer than ``at_least`` (its buckets)."""
-    value = int(os.environ.get(ENV_MAX_SHAPES, DEFAULT_MAX_SHAPES))
-    return max(value, int(at_least), 1)
-
-
-_TRIM: Any = None
-
-
-def release_freed_memory() -> bool:
-    """Hand memory freed by evicted executables back to the system (glibc's ``malloc_trim``).
-
-    XLA's compiler allocates from several malloc arenas; what an evicted executable frees stays
-    in them, so without a trim a process that keeps 64 executables still grows by ~1.7 MiB per
-    compile (measured: 200 compiles of a ``[b, t]`` model, +340 MiB either way; after a trim,
-    +59 MiB for the 64 kept). Returns whether a trim ran (False off glibc).
-    """
-    global _TRIM
-    if _TRIM is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _TRIM = False
-    if not _TRIM:
-        return False
-    _TRIM(0)
     return True
 
 

@@ -12,9 +12,10 @@ jax's configuration can only come from those variables in a process that had not
 before the model loaded, and only such a process writes entries (``serving/lite_pyfunc.py``).
 
 Entries live in the subdirectory ``jaxexp-lite`` of the compilation cache directory a fresh
-process would use (``JAX_COMPILATION_CACHE_DIR``, else ``runtime/cache.resolve``), written like
-the executable store's (atomically, a sha256 over the payload, read only when owned by this
-user): an executable is machine code, trusted like JAX's own cache; the model directory never is.
+process would use (``JAX_COMPILATION_CACHE_DIR``, else ``runtime/cache.resolve``), in the
+executable store's format (``runtime/entries.py``): authenticated with this user's secret under
+the entry's name, so an entry runs only if a process of this user wrote it for this very key; a
+planted, renamed or copied one is compiled again. The model directory never chooses the place.
 Nothing here imports jax.
 """
 
@@ -47,11 +48,17 @@ def max_param_bytes() -> int:
 def lite_dir(setting: Any = None) -> Path | None:
     """Where lite entries live for the pyfunc ``compilation_cache`` setting, as a process that
     has not imported jax would configure it (None: cache off, or remote)."""
-    from jaxexp_mlflow.runtime.cache import resolve
+    from jaxexp_mlflow.runtime.cache import private_dir, resolve
 
     current = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    directory = Path(os.path.expanduser(current)) if current else resolve(setting)
-    if directory is None or "://" in str(directory):
+    if current:  # the user's own choice for JAX, kept as configure keeps it
+        directory = Path(os.path.expanduser(current))
+        if "://" in current or not directory.is_absolute():
+            return None
+        return directory / LITE_SUBDIR
+    directory = resolve(setting)
+    # configure enables the cache in such a directory only (made there when absent)
+    if directory is None or not private_dir(directory, create=False):
         return None
     return directory / LITE_SUBDIR
 
@@ -129,23 +136,19 @@ def has_entry(directory: Path, key: str) -> bool:
 
 def write_entry(directory: Path, key: str, header: dict[str, Any], payload: bytes) -> None:
     """Store ``payload`` (a serialized executable) and its ``header`` under ``key``."""
-    from jaxexp_mlflow.runtime.executables import _write_entry
+    from jaxexp_mlflow.runtime import entries
 
     head = json.dumps(header, sort_keys=True).encode()
-    _write_entry(directory, _path(directory, key), payload, header=head)
-    entries = [p for p in directory.glob("*.lite") if p.is_file()]
-    if len(entries) > MAX_ENTRIES:  # the oldest go first
-        entries.sort(key=lambda p: p.stat().st_mtime)
-        for old in entries[: len(entries) - MAX_ENTRIES]:
-            old.unlink(missing_ok=True)
+    entries.write_entry(directory, _path(directory, key), payload, header=head)
+    entries.prune(directory, "*.lite", MAX_ENTRIES)  # the oldest go first
 
 
 def read_entry(directory: Path, key: str) -> tuple[dict[str, Any], bytes] | None:
     """The header and payload stored under ``key``; None when absent, not ours or damaged."""
-    from jaxexp_mlflow.runtime.executables import _read_entry
+    from jaxexp_mlflow.runtime.entries import read_entry as read_checked
 
     try:
-        entry = _read_entry(_path(directory, key), headed=True)
+        entry = read_checked(_path(directory, key), headed=True)
     except OSError:
         return None
     if entry is None:

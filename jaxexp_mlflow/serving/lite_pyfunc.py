@@ -193,7 +193,8 @@ class LitePyfunc:
             if exe is not None or self._full is not None:  # loaded through jax meanwhile
                 return exe
             entry = lite.read_entry(*where)
-            if entry is None:
+            if entry is None:  # not ours (no valid HMAC), damaged: through jax, then rewritten
+                self._found.pop(size, None)
                 return None
             header, payload = entry
             if header.get("output") != [list(shape), str(dtype)]:
@@ -415,8 +416,9 @@ class LiteWriter:
         if directory is None or self._identity is None:
             return False
         key = self._key(x)
-        if lite.has_entry(directory, key):
+        if lite.read_entry(directory, key) is not None:
             return False  # stored already (e.g. by the process before, whose lite path it left)
+        # an entry that does not verify (planted, renamed, another machine's) is replaced
         # named after this entry, so that only an earlier compile of this very entry can come
         # from JAX's cache (whose executables run no more once reloaded); if one does, it is
         # compiled once more under a name of its own (executables.jit_named)

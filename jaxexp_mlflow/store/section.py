@@ -603,12 +603,14 @@ def _validate(conf: Any) -> None:
     _int(serving, "max_request_bytes", 1, MAX_REQUEST_BYTES, field="serving.max_request_bytes")
     _sizes(serving.get("buckets"), "serving.buckets")
     _sizes(serving.get("precompile"), "serving.precompile")
-    if serving.get("compilation_cache") not in (None, False, "off", "none", "0"):
-        # JAX loads compiled executables from that directory: a model must not choose it
+    cache = serving.get("compilation_cache")  # exact types: 0.0 == False, but "0.0" is a path
+    off = cache is None or cache is False or (type(cache) is str and cache in ("off", "none", "0"))
+    if not off:
+        # JAX loads compiled executables from that directory: a model may turn it off only
         raise _bad(
             "serving.compilation_cache",
-            "no directory (the cache location is the server's choice: model_config or "
-            "JAXEXP_COMPILATION_CACHE)",
-            serving.get("compilation_cache"),
+            "false or 'off' (a model may turn the cache off; where it lives is the server's "
+            "choice: model_config or JAXEXP_COMPILATION_CACHE)",
+            cache,
         )
     _io(conf.get("io"))
