@@ -12,11 +12,7 @@ import importlib
 import sys
 from typing import Any
 
-from jaxexp_mlflow._moved import install as _install_moved_paths
-
 __version__ = "0.1.0"
-
-_install_moved_paths()  # the old module paths, as deprecated aliases
 
 if "mlflow" in sys.modules:
     from jaxexp_mlflow.mlflow_plugin import install_mlflow_module

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up the test environments from scratch and run the tests (what CI runs via .ci/run):
 #  - main   (.venv):        Python 3.11, the frozen stack (jax/jaxlib 0.10.2, mlflow 3.17.2),
-#                           the whole default suite, then the Spark standalone-cluster test;
+#                           the whole default suite, the Spark standalone-cluster test, then the
+#                           built artifacts (sdist and wheel checked, the wheel installed in a
+#                           clean venv, the README's quickstart run from it);
 #  - newest (.venv-newest): Python 3.13 (scripts/python313.sh finds or makes one) with the newest
 #                           jax, jaxlib, mlflow and orbax-checkpoint the registry serves, resolved
 #                           now: the canary, red the day a release breaks us; the whole default suite,
@@ -9,9 +11,8 @@
 #  - oldest (.venv-oldest): the oldest supported jax (0.6.2), the flavor and params tests.
 # Every stage runs even if an earlier one failed; the script fails if any did.
 # The newest stage runs beside main then oldest (two jobs on two cores: most of a test's time is
-# a fresh interpreter, a server start-up or a compile of one thread; measured: 2026-11-26, the
-# README's table); each stage's output goes to .ci-logs/<stage>.log and is printed whole when
-# the stage ends. JAXEXP_PARALLEL=0 runs the stages one after the other, printing as they go.
+# a fresh interpreter, a server start-up or a compile of one thread; CONTRIBUTING.md, "Tests");
+# each stage's output goes to .ci-logs/<stage>.log and is printed whole when the stage ends. JAXEXP_PARALLEL=0 runs the stages one after the other, printing as they go.
 # Usage: bash scripts/test.sh [pytest args...]
 #   JAXEXP_STAGES="main newest oldest" picks stages; JAXEXP_SKIP_OLDEST=1 drops the last one.
 set -euo pipefail
@@ -26,8 +27,42 @@ export JAXEXP_STRICT_PRIVATE=${JAXEXP_STRICT_PRIVATE:-1}
 setup() {  # setup <python> <venv> <pip args...>
   local py=$1 venv=$2; shift 2
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip
+  # pip >= 25.1 installs PEP 735 dependency groups (--group)
+  "$venv/bin/python" -m pip install -q --upgrade "pip>=25.1"
   "$venv/bin/python" -m pip install -q "$@"
+}
+
+artifacts() {  # artifacts <venv>: build the sdist and wheel with <venv>'s tools (the `release`
+  # group), check them, install the wheel alone in a clean venv (no checkout on sys.path, no
+  # system site-packages; pip's cache reused) and run the README's quickstart from it
+  local venv=$1 root=$PWD dist=$PWD/dist clean=$PWD/.venv-wheel tmp rc=0
+  echo "== built artifacts: sdist, wheel, the README's quickstart from the wheel"
+  rm -rf "$dist" "$clean"
+  "$venv/bin/python" -m build --outdir "$dist" . >"$LOGS/build.log" 2>&1 \
+    || { tail -40 "$LOGS/build.log"; return 1; }
+  "$venv/bin/twine" check --strict "$dist"/* || return $?
+  "$venv/bin/python" - "$dist" <<'PYEOF' || return $?
+import sys, tarfile, zipfile
+from pathlib import Path
+dist = Path(sys.argv[1])
+(wheel,), (sdist,) = dist.glob("*.whl"), dist.glob("*.tar.gz")
+names = zipfile.ZipFile(wheel).namelist()
+for want in (".dist-info/licenses/LICENSE", "jaxexp_mlflow/py.typed", "jaxexp_mlflow/data/"):
+    assert any(want in n for n in names), f"{wheel.name} lacks {want}"
+top = sdist.name[: -len(".tar.gz")]
+members = set(tarfile.open(sdist).getnames())
+for want in ("LICENSE", "README.md", "pyproject.toml", "jaxexp_mlflow/py.typed"):
+    assert f"{top}/{want}" in members, f"{sdist.name} lacks {want}"
+print(f"  {wheel.name} and {sdist.name} hold LICENSE and py.typed")
+PYEOF
+  "$venv/bin/python" -m venv "$clean" || return $?
+  "$clean/bin/python" -m pip install -q "$dist"/*.whl "jax==0.10.2" "jaxlib==0.10.2" \
+    "mlflow==3.17.2" || return $?
+  tmp=$(mktemp -d)
+  (cd "$tmp" && env -u PYTHONPATH -u MLFLOW_TRACKING_URI "$clean/bin/python" \
+    "$root/scripts/readme_quickstart.py" "$root/README.md" --installed) || rc=$?
+  rm -rf "$tmp"
+  return "$rc"
 }
 
 versions() {  # versions <venv>: what the stage resolved, for the log
@@ -45,8 +80,8 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
   case $s in
     main)
       echo "== stage main: Python 3.11 + the frozen stack"
-      setup "$PY" .venv -e ".[test,iree,spark]" "jax==0.10.2" "jaxlib==0.10.2" "mlflow==3.17.2" \
-        || return $?
+      setup "$PY" .venv -e ".[test,iree,spark]" --group test "jax==0.10.2" "jaxlib==0.10.2" \
+        "mlflow==3.17.2" || return $?
       versions .venv || return $?
       rc=0
       .venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts || rc=$?
@@ -57,6 +92,10 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
       if [ $# -eq 0 ] && command -v java >/dev/null; then
         PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -q -p no:cacheprovider -m slow \
           tests/test_spark_cluster.py || rc=$?
+      fi
+      # what a user installs: the built sdist and wheel, checked and run outside the checkout
+      if [ $# -eq 0 ]; then
+        artifacts .venv || rc=$?
       fi
       return "$rc"
       ;;
@@ -76,8 +115,8 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
       ;;
     newest-here)  # the newest stage, with $PYTHON a CPython 3.13
       venv=${JAXEXP_NEWEST_VENV:-.venv-newest}
-      setup "$PY" "$venv" --upgrade -e ".[test,iree]" jax jaxlib mlflow orbax-checkpoint \
-        || return $?
+      setup "$PY" "$venv" --upgrade -e ".[test,iree]" --group test jax jaxlib mlflow \
+        orbax-checkpoint || return $?
       versions "$venv" || return $?
       # installing the package into this environment (newest jax) changes no JAX version
       "$venv/bin/python" -m pip install -q --dry-run --report "$venv/install-report.json" -e . \

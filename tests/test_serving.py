@@ -406,7 +406,7 @@ def test_serve_in_fresh_virtualenv(tmp_path):
             env={k: v for k, v in env.items() if k != "PYTHONPATH"},
         )
         version, where = found.stdout.split()
-        assert found.returncode == 0 and version == "0.1.0", found
+        assert found.returncode == 0 and version == jaxexp_mlflow.__version__, found
         assert where.startswith(env_dir.group(1)), where  # the env's own copy, not the checkout
     finally:
         stop_server(proc)

@@ -159,7 +159,7 @@ def test_stalled_bodies_are_dropped_and_free_the_budget(served):
 
 _DEADLINE_CHILD = """
 import json, sys, time
-from jaxexp_mlflow.flavors import server, serving_guard
+from jaxexp_mlflow.serving import server, serving_guard
 _, impl = server.load(sys.argv[1], {"buckets": [1, 2], "precompile": False})
 body = json.dumps({"inputs": [[0.5] * 8] * 64}).encode()
 calls = []

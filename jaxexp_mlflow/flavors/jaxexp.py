@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -17,10 +16,10 @@ from typing import Any
 
 from mlflow import pyfunc
 from mlflow.models import Model, ModelInputExample, ModelSignature
-from mlflow.models.model import MLMODEL_FILE_NAME, ModelInfo
+from mlflow.models.model import ModelInfo
 from mlflow.utils.file_utils import write_to
 
-from jaxexp_mlflow.errors import ArtifactError
+from jaxexp_mlflow.flavors.staged import StagedFlavor
 from jaxexp_mlflow.internals import mlflow_private
 from jaxexp_mlflow.mlflow_plugin import install_mlflow_module
 from jaxexp_mlflow.runtime.backend import _check_backend
@@ -93,41 +92,50 @@ def save_model(
 ) -> None:
     """Save a JAX model to ``path`` as an MLflow model with the ``jaxexp`` and pyfunc flavors.
 
-    ``exported`` is a ``jax.export.Exported``, the bytes of a serialized one (stored unchanged),
-    or a jitted function ``fn(params, *inputs)`` that is exported here against ``params`` and
-    ``input_example`` (leading dimensions symbolic unless ``batch_polymorphic=False``; for
-    ``platforms`` given, lowered for each; inputs whose leading sizes differ in the example get
-    one symbol per size, and ``polymorphic_shapes``, ``jax.export``'s shapes specification such
-    as ``("n, ...", "e")``, names them instead: docs/saving.md). ``params`` (a pytree of arrays,
-    or the path of an existing Orbax checkpoint) are stored as an Orbax checkpoint and bound at
-    load time.
-    ``input_example`` is the positional inputs after the params (a tuple for several); it and
-    the outputs computed from it are stored as the model's reference result, and saved as
-    MLflow's input example (``serving_input_example.json``) when JSON can carry it.
-
-    The MLflow signature is inferred from the export (see ``serving.signature`` for the names;
-    ``input_names``/``output_names`` rename the leaves); a ``signature`` given here must agree
-    with the export, ``signature=False`` stores none. ``serving_config`` is stored in the flavor
-    section as the pyfunc defaults (``buckets``, ``max_batch``, ``precompile``, ``allow_nan``,
-    ``max_request_bytes``; see docs/serving.md). A model carries no Python by default: its
-    requirements name ``jaxexp-mlflow>=`` this version, the loader. ``include_package=True``
-    copies this package into the model's ``code/`` directory instead, for air-gapped archives:
-    MLflow's pyfunc loader (``mlflow.pyfunc.load_model``, ``mlflow models serve``) puts
-    ``code/`` on ``sys.path`` and imports the copy; ``mlflow.jaxexp.load_model`` and the
-    ``jaxexp`` CLI never do. ``classifier`` (``True`` or the list of labels) marks a logits
-    classifier: pyfunc then returns labels, and probabilities with ``params={"predict_method":
-    "predict_proba"}`` (``serving.classifier``).
-
     The save is atomic and checked (docs/saving.md): the model is built in a temporary sibling
-    of ``path``, read back the way ``load_model`` reads it (and run on ``input_example``), and
-    only then renamed to ``path``; on any failure nothing is left at ``path``.
+    of ``path``, read back the way ``load_model`` reads it and run on ``input_example``, and
+    only then renamed to ``path``. A model carries no Python: its requirements name
+    ``jaxexp-mlflow>=`` this version, its loader.
 
-    Bytes this JAX refuses (a blob of jax <= 0.7 under jax >= 0.11.1, old-style HLO shardings,
-    kernels this jaxlib lacks) are saved unchanged through a route (``flavors.save_route``),
-    read back through it and recorded in MLmodel (``jaxexp.route``): ``route=None`` takes
-    ``direct``, else ``expired-flag`` where it applies, and names it in a logged warning;
-    ``route="bridge"``/``"recorded-env"`` (cached venvs) or ``"auto"`` are taken when asked.
-    Without a route that works, ``IncompatibleError`` names the routes and how to ask for them.
+    Args:
+        exported: A ``jax.export.Exported``, the bytes of a serialized one (stored unchanged),
+            or a jitted function ``fn(params, *inputs)``, exported here against ``params`` and
+            ``input_example``.
+        path: The model directory to create; absent or empty.
+        params: The JAX parameters (a pytree of arrays, a Flax or Equinox module, or the path
+            of an Orbax checkpoint), stored as an Orbax checkpoint and bound at load time.
+        vjp_order: Serialize derivatives up to this order.
+        signature: An MLflow signature, which must agree with the export (inferred when None;
+            ``False`` stores none).
+        input_example: The positional inputs after the params (a tuple for several); stored
+            with its outputs as the model's reference result.
+        pip_requirements: Replace the default requirements (MLflow's convention).
+        extra_pip_requirements: Add to the default requirements.
+        metadata: Free-form metadata stored in MLmodel.
+        mlflow_model: The ``mlflow.models.Model`` to add the flavor to.
+        conda_env: A conda environment (dict or path) instead of the requirements.
+        code_paths: Local files or directories copied into the model's ``code/``.
+        batch_polymorphic: Make the leading dimension of every input symbolic when exporting
+            a function (docs/saving.md).
+        platforms: Lower a function for these ``jax.export`` platforms (``"cpu"``, ``"cuda"``,
+            ``"rocm"``, ``"tpu"``).
+        input_names: Names of the input leaves in the signature.
+        output_names: Names of the output leaves in the signature.
+        serving_config: Pyfunc defaults stored with the model (``buckets``, ``max_batch``,
+            ``precompile``, ``allow_nan``, ``max_request_bytes``; docs/serving.md).
+        include_package: Copy this package into the model's ``code/`` for air-gapped archives
+            (used by MLflow's pyfunc loader only) instead of requiring it.
+        classifier: ``True`` or the list of labels: pyfunc returns labels of the logits.
+        polymorphic_shapes: ``jax.export``'s shapes specification for the inputs, such as
+            ``("n, ...", "e")``.
+        **kwargs: ``compression`` of the params, and ``route`` for bytes this JAX refuses
+            (``"expired-flag"``, ``"bridge"``, ``"recorded-env"`` or ``"auto"``;
+            ``flavors/save_route.py``).
+
+    Raises:
+        UnsupportedModelError: An option of ``load_model`` or an export that cannot be saved.
+        IncompatibleError: Bytes this JAX refuses, without a route that works.
+        SaveConflictError: Another save published a model at ``path`` first.
     """
     from jaxexp_mlflow.store import atomic
 
@@ -366,15 +374,41 @@ def log_model(
     artifact_path: str | None = None,
     **kwargs: Any,
 ) -> ModelInfo:
-    """Log a JAX model to the current MLflow run (or ``run_id=``) and return its ``ModelInfo``.
+    """Log a JAX model to the current MLflow run (or ``run_id=``).
 
-    Takes what ``save_model`` takes. ``params`` are the JAX parameters bound to the function;
-    MLflow's own logged-model parameters (``params=`` of other flavors) go in ``mlflow_params``;
-    the JAX facts of the export (``jax.*``: versions, platforms, devices, avals, blob size) are
-    added to them, so the MLflow UI shows them on the logged model's page.
-    ``artifact_path`` is a deprecated alias of ``name``. MLflow's own check of the serving input
-    example (a second load and compile) is off by default (``validate_serving_input=True`` turns
-    it on): ``save_model`` already read the model back and ran it (docs/saving.md).
+    Takes what ``save_model`` takes, plus MLflow's logging options. The JAX facts of the export
+    (``jax.*``: versions, platforms, devices, avals, blob size) are added to the logged
+    model's parameters, so the MLflow UI shows them. MLflow's own check of the serving input
+    example is off by default (``validate_serving_input=True`` turns it on): ``save_model``
+    already read the model back and ran it.
+
+    Args:
+        exported: A ``jax.export.Exported``, its serialized bytes, or a jitted function.
+        name: The logged model's name.
+        params: The JAX parameters bound to the function.
+        vjp_order: Serialize derivatives up to this order.
+        signature: An MLflow signature (inferred when None).
+        input_example: The positional inputs after the params.
+        registered_model_name: Register the model under this name.
+        await_registration_for: Seconds to wait for the registered version to be ready.
+        pip_requirements: Replace the default requirements.
+        extra_pip_requirements: Add to the default requirements.
+        conda_env: A conda environment instead of the requirements.
+        code_paths: Local files or directories copied into the model's ``code/``.
+        metadata: Free-form metadata stored in MLmodel.
+        mlflow_params: MLflow's logged-model parameters (``params=`` of other flavors).
+        tags: Tags of the logged model.
+        step: The training step the model belongs to.
+        model_id: Log into this existing logged model.
+        artifact_path: Deprecated alias of ``name``.
+        **kwargs: The other options of ``save_model``, and MLflow's ``run_id``.
+
+    Returns:
+        The ``ModelInfo`` of the logged model (``model_uri`` loads it).
+
+    Raises:
+        UnsupportedModelError: An option of ``load_model`` or an export that cannot be saved.
+        IncompatibleError: Bytes this JAX refuses, without a route that works.
     """
     kwargs.setdefault("validate_serving_input", False)
     if artifact_path is not None:
@@ -387,7 +421,7 @@ def log_model(
     info = Model.log(
         artifact_path=artifact_path,
         name=name,
-        flavor=sys.modules[__name__] if validate else _StagedFlavor,
+        flavor=sys.modules[__name__] if validate else StagedFlavor,
         validate_serving_input=validate,
         exported=exported,
         _jax_params=params,
@@ -413,69 +447,6 @@ def log_model(
     return info
 
 
-class _StagedFlavor:
-    """This flavor as ``Model.log`` sees it when the staging directory is only uploaded.
-
-    The params are written without the final fsync pass (the directory is deleted after the
-    upload). Everything goes up on one pool as soon as it exists (``upload.EarlyUpload``):
-    the ``code/`` copy as soon as it is made, ``params/`` as soon as Orbax has written it
-    (while the read-back runs), then the top-level files; with ``JAXEXP_EARLY_UPLOAD=0``,
-    ``params/`` and ``code/`` go up in parallel after ``save_model`` (``upload.stage_upload``).
-    ``Model.log`` then uploads what is left, ``MLmodel`` last. See docs/remote.md.
-    """
-
-    __name__ = __name__
-
-    #: Left to ``Model.log``: MLmodel (rewritten there) last; the serving example it reads.
-    LEFT_TO_MLFLOW = (MLMODEL_FILE_NAME, "serving_input_example.json")
-
-    @staticmethod
-    def save_model(*, path: str, mlflow_model: Model, **kwargs: Any) -> None:
-        from jaxexp_mlflow.store import artifact
-        from jaxexp_mlflow.store.upload import EarlyUpload, stage_upload
-
-        if not mlflow_model.artifact_path:
-            save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
-            return
-        early = EarlyUpload(mlflow_model.artifact_path, artifact.PARAMS_DIR)
-        params_dir = Path(path, artifact.PARAMS_DIR)
-        try:
-            save_model(
-                path=path,
-                mlflow_model=mlflow_model,
-                durable=False,
-                _dir_ready=early.send_tree,
-                **kwargs,
-            )
-            tops = [
-                p
-                for p in Path(path).iterdir()
-                if p.is_file() and p.name not in _StagedFlavor.LEFT_TO_MLFLOW
-            ]
-            early.send_files(tops)
-            # the rest of params/ and code/ go up while the arrays still do, on the same pool
-            subdirs = [artifact.PARAMS_DIR, "code"]
-            for sub in subdirs:
-                if Path(path, sub).is_dir():
-                    early.send_tree(Path(path, sub), sub)
-            skip = {sub: early.skipped(sub) for sub in subdirs}  # stage_upload: what is left
-            if stage_upload(path, mlflow_model.artifact_path, subdirs, skip=skip):
-                early.finish(params_dir)
-                # up: out of the way, so that Model.log uploads only what is left
-                sent = [Path(path, sub) for sub in subdirs if Path(path, sub).exists()]
-                sent += [p for p in tops if p.name in early.submitted]
-                for p in early.trash(sent):  # could not be moved aside: deleted now
-                    if p.is_dir():
-                        shutil.rmtree(p, ignore_errors=True)
-                    else:
-                        p.unlink()
-        except BaseException:
-            early.close()
-            early.discard()  # no MLmodel will follow: take back what went up
-            raise
-        early.close()
-
-
 def load_model(
     model_uri: str,
     dst_path: str | None = None,
@@ -483,113 +454,90 @@ def load_model(
     allow_incompatible: bool = False,
     backend: str = "jax",
     route: str | None = None,
-    **options: Any,
+    isolate: bool = False,
+    allow_other_platform: bool = False,
+    data_parallel: bool = False,
+    devices: list[Any] | None = None,
+    iree_cache: str | os.PathLike | bool | None = None,
+    iree_driver: str | None = None,
 ) -> Any:
-    """Load a jaxexp model as a callable ``JaxExpModel`` with its params bound.
+    """Load a jaxexp model as a callable with its params bound.
 
-    The model is checked (checksum, format, compatibility verdict) before JAX sees it, placed on
-    the platform and devices at hand, and raises a clear error where it cannot run.
-    ``allow_incompatible=True`` tries anyway after an "incompatible" verdict; ``options`` go to
-    the device placement (see ``runtime.devices.plan``). ``backend="iree"`` compiles the
-    StableHLO module with IREE and runs it without importing JAX (an ``IreeModel``: numpy in and
-    out, not differentiable; ``options``: ``allow_other_platform``, ``iree_cache``).
-    ``route`` is taken as asked, never chosen (``runtime/routes.py``): ``"direct"`` loads it as
-    it is; ``"expired-flag"`` reads a blob jax >= 0.11.1 refuses as expired (schema < 5) with
-    JAX's flag set around the deserialization only, and is refused where it does not apply; the
-    other routes run outside this call (the refusal says how). Every refusal names the routes
-    that work here; ``model.route`` says which one ran.
+    The model is checked (checksum, format, compatibility verdict) before JAX sees it, placed
+    on the platform and devices at hand, and refused with a clear error where it cannot run.
+    Every file is read confined to the model directory, bounded and checked (blob sha256,
+    params CRC-32C; docs/security.md). JAX's own deserializer is native code that trusts the
+    StableHLO module it is given: ``isolate=True`` has it deserialize the module in a capped
+    child process first, as ``jaxexp check`` and ``jaxexp verify`` always do.
 
-    Every file is read confined to the model directory, bounded, and checked (blob sha256,
-    params CRC-32C; docs/security.md). Limit: JAX's own deserializer is native code that trusts
-    the StableHLO module it is given; a damaged module with a consistent checksum can crash
-    this process. ``isolate=True`` has JAX deserialize it in a capped child process first
-    (about a second more), as ``jaxexp check`` and ``jaxexp verify`` always do.
+    Args:
+        model_uri: A local path, ``runs:/``, ``models:/`` or any artifact URI MLflow resolves.
+        dst_path: Where to download a remote model; by default a private temporary directory,
+            removed once the params are loaded.
+        allow_incompatible: Try to load even after an "incompatible" verdict.
+        backend: ``"jax"``, or ``"iree"`` to compile the StableHLO module with IREE and run it
+            without importing JAX (numpy in and out, not differentiable; extra ``[iree]``).
+        route: How to read a blob this JAX refuses, taken as asked and never chosen
+            (``runtime/routes.py``): ``"direct"`` loads it as it is, ``"expired-flag"`` reads a
+            blob jax >= 0.11.1 refuses as expired with JAX's flag set around the
+            deserialization only. JAX backend only. A refusal names the routes that work here;
+            ``model.route`` says which one ran.
+        isolate: Deserialize the blob in a capped child process first (about a second more),
+            so that a module crashing JAX's deserializer is refused. JAX backend only.
+        allow_other_platform: Run on the platform at hand even if the export has no lowering
+            for it.
+        data_parallel: Shard the batch of a one-device export over all local devices. JAX
+            backend only.
+        devices: The devices to run on (default: all of the chosen platform). JAX backend only.
+        iree_cache: Directory of compiled IREE modules, or False for none (default
+            ``$JAXEXP_IREE_CACHE``, else ``~/.cache/jaxexp-mlflow/iree``). IREE backend only.
+        iree_driver: The IREE driver to run on (default: the one for the platform at hand).
+            IREE backend only.
+
+    Returns:
+        A ``JaxExpModel`` (differentiable up to the saved ``vjp_order``) for the JAX backend,
+        an ``IreeModel`` for the IREE backend.
+
+    Raises:
+        ArtifactError: A file is missing, altered, truncated or over its bound.
+        IncompatibleError: The model cannot run here (platform, devices, JAX version, route).
+        ParamsMismatchError: The checkpoint does not match the exported function.
+        UnsupportedModelError: An unknown backend, or an option of the other backend.
     """
-    from jaxexp_mlflow.store.download import download_model
-
     backend = _check_backend(backend)
-    if route is not None:  # taken as asked, never chosen: runtime/routes.py
-        from jaxexp_mlflow.errors import IncompatibleError
-        from jaxexp_mlflow.runtime.routes import check_name
+    jax_only = {"isolate": isolate, "data_parallel": data_parallel, "devices": devices}
+    iree_only = {"iree_cache": iree_cache, "iree_driver": iree_driver}
+    if backend == "iree":
+        if route is not None:
+            from jaxexp_mlflow.errors import IncompatibleError
 
-        if backend == "iree":
             raise IncompatibleError(
                 f"route={route!r} is a route of the JAX backend; backend='iree' is a route of "
                 "its own: pass one of them."
             )
-        options["route"] = check_name(route)
-    # jaxexp is the loader: nothing in a model's code/ is ever imported here, so into a private
-    # temp dir (dst_path=None) it is not even downloaded.
-    skip = ("code",) if dst_path is None else ()
-    download = download_model(model_uri, dst_path, skip=skip)
-    local_path = download.path
-    # Our own private download (mkdtemp, 0700): params may be mapped from the page cache the
-    # download filled instead of copied into new memory, their checksums taken as they landed
-    # (docs/remote.md, "How a model travels").
-    private = download.ours and dst_path is None
-    try:
-        try:
-            return _load_downloaded(
-                local_path, download, private, backend, allow_incompatible, options
-            )
-        except ArtifactError as err:
-            if os.path.exists(model_uri) or os.path.lexists(os.path.join(local_path, "MLmodel")):
-                raise
-            held = sorted(os.listdir(local_path))[:6] if os.path.isdir(local_path) else []
-            raise ArtifactError(
-                f"{model_uri}: expected a model with its MLmodel in the artifact store, found "
-                f"{held or 'nothing'} without one. Its upload was cut off or never finished "
-                "(MLflow leaves such a logged model PENDING or FAILED): log the model again."
-            ) from err
-    except BaseException:
-        if private and download.tmp:  # a refused load leaves nothing of its download behind
-            shutil.rmtree(download.tmp, ignore_errors=True)
-        raise
+        _refuse_options(jax_only, "jax", backend)
+        options = {"allow_other_platform": allow_other_platform, **iree_only}
+    else:
+        _refuse_options(iree_only, "iree", backend)
+        options = {"allow_other_platform": allow_other_platform, **jax_only}
+        if route is not None:  # taken as asked, never chosen: runtime/routes.py
+            from jaxexp_mlflow.runtime.routes import check_name
+
+            options["route"] = check_name(route)
+    from jaxexp_mlflow.flavors.load_path import load
+
+    return load(model_uri, dst_path, backend, allow_incompatible, options)
 
 
-def _load_downloaded(
-    local_path: str,
-    download: Any,
-    private: bool,
-    backend: str | None,
-    allow_incompatible: bool,
-    options: dict[str, Any],
-) -> Any:
-    """``load_model`` once the model is on disk at ``local_path``: its MLmodel read and
-    validated once (``store.model_files``), that one object handed to the loader."""
-    from jaxexp_mlflow.store.model_files import read_model_files
+def _refuse_options(given: dict[str, Any], other: str, backend: str) -> None:
+    """Refuse the options of the ``other`` backend that were set (not at their defaults)."""
+    if wrong := sorted(k for k, v in given.items() if v not in (None, False)):
+        from jaxexp_mlflow.errors import UnsupportedModelError
 
-    # validated (``code`` relative and inside the model, or null); never put on sys.path
-    files = read_model_files(local_path, raw=download.mlmodel if private else None)
-    if backend == "iree":
-        from jaxexp_mlflow.iree.loader import load_directory as load_iree
-
-        return load_iree(
-            local_path,
-            files.flavor,
-            allow_incompatible=allow_incompatible,
-            model_files=files,
-            **options,
+        raise UnsupportedModelError(
+            f"load_model got {wrong}, options of backend={other!r}, with backend={backend!r}: "
+            f"expected none of them; drop them or load with backend={other!r}."
         )
-    from jaxexp_mlflow.runtime import cache
-    from jaxexp_mlflow.runtime.loader import load_directory
-
-    cache.configure()
-    model = load_directory(
-        local_path,
-        files.flavor,
-        allow_incompatible=allow_incompatible,
-        mapped=download.crc32c if private else None,
-        model_files=files,
-        **options,
-    )
-    if private:  # the params are in memory (or mapped: unlinked files live while mapped)
-        from jaxexp_mlflow.store import artifact
-
-        ckpt = artifact.params_dir(local_path, files.flavor)
-        if ckpt is not None and ckpt.resolve() != Path(local_path).resolve():
-            shutil.rmtree(ckpt, ignore_errors=True)
-    return model
 
 
 def _load_pyfunc(path: str, model_config: dict[str, Any] | None = None) -> Any:
