@@ -7,6 +7,7 @@ reached through psycopg 3.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -134,3 +135,92 @@ def _deleted_params_mappings() -> set[str]:
             for line in maps
             if "/params/" in line and "(deleted)" in line
         }
+
+
+_LOAD_CHILD = """
+import json, os, sys
+import mlflow
+import jaxexp_mlflow
+from jaxexp_mlflow.errors import ArtifactError
+out = {}
+for name, uri in (("hostile", sys.argv[1]), ("clean", sys.argv[2])):
+    try:
+        mlflow.jaxexp.load_model(uri)
+        out[name] = "loaded"
+    except ArtifactError as err:
+        out[name] = "ArtifactError: " + str(err)[:600]
+    out[name + " leaves"] = sorted(os.listdir(os.environ["TMPDIR"]))
+print("RESULT " + json.dumps(out))
+"""
+
+JUNK_BYTES = 1 << 30  # sparse: no disk on the server's side
+
+
+def test_files_no_array_uses_are_refused_before_download(tmp_path):
+    """A store adds a 1 GiB (sparse) file to a logged model's params, named like a chunk of
+    ``w1`` (which has one chunk), and re-seals the manifest so that its sizes, checksums and
+    binding all agree: the load through ``mlflow server`` refuses the file by name before
+    downloading it, and the loader's TMPDIR is empty once it returns (refused or loaded)."""
+    import yaml
+
+    from jaxexp_mlflow.params import manifest as M
+
+    with mlflow_server(tmp_path / "server") as (url, _):
+        mlflow.set_tracking_uri(url)
+        try:
+            mlflow.set_experiment("hostile-store")
+            params = mlp_params()
+            infos = []
+            for _ in range(2):
+                with mlflow.start_run():
+                    infos.append(
+                        mlflow.jaxexp.log_model(
+                            export_mlp(params), name="model", params=params, input_example=batch(2)
+                        )
+                    )
+        finally:
+            mlflow.set_tracking_uri(None)
+        hostile, clean = infos
+        found = [
+            p.parent
+            for p in (tmp_path / "server" / "artifacts").rglob("jaxexp_manifest.json")
+            if hostile.model_id in str(p)
+        ]
+        assert len(found) == 1, found
+        ckpt = found[0]
+        with open(ckpt / "w1" / "1.0", "wb") as f:
+            f.truncate(JUNK_BYTES)
+        M.write_manifest(ckpt)
+        mlmodel = yaml.safe_load((ckpt.parent / "MLmodel").read_text())
+        M.bind_manifest(ckpt, M.model_identity(mlmodel))
+        M.verify_checkpoint(ckpt, mlmodel=mlmodel).same_save()  # a consistent store
+        tmp = tmp_path / "loader-tmp"
+        tmp.mkdir()
+        env = {**os.environ, "MLFLOW_TRACKING_URI": url, "TMPDIR": str(tmp)}
+        proc = subprocess.run(
+            [sys.executable, "-c", _LOAD_CHILD, hostile.model_uri, clean.model_uri],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        cli = "from jaxexp_mlflow.cli import main; main()"
+        verify = subprocess.run(
+            [sys.executable, "-c", cli, "verify", hostile.model_uri],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        assert verify.returncode != 0 and "w1/1.0" in verify.stdout + verify.stderr, (
+            verify.stdout[-2000:] + verify.stderr[-2000:]
+        )
+        assert sorted(os.listdir(tmp)) == [], "jaxexp verify left files in TMPDIR"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["hostile"].startswith("ArtifactError"), out
+    assert "'w1/1.0'" in out["hostile"] and "Nothing of it was downloaded" in out["hostile"], out
+    assert out["hostile leaves"] == [], out
+    assert out["clean"] == "loaded", out
+    assert out["clean leaves"] == [], out
