@@ -27,6 +27,7 @@ from tests.models import batch, export_mlp, mlp_apply, mlp_params
 from tests.servers import mlflow_server
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _as_postgres(*cmd: str) -> list[str]:
@@ -224,3 +225,39 @@ def test_files_no_array_uses_are_refused_before_download(tmp_path):
     assert out["hostile leaves"] == [], out
     assert out["clean"] == "loaded", out
     assert out["clean leaves"] == [], out
+
+
+@pytest.mark.parametrize("which", ["saved", "zarr3-0.1.0"])
+def test_used_files_of_real_checkpoints(which, saved_mlp, tmp_path):
+    """``store.used_files`` on real checkpoints: what this package saves now (zarr2) and what
+    0.1.0 saved (zarr3) use every file their manifest lists; an added file, a chunk file longer
+    than its chunk and a chunk the metadata does not state are refused by name."""
+    from jaxexp_mlflow.params import manifest as M
+    from jaxexp_mlflow.store import used_files
+
+    source = saved_mlp if which == "saved" else REPO / "tests/data/models/jaxexp-0.1.0-mlp"
+    ckpt = Path(shutil.copytree(source, tmp_path / "m")) / "params"
+    entries = M.read_manifest(ckpt).files
+
+    def judge(found: dict) -> list:
+        return used_files.refused(found, lambda d: zarr.read_meta(ckpt, d, found), False)
+
+    assert judge(entries) == []
+    chunk = next(r for r in entries if r.startswith("w") and "/" in r and "zarr" not in r)
+    size, crc = entries[chunk]
+    extra_chunk = chunk.rsplit("/", 1)[0] + "/" + ("9.0" if which == "saved" else "c.9.0")
+    bad = {
+        **entries,
+        "junk/big": (1 << 31, 0),
+        chunk: (size + 1, crc),
+        extra_chunk: (size, crc),
+    }
+    found = {rel: why for rel, _, why in judge(bad)}
+    assert set(found) == {"junk/big", chunk, extra_chunk}, found
+    assert "no array" in found["junk/big"] and "bytes of a chunk" in found[chunk]
+    assert "chunk files" in found[extra_chunk]
+    ocdbt = {"manifest.ocdbt": (10, 0), "d/0a1b": (10, 0), "ocdbt.process_0/d/ff": (10, 0)}
+    assert judge({**entries, **ocdbt}) != []  # not an OCDBT checkpoint: refused
+    with_ocdbt = {**entries, **ocdbt}
+    reader = lambda d: zarr.read_meta(ckpt, d, with_ocdbt)  # noqa: E731
+    assert used_files.refused(with_ocdbt, reader, True) == []

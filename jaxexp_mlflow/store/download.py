@@ -160,7 +160,7 @@ class _Tree:
             info = by_path[posixpath.join(base, rel)]
             fetch_listed(self.repo, info, self._local(info), max_bytes=used_files.META_MAX_BYTES)
             fetched.add(info.path)
-        ocdbt = "manifest.ocdbt" in entries
+        ocdbt = any(posixpath.basename(rel) == "manifest.ocdbt" for rel in entries)
         bad = used_files.refused(entries, lambda d: zarr.read_meta(root, d, entries), ocdbt)
         if bad:
             rel, size, why = bad[0]

@@ -12,8 +12,10 @@ uses, or uses fewer bytes of than listed:
   at most the bytes of its chunk (plus the shard index of zarr3 sharding). Where the layout is
   not one ``codec.zarr`` reads (compressed, for Orbax to read), the chunk files are those
   named like chunk keys (``0.0``, ``c/0/0``), of any size;
-* Orbax's own files: ``array_metadatas/*`` and, in OCDBT checkpoints (``manifest.ocdbt``
-  beside the manifest), ``d/*`` and ``ocdbt.process_*/*``, which only Orbax can attribute;
+* Orbax's own metadata files (``_METADATA``, ``_sharding``, ``array_metadatas/*``...; 64 MiB
+  each at most), in the checkpoint or an item directory of it, and, in OCDBT checkpoints (a
+  ``manifest.ocdbt`` listed), the files under ``d/`` and ``ocdbt.process_*/``, which only
+  Orbax can attribute;
 * any other file is refused.
 """
 
@@ -32,17 +34,12 @@ META_MAX_BYTES = zarr.MAX_META_BYTES
 #: Orbax's per-process array metadata: ~100 bytes an array; the params manifest's own bound.
 ORBAX_META_MAX_BYTES = 64 << 20
 _CHUNK_KEY = re.compile(r"^(c([/.]\d+)*|\d+([/.]\d+)*)$")
-_ORBAX_DIRS = ("array_metadatas/",)
-_OCDBT_DIRS = ("d/", "ocdbt.process_")
+_ORBAX_NAMES = ("commit_success.txt",)
 
 
 def metadata_files(entries: dict[str, tuple[int, Any]]) -> list[str]:
     """The zarr metadata files among the manifest's ``entries`` (relative paths)."""
-    return [
-        rel
-        for rel in entries
-        if "/" in rel and posixpath.basename(rel) in zarr.META_FILES and not rel.startswith("d/")
-    ]
+    return [rel for rel in entries if "/" in rel and posixpath.basename(rel) in zarr.META_FILES]
 
 
 def _chunk_bound(info: Any) -> int:
@@ -96,11 +93,32 @@ def refused(
                 out.append((rel, size, f"not one of the chunk files {owner!r} states"))
             elif bound is not None and size > bound:
                 out.append((rel, size, f"more than the {bound} bytes of a chunk of {owner!r}"))
-        elif rel.startswith(_ORBAX_DIRS):
+        elif ocdbt and _in_ocdbt(rel):
+            continue
+        elif _orbax_meta(rel):
             if size > ORBAX_META_MAX_BYTES:
                 out.append((rel, size, f"more than the {ORBAX_META_MAX_BYTES} bytes allowed"))
-        elif ocdbt and rel.startswith(_OCDBT_DIRS):
-            continue
         else:
             out.append((rel, size, "in no array's directory"))
     return out
+
+
+def _orbax_meta(rel: str) -> bool:
+    """Orbax's metadata files, in the checkpoint or an item directory of it: ``_METADATA``,
+    ``_sharding``, ``commit_success.txt``, ``array_metadatas/process_<n>``."""
+    parts = rel.split("/")
+    name = parts[-1]
+    return (
+        name.startswith("_")
+        or name in _ORBAX_NAMES
+        or (len(parts) >= 2 and parts[-2] == "array_metadatas")
+    )
+
+
+def _in_ocdbt(rel: str) -> bool:
+    """A file of an OCDBT database: under a ``d/`` or ``ocdbt.process_<n>/`` directory, or
+    its ``manifest.ocdbt``."""
+    parts = rel.split("/")
+    return parts[-1] == "manifest.ocdbt" or any(
+        p == "d" or p.startswith("ocdbt.process_") for p in parts[:-1]
+    )
