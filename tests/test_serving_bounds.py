@@ -448,3 +448,22 @@ def test_served_new_shapes_plateau_in_memory(bt_model_dir, tmp_path):
         assert grown_mb < 40, f"server RSS grew by {grown_mb:.0f} MB over 60 new shapes"
     finally:
         stop_server(proc)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"\x1b\xff\xff\xff\xff\x0f\x11",  # a map of 2^32 boolean pairs in 2 bytes
+        b"\x19\xf9\xff\xff\xff\x0f",  # a list of 2^32 structs, none there
+        b"\x1c" * 40,  # structs nested 40 deep
+        b"\x15\x00\x15",  # cut off
+    ],
+    ids=["map", "list", "nested", "truncated"],
+)
+def test_hostile_page_headers_are_refused_by_the_body_end(header):
+    """Each element of a Thrift container takes a byte at least, so a header claiming more than
+    the body holds ends at the body's end: ``BadPages``, never a loop past it."""
+    from jaxexp_mlflow.serving.parquet_pages import BadPages, page_sizes
+
+    with pytest.raises(BadPages):
+        page_sizes(header, 0, len(header))

@@ -99,9 +99,10 @@ class _Reader:
             size = self.varint()
             if size:
                 types = self.byte()
-                for _ in range(size):
-                    self.skip(types >> 4, depth + 1)
-                    self.skip(types & 0x0F, depth + 1)
+                key, value = (3 if t in (1, 2) else t for t in (types >> 4, types & 0x0F))
+                for _ in range(size):  # every element takes a byte at least: bounded by end
+                    self.skip(key, depth + 1)
+                    self.skip(value, depth + 1)
         elif kind == 12:
             self.struct(depth + 1, {})
         else:
