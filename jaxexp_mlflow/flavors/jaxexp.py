@@ -541,9 +541,7 @@ def load_model(
                 f"{held or 'nothing'} without one. Its upload was cut off or never finished "
                 "(MLflow leaves such a logged model PENDING or FAILED): log the model again."
             ) from err
-    finally:
-        # nothing of a private download stays, loaded or refused: the model holds its params
-        # (in memory, or mapped from files already unlinked) and reads nothing more from it
+    finally:  # nothing of a private download stays, loaded (params held) or refused
         if private and download.tmp:
             shutil.rmtree(download.tmp, ignore_errors=True)
 
