@@ -69,6 +69,60 @@ def test_a_zarr_chunk_grid_is_bounded_before_chunk_names_are_made(model):
     assert "4000000000 chunk files" in proc.stdout
 
 
+def _long_names(model: Path, rank: int = 250_000, files: int = 6_000) -> None:
+    """``w1``'s ``.zarray`` (under 1 MiB) claims ``files`` chunk files of ``rank`` dimensions,
+    each name ``"<i>" + ".0" * (rank - 1)`` half a MB long; ``files`` one-byte files beside it,
+    listed in a rewritten manifest (a consistent forgery): 2.7 GiB of names if they were made."""
+    directory = model / "params" / "w1"
+    (directory / "zarr.json").unlink(missing_ok=True)
+    meta = {
+        "zarr_format": 2,
+        "shape": [files] + [1] * (rank - 1),
+        "chunks": [1] * rank,
+        "dtype": "|u1",
+        "compressor": None,
+        "filters": None,
+        "order": "C",
+        "fill_value": None,
+    }
+    text = json.dumps(meta, separators=(",", ":"))
+    assert len(text) < 1 << 20
+    (directory / ".zarray").write_text(text)
+    for i in range(files):
+        (directory / f"pad{i}").write_bytes(b"\0")
+    M.write_manifest(model / "params")
+
+
+def test_zarr_chunk_names_are_bounded_by_rank_before_they_are_made(model):
+    """Chunk names grow with the rank: the rank is bounded before a name is made, so the load
+    is an ``ArtifactError`` under a 4 GiB address-space cap (it was a MemoryError)."""
+    _long_names(model)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(model)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert "RAISED ArtifactError" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "250000 dimensions" in proc.stdout and "at most 32" in proc.stdout, proc.stdout
+
+
+def test_zarr_chunk_name_bytes_are_counted_before_they_are_made():
+    """Rank 32 and a million chunk files: 64 MiB of names, refused by arithmetic."""
+    from jaxexp_mlflow.codec import zarr
+
+    meta = {"zarr_format": 2, "shape": [10**6] + [1] * 31, "chunks": [1] * 32, "dtype": "|u1"}
+    meta.update(compressor=None, filters=None, order="C")
+    with pytest.raises(ArtifactError, match="chunk names of at most"):
+        zarr.array_meta(meta, 10**6)
+    assert zarr._key_bytes(1001, "c/", "/0") == 1001 * 4 + 10 + 90 * 2 + 900 * 3 + 4
+    small = zarr.array_meta({**meta, "shape": [3] + [1] * 31}, 3)
+    assert small.keys[2] == "2" + ".0" * 31
+    with pytest.raises(zarr.NotPlain):  # another shape than the export's: before names
+        zarr.array_meta({**meta, "shape": [3] + [1] * 31}, 3, expect=(3, 1))
+
+
 def test_manifest_padding_is_refused_before_parsing(model):
     path = model / "params" / M.MANIFEST_FILE
     doc = path.read_text()

@@ -306,6 +306,32 @@ def _bad_two() -> dict[str, tuple[str, bytes, str]]:
             ('ids,x\n1,"' + "[" * 5000 + "]" * 5000 + '"\n').encode(),
             "nests too deeply",
         ),
+        "split repeating a column": (
+            JSON,
+            js({"dataframe_split": {"columns": ["x", "x"], "data": [[xs[0], xs[1]]]}}),
+            "names each column once",
+        ),
+        "split repeating an input beside another": (
+            JSON,
+            js({"dataframe_split": {"columns": ["x", "ids", "ids"], "data": [[xs[0], 1, 2]]}}),
+            "names each column once",
+        ),
+        "split of nested column names": (
+            JSON,
+            js({"dataframe_split": {"columns": [["x", "a"], ["ids", "b"]], "data": [[xs[0], 1]]}}),
+            "one level of names",
+        ),
+        "split with a null column name": (
+            JSON,
+            js({"dataframe_split": {"columns": [None, "ids"], "data": [[xs[0], 1]]}}),
+            "has a name",
+        ),
+        "split of 1 and '1'": (
+            JSON,
+            js({"dataframe_split": {"columns": [1, "1"], "data": [[xs[0], 1]]}}),
+            "names each column once",
+        ),
+        "records of no keys": (JSON, js({"dataframe_records": [{}, {}]}), "missing 'ids'"),
         "parquet of the wrong dtype": (
             PARQUET,
             _parquet(pd.DataFrame({"ids": [1.5, MARK], "x": list(good["x"])})),
@@ -331,6 +357,28 @@ def test_bad_requests_get_short_4xx_naming_expected_and_found(servers, case):
     assert all(p.poll() is None for p in procs)
     ok_type, ok_body = two_input_bodies(two_input_example(2))["inputs"]
     assert _post(urls["two"], ok_type, ok_body).status_code == 200  # still serving
+
+
+def test_repeated_columns_refused_by_the_contract_one_input(models, servers):
+    """``{"columns": ["x", "x"]}``: MLflow's server builds a DataFrame with a repeated column,
+    where ``frame["x"]`` is a DataFrame; the one-input model answers the contract's short 400
+    (it raised an untyped AttributeError, answered with the server's traceback), and
+    in-process ``pyfunc.predict`` raises the same ``InputError``."""
+    from jaxexp_mlflow.errors import InputError
+
+    xs = batch(2).tolist()
+    split = {"columns": ["x", "x"], "data": [[xs[0], xs[1]]]}
+    urls, procs = servers
+    r = _post(urls["one"], JSON, json.dumps({"dataframe_split": split}).encode())
+    assert r.status_code == 400, (r.status_code, r.text[:1000])
+    assert len(r.content) < MAX_BODY, len(r.content)
+    assert "names each column once" in r.json()["message"], r.text
+    assert "Traceback" not in r.text and "site-packages" not in r.text, r.text[:1000]
+    frame = scoring_server.infer_and_parse_data({"dataframe_split": split})
+    assert list(frame.columns) == ["x", "x"]  # what MLflow hands to predict
+    with pytest.raises(InputError, match="names each column once"):
+        models["local"]["one"].predict(frame)
+    assert all(p.poll() is None for p in procs)
 
 
 @pytest.mark.slow  # five `mlflow models predict` processes (~15 s each here)

@@ -7,6 +7,7 @@ reached through psycopg 3.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ from tests.models import batch, export_mlp, mlp_apply, mlp_params
 from tests.servers import mlflow_server
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _as_postgres(*cmd: str) -> list[str]:
@@ -134,3 +136,128 @@ def _deleted_params_mappings() -> set[str]:
             for line in maps
             if "/params/" in line and "(deleted)" in line
         }
+
+
+_LOAD_CHILD = """
+import json, os, sys
+import mlflow
+import jaxexp_mlflow
+from jaxexp_mlflow.errors import ArtifactError
+out = {}
+for name, uri in (("hostile", sys.argv[1]), ("clean", sys.argv[2])):
+    try:
+        mlflow.jaxexp.load_model(uri)
+        out[name] = "loaded"
+    except ArtifactError as err:
+        out[name] = "ArtifactError: " + str(err)[:600]
+    out[name + " leaves"] = sorted(os.listdir(os.environ["TMPDIR"]))
+print("RESULT " + json.dumps(out))
+"""
+
+JUNK_BYTES = 1 << 30  # sparse: no disk on the server's side
+
+
+def test_files_no_array_uses_are_refused_before_download(tmp_path):
+    """A store adds a 1 GiB (sparse) file to a logged model's params, named like a chunk of
+    ``w1`` (which has one chunk), and re-seals the manifest so that its sizes, checksums and
+    binding all agree: the load through ``mlflow server`` refuses the file by name before
+    downloading it, and the loader's TMPDIR is empty once it returns (refused or loaded)."""
+    import yaml
+
+    from jaxexp_mlflow.params import manifest as M
+
+    with mlflow_server(tmp_path / "server") as (url, _):
+        mlflow.set_tracking_uri(url)
+        try:
+            mlflow.set_experiment("hostile-store")
+            params = mlp_params()
+            infos = []
+            for _ in range(2):
+                with mlflow.start_run():
+                    infos.append(
+                        mlflow.jaxexp.log_model(
+                            export_mlp(params), name="model", params=params, input_example=batch(2)
+                        )
+                    )
+        finally:
+            mlflow.set_tracking_uri(None)
+        hostile, clean = infos
+        found = [
+            p.parent
+            for p in (tmp_path / "server" / "artifacts").rglob("jaxexp_manifest.json")
+            if hostile.model_id in str(p)
+        ]
+        assert len(found) == 1, found
+        ckpt = found[0]
+        with open(ckpt / "w1" / "1.0", "wb") as f:
+            f.truncate(JUNK_BYTES)
+        M.write_manifest(ckpt)
+        mlmodel = yaml.safe_load((ckpt.parent / "MLmodel").read_text())
+        M.bind_manifest(ckpt, M.model_identity(mlmodel))
+        M.verify_checkpoint(ckpt, mlmodel=mlmodel).same_save()  # a consistent store
+        tmp = tmp_path / "loader-tmp"
+        tmp.mkdir()
+        env = {**os.environ, "MLFLOW_TRACKING_URI": url, "TMPDIR": str(tmp)}
+        proc = subprocess.run(
+            [sys.executable, "-c", _LOAD_CHILD, hostile.model_uri, clean.model_uri],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        cli = "from jaxexp_mlflow.cli import main; main()"
+        verify = subprocess.run(
+            [sys.executable, "-c", cli, "verify", hostile.model_uri],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        assert verify.returncode != 0 and "w1/1.0" in verify.stdout + verify.stderr, (
+            verify.stdout[-2000:] + verify.stderr[-2000:]
+        )
+        assert sorted(os.listdir(tmp)) == [], "jaxexp verify left files in TMPDIR"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["hostile"].startswith("ArtifactError"), out
+    assert "'w1/1.0'" in out["hostile"] and "Nothing of it was downloaded" in out["hostile"], out
+    assert out["hostile leaves"] == [], out
+    assert out["clean"] == "loaded", out
+    assert out["clean leaves"] == [], out
+
+
+@pytest.mark.parametrize("which", ["saved", "zarr3-0.1.0"])
+def test_used_files_of_real_checkpoints(which, saved_mlp, tmp_path):
+    """``store.used_files`` on real checkpoints: what this package saves now (zarr2) and what
+    0.1.0 saved (zarr3) use every file their manifest lists; an added file, a chunk file longer
+    than its chunk and a chunk the metadata does not state are refused by name."""
+    from jaxexp_mlflow.params import manifest as M
+    from jaxexp_mlflow.store import used_files
+
+    source = saved_mlp if which == "saved" else REPO / "tests/data/models/jaxexp-0.1.0-mlp"
+    ckpt = Path(shutil.copytree(source, tmp_path / "m")) / "params"
+    entries = M.read_manifest(ckpt).files
+
+    def judge(found: dict) -> list:
+        return used_files.refused(found, lambda d: zarr.read_meta(ckpt, d, found), False)
+
+    assert judge(entries) == []
+    chunk = next(r for r in entries if r.startswith("w") and "/" in r and "zarr" not in r)
+    size, crc = entries[chunk]
+    extra_chunk = chunk.rsplit("/", 1)[0] + "/" + ("9.0" if which == "saved" else "c.9.0")
+    bad = {
+        **entries,
+        "junk/big": (1 << 31, 0),
+        chunk: (size + 1, crc),
+        extra_chunk: (size, crc),
+    }
+    found = {rel: why for rel, _, why in judge(bad)}
+    assert set(found) == {"junk/big", chunk, extra_chunk}, found
+    assert "no array" in found["junk/big"] and "bytes of a chunk" in found[chunk]
+    assert "chunk files" in found[extra_chunk]
+    ocdbt = {"manifest.ocdbt": (10, 0), "d/0a1b": (10, 0), "ocdbt.process_0/d/ff": (10, 0)}
+    assert judge({**entries, **ocdbt}) != []  # not an OCDBT checkpoint: refused
+    with_ocdbt = {**entries, **ocdbt}
+    reader = lambda d: zarr.read_meta(ckpt, d, with_ocdbt)  # noqa: E731
+    assert used_files.refused(with_ocdbt, reader, True) == []

@@ -116,6 +116,132 @@ def test_parquet_bounded_before_decoding(served):
     assert r.status_code == 400 and "BYTE_ARRAY" in r.json()["message"], r.text[:500]
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _zstd_zeros(n: int) -> bytes:
+    """A zstd frame of ``n`` zero bytes made of RLE blocks: 4 bytes per 128 KiB."""
+    block = 1 << 17
+    out = bytearray(b"\x28\xb5\x2f\xfd")  # magic
+    out += bytes([0xC0, 0x38]) + n.to_bytes(8, "little")  # 8-byte content size, 128 KiB window
+    for start in range(0, n, block):
+        size = min(block, n - start)
+        last = int(start + size >= n)
+        out += (last | 1 << 1 | size << 3).to_bytes(3, "little") + b"\0"  # RLE block of 0
+    return bytes(out)
+
+
+def _page_bomb(claimed: int = 1 << 30) -> bytes:
+    """A real parquet file (pyarrow, zstd, one column ``f0``) whose one data page is replaced
+    by a page whose header claims ``claimed`` bytes, its zstd frame decompressing to that many
+    zeros (padded with a skippable frame): the page takes the same bytes as before, so the
+    footer, written by pyarrow, still describes the file (a few kB of values)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxexp_mlflow.serving.parquet_pages import read_page_header
+
+    values = np.random.default_rng(0).standard_normal(4_400)  # 35 kB, incompressible
+    buf = io.BytesIO()
+    pq.write_table(
+        pa.table({"f0": values}),
+        buf,
+        compression="zstd",
+        use_dictionary=False,
+        write_statistics=False,
+    )
+    body = buf.getvalue()
+    chunk = pq.ParquetFile(io.BytesIO(body)).metadata.row_group(0).column(0)
+    pos = chunk.data_page_offset
+    page, data_at = read_page_header(body, pos, len(body))
+    assert page.kind == 0 and body[pos : pos + 3] == b"\x15\x00\x15"  # type, then sizes
+    after = pos + 3
+    while body[after] & 0x80:  # uncompressed_page_size
+        after += 1
+    after += 2  # its last byte, the next field's header
+    while body[after] & 0x80:  # compressed_page_size
+        after += 1
+    after += 1
+    frame = _zstd_zeros(claimed)
+    span = data_at - pos + page.compressed
+    compressed = page.compressed
+    for _ in range(3):  # the size's own width may change the size
+        head = b"\x15\x00\x15" + _varint(2 * claimed) + b"\x15" + _varint(2 * compressed)
+        head += body[after:data_at]
+        compressed = span - len(head)
+    pad = compressed - len(frame) - 8
+    assert pad >= 0 and len(head) + compressed == span
+    skippable = b"\x50\x2a\x4d\x18" + pad.to_bytes(4, "little") + b"\0" * pad
+    bomb = body[:pos] + head + frame + skippable + body[pos + span :]
+    assert len(bomb) == len(body) < 64 << 10
+    return bomb
+
+
+def test_parquet_page_claiming_1_gib_is_refused_before_decompressing(served):
+    """The footer states 4400 values; the one zstd page's header claims 1 GiB (and its frame
+    holds it): refused (413) off the page headers, the server's RSS flat, still serving."""
+    url, proc, _ = served
+    body = _page_bomb()
+    before = _tree_rss(proc.pid)
+    r = requests.post(
+        f"{url}/invocations", data=body, headers={"Content-Type": PARQUET}, timeout=120
+    )
+    grown_mb = (_tree_rss(proc.pid) - before) / 2**20
+    assert r.status_code == 413, (r.status_code, r.text[:500])
+    assert len(r.content) < 2048 and "x: float32[-1,8]" in r.json()["message"], r.text[:500]
+    assert grown_mb < RSS_BOUND_MB, f"server RSS grew by {grown_mb:.0f} MB"
+    assert proc.poll() is None
+    assert requests.get(f"{url}/ping", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("options", "kinds"),
+    [
+        ({}, {0, 2}),  # dictionary page, then data pages
+        ({"compression": "zstd", "use_dictionary": False}, {0}),
+        ({"data_page_version": "2.0"}, {2, 3}),
+        ({"data_page_size": 1000, "row_group_size": 3000, "compression": "gzip"}, {0, 2}),
+    ],
+    ids=["dictionary", "zstd-plain", "page-v2", "many-pages"],
+)
+def test_page_headers_read_as_pyarrow_writes_them(options, kinds):
+    """``parquet_pages`` against pyarrow's own files: every column chunk's pages hold the
+    values its footer states, in the bytes it states."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxexp_mlflow.serving.parquet_pages import page_sizes
+
+    n = 10_000
+    table = pa.table(
+        {"a": np.arange(n, dtype=np.float64) % 7, "b": pa.array([[1.0, 2.0, 3.0]] * n)}
+    )
+    buf = io.BytesIO()
+    pq.write_table(table, buf, **options)
+    body = buf.getvalue()
+    meta = pq.ParquetFile(io.BytesIO(body)).metadata
+    found = set()
+    for g in range(meta.num_row_groups):
+        for c in range(meta.num_columns):
+            chunk = meta.row_group(g).column(c)
+            start = chunk.data_page_offset
+            if chunk.has_dictionary_page and chunk.dictionary_page_offset:
+                start = min(start, chunk.dictionary_page_offset)
+            pages = page_sizes(body, start, chunk.total_compressed_size)
+            found |= {p.kind for p in pages}
+            data = [p for p in pages if p.kind in (0, 3)]
+            assert sum(p.num_values for p in data) == chunk.num_values
+            unpacked = sum(p.uncompressed for p in pages)
+            assert unpacked <= chunk.total_uncompressed_size <= unpacked + 256 * len(pages)
+    assert found == kinds
+
+
 def test_csv_cell_nested_deep_is_400(served):
     url, proc, _ = served
     body = 'x\n"' + "[" * 5000 + "]" * 5000 + '"\n'
@@ -155,6 +281,59 @@ def test_stalled_bodies_are_dropped_and_free_the_budget(served):
         f"{url}/invocations", data=filler, headers={"Content-Type": "application/json"}, timeout=60
     )
     assert ok.status_code == 200, ok.text[:300]
+
+
+MAX_CONNECTIONS = 20
+HEADER_TIMEOUT_S = 2
+IDLE_SOCKETS = 50  # more than MAX_CONNECTIONS
+
+
+@pytest.fixture(scope="module")
+def served_few_sockets(model_dir, tmp_path_factory):
+    """``jaxexp serve --max-connections 20`` with ``JAXEXP_HEADER_TIMEOUT_S=2`` (the option and
+    the variable, as a user sets them)."""
+    from jaxexp_mlflow.serving.connections import ENV_HEADER_TIMEOUT
+
+    tmp = tmp_path_factory.mktemp("sockets-server")
+    env = {**server_env(tmp), ENV_HEADER_TIMEOUT: str(HEADER_TIMEOUT_S)}
+    extra = ("--max-connections", str(MAX_CONNECTIONS))
+    proc, url = start_jaxexp_server(str(model_dir), env, tmp / "server.log", *extra)
+    try:
+        yield url, proc
+    finally:
+        stop_server(proc)
+
+
+def test_idle_sockets_cannot_hold_the_server(served_few_sockets):
+    """50 sockets that send nothing, and one that sends half its headers: a client beside them
+    is answered, and each of them is answered 408 and closed (the oldest at once, to make
+    room; the others after the header timeout) instead of being held for ever."""
+    url, proc = served_few_sockets
+    port = int(url.rsplit(":", 1)[1])
+    wait_s = 10 * HEADER_TIMEOUT_S  # a bound on each read, never reached when the server drops
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(IDLE_SOCKETS):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=wait_s))
+        slow = socket.create_connection(("127.0.0.1", port), timeout=wait_s)
+        idle.append(slow)
+        slow.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Ty")  # half the headers
+        body = json.dumps({"inputs": batch(2).tolist()})
+        json_type = {"Content-Type": "application/json"}
+        r = requests.post(f"{url}/invocations", data=body, headers=json_type, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+        statuses = []
+        for s in idle:
+            try:
+                statuses.append(http_status(s))
+            except TimeoutError:
+                statuses.append(-1)  # still held
+        assert statuses == [408] * len(idle), statuses
+    finally:
+        for s in idle:
+            s.close()
+    assert proc.poll() is None
+    assert requests.get(f"{url}/ping", timeout=30).status_code == 200
 
 
 _DEADLINE_CHILD = """
@@ -269,3 +448,22 @@ def test_served_new_shapes_plateau_in_memory(bt_model_dir, tmp_path):
         assert grown_mb < 40, f"server RSS grew by {grown_mb:.0f} MB over 60 new shapes"
     finally:
         stop_server(proc)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"\x1b\xff\xff\xff\xff\x0f\x11",  # a map of 2^32 boolean pairs in 2 bytes
+        b"\x19\xf9\xff\xff\xff\x0f",  # a list of 2^32 structs, none there
+        b"\x1c" * 40,  # structs nested 40 deep
+        b"\x15\x00\x15",  # cut off
+    ],
+    ids=["map", "list", "nested", "truncated"],
+)
+def test_hostile_page_headers_are_refused_by_the_body_end(header):
+    """Each element of a Thrift container takes a byte at least, so a header claiming more than
+    the body holds ends at the body's end: ``BadPages``, never a loop past it."""
+    from jaxexp_mlflow.serving.parquet_pages import BadPages, page_sizes
+
+    with pytest.raises(BadPages):
+        page_sizes(header, 0, len(header))

@@ -8,6 +8,12 @@ import os
 import click
 
 from jaxexp_mlflow.cli._common import Command
+from jaxexp_mlflow.serving.connections import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    ENV_HEADER_TIMEOUT,
+    ENV_MAX_CONNECTIONS,
+)
 
 
 @click.command(
@@ -20,10 +26,12 @@ Examples:
 Answers as `mlflow models serve` does (/ping, /health, /version, /invocations with the JSON
 formats inputs, instances, dataframe_split, dataframe_records, CSV and parquet), plus: 413 for
 bodies over max_request_bytes while they stream in and for parquet that would decode past
-JAXEXP_MAX_DECODED_BYTES, 408 for bodies not whole within JAXEXP_BODY_TIMEOUT_S, 503 when the
-bodies in flight pass JAXEXP_MAX_INFLIGHT_BYTES, 504 past the request timeout (the work stops),
-400 for hostile JSON and inputs the contract refuses (docs/serving.md). The model loads
-through mlflow.pyfunc.load_model; no environment is created (like --env-manager local).
+JAXEXP_MAX_DECODED_BYTES, 408 for bodies not whole within JAXEXP_BODY_TIMEOUT_S and headers
+not whole within --header-timeout, 503 when the bodies in flight pass JAXEXP_MAX_INFLIGHT_BYTES
+or the sockets --max-connections (idle sockets are closed first), 504 past the request timeout
+(the work stops), 400 for hostile JSON and inputs the contract refuses (docs/serving.md). The
+model loads through mlflow.pyfunc.load_model; no environment is created (like
+--env-manager local).
 """,
 )
 @click.option("-m", "--model-uri", required=True, help="The model: any URI MLflow understands.")
@@ -33,9 +41,32 @@ through mlflow.pyfunc.load_model; no environment is created (like --env-manager 
 @click.option(
     "--model-config", default=None, help="JSON object passed as model_config to the loader."
 )
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=2),
+    default=DEFAULT_MAX_CONNECTIONS,
+    show_default=True,
+    envvar=ENV_MAX_CONNECTIONS,
+    help="Sockets each worker holds at once; a new one closes the oldest idle one, else 503.",
+)
+@click.option(
+    "--header-timeout",
+    type=click.FloatRange(min=0.1),
+    default=DEFAULT_HEADER_TIMEOUT_S,
+    show_default=True,
+    envvar=ENV_HEADER_TIMEOUT,
+    help="Seconds a connection may take to send whole request headers (then 408, closed).",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks of load errors.")
 def serve(
-    model_uri: str, host: str, port: int, workers: int, model_config: str | None, debug: bool
+    model_uri: str,
+    host: str,
+    port: int,
+    workers: int,
+    model_config: str | None,
+    max_connections: int,
+    header_timeout: float,
+    debug: bool,
 ) -> None:
     """Serve a jaxexp model over HTTP (MLflow's scoring protocol, with request limits)."""
     import uvicorn
@@ -72,16 +103,30 @@ def serve(
     # imported once the command is sure to serve: importing it marks this process a scoring
     # server (serving.pyfunc.in_scoring_server)
     from jaxexp_mlflow.serving import server
+    from jaxexp_mlflow.serving.guarded_h11 import GuardedH11Protocol
 
     os.environ[server.ENV_MODEL_URI] = model_uri
     os.environ[server.ENV_MODEL_CONFIG] = json.dumps(config)
+    # read by each worker's connections (serving/connections.py)
+    os.environ[ENV_MAX_CONNECTIONS] = str(max_connections)
+    os.environ[ENV_HEADER_TIMEOUT] = str(header_timeout)
+    limits = {
+        "http": GuardedH11Protocol,
+        "limit_concurrency": max_connections,
+        "timeout_keep_alive": min(5, max(1, int(header_timeout))),
+    }
     if workers > 1:  # each worker process loads the model through the factory
         uvicorn.run(
-            f"{server.__name__}:app_from_env", factory=True, host=host, port=port, workers=workers
+            f"{server.__name__}:app_from_env",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            **limits,
         )
         return
     _, impl = server.load(model_uri, config)  # load errors exit with the CLI's codes
-    uvicorn.run(server.build_app(impl), host=host, port=port)
+    uvicorn.run(server.build_app(impl), host=host, port=port, **limits)
 
 
 def _check_port_free(host: str, port: int) -> None:

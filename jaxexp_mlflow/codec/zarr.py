@@ -144,16 +144,52 @@ MAX_META_BYTES = 1 << 20
 #: At most this many chunk files per array when the caller does not say how many files exist
 #: (the params manifest's own limit).
 MAX_CHUNK_FILES = 1_000_000
+#: The most dimensions an array's metadata may state: the bound the flavor section puts on an
+#: export's inputs and outputs (``store.section.MAX_RANK``). A chunk name has one part per
+#: dimension, so the rank bounds every name's length.
+MAX_RANK = 32
+#: The most bytes all chunk names of one array may take together, computed before any is made.
+MAX_KEY_BYTES = 64 << 20
 
 
-def array_meta(meta: dict, max_files: int | None = None) -> ArrayMeta:
+def _forged(found: str, expected: str) -> ArtifactError:
+    return ArtifactError(
+        f"A params array's zarr metadata states {found}; expected {expected}. The checkpoint "
+        "is damaged or forged; download the model again."
+    )
+
+
+def _checked_dims(value: Any, what: str) -> tuple[int, ...]:
+    """A list of dimensions from the metadata, its length checked before a number is read."""
+    if isinstance(value, list | tuple) and len(value) > MAX_RANK:
+        raise _forged(f"{len(value)} dimensions in its {what}", f"at most {MAX_RANK}")
+    return tuple(int(d) for d in value)
+
+
+def _key_bytes(n_files: int, prefix: str, rest: str) -> int:
+    """The bytes of the names ``f"{prefix}{i}{rest}"`` for ``i < n_files``, by arithmetic."""
+    digits, width, start = 0, 1, 0
+    while start < n_files:
+        end = min(n_files, 10**width)
+        digits += (end - start) * width
+        start, width = end, width + 1
+    return n_files * (len(prefix) + len(rest)) + digits
+
+
+def array_meta(
+    meta: dict, max_files: int | None = None, expect: tuple[int, ...] | None = None
+) -> ArrayMeta:
     """Shape, dtype and chunk files of a plain array (raises :class:`NotPlain` otherwise).
 
-    The chunk grid's size is checked before any chunk name is made: more chunk files than
-    ``max_files`` (the checkpoint's listed files; default :data:`MAX_CHUNK_FILES`) is an
-    :class:`ArtifactError`, whatever the metadata's shape claims."""
+    Every size is checked before any chunk name is made: more than :data:`MAX_RANK`
+    dimensions, more chunk files than ``max_files`` (the checkpoint's listed files; default
+    :data:`MAX_CHUNK_FILES`) or names of more than :data:`MAX_KEY_BYTES` together is an
+    :class:`ArtifactError`, whatever the metadata's shape claims. ``expect``: the shape the
+    caller needs (the export's); another shape is :class:`NotPlain` before names are made."""
     try:
-        shape = tuple(int(d) for d in meta["shape"])
+        shape = _checked_dims(meta["shape"], "shape")
+        if expect is not None and shape != tuple(expect):
+            raise NotPlain("shape")
         dtype = _dtype(meta)
         if any(d < 0 for d in shape) or sys.byteorder != "little":
             raise NotPlain("shape")
@@ -162,7 +198,7 @@ def array_meta(meta: dict, max_files: int | None = None) -> ArrayMeta:
                 raise NotPlain("codecs")
             if meta.get("order") != "C":
                 raise NotPlain("codecs")
-            outer = inner = tuple(int(d) for d in meta["chunks"])
+            outer = inner = _checked_dims(meta["chunks"], "chunks")
             sep, sharded = meta.get("dimension_separator", "."), False
             prefix = ""
         elif meta.get("zarr_format") == 3:
@@ -174,12 +210,12 @@ def array_meta(meta: dict, max_files: int | None = None) -> ArrayMeta:
                 or meta.get("storage_transformers")
             ):
                 raise NotPlain("zarr metadata")
-            outer = tuple(int(d) for d in meta["chunk_grid"]["configuration"]["chunk_shape"])
+            outer = _checked_dims(meta["chunk_grid"]["configuration"]["chunk_shape"], "chunks")
             codecs = meta.get("codecs", [])
             raw = [_LE, [{"name": "bytes"}]] if dtype.itemsize == 1 else [_LE]
             if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
                 conf = codecs[0]["configuration"]
-                inner = tuple(int(d) for d in conf["chunk_shape"])
+                inner = _checked_dims(conf["chunk_shape"], "chunks")
                 if (
                     conf.get("codecs") not in raw
                     or conf.get("index_location", "end") != "end"
@@ -213,6 +249,11 @@ def array_meta(meta: dict, max_files: int | None = None) -> ArrayMeta:
             "checkpoint lists). The checkpoint is damaged or forged; download the model again."
         )
     rest = f"{sep}0" * (len(shape) - 1)
+    if _key_bytes(n_files, prefix, rest) > MAX_KEY_BYTES:
+        raise _forged(
+            f"{n_files} chunk files of rank {len(shape)}",
+            f"chunk names of at most {MAX_KEY_BYTES} bytes together",
+        )
     if not shape:
         keys = ["c" if prefix else "0"]
     else:
@@ -401,9 +442,9 @@ def prepare_array(
         meta = read_meta(root, rel_dir, manifest.files)
         if meta is None:
             raise NotPlain("no zarr metadata")
-    if info is None:
-        info = array_meta(meta, len(manifest.files))
     shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+    if info is None:
+        info = array_meta(meta, len(manifest.files), expect=shape)
     if info.shape != shape or info.dtype != dtype:
         raise NotPlain("shape or dtype")
     rows = shape[0] if shape else 1

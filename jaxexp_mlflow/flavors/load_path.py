@@ -44,10 +44,9 @@ def load(
                 f"{held or 'nothing'} without one. Its upload was cut off or never finished "
                 "(MLflow leaves such a logged model PENDING or FAILED): log the model again."
             ) from err
-    except BaseException:
-        if private and download.tmp:  # a refused load leaves nothing of its download behind
+    finally:  # nothing of a private download stays, loaded (params held) or refused
+        if private and download.tmp:
             shutil.rmtree(download.tmp, ignore_errors=True)
-        raise
 
 
 def _load_downloaded(

@@ -114,7 +114,7 @@ class MemoryChecksums:
                 meta = zarr.read_meta(path, name, listed)
                 if meta is None:
                     continue
-                info = zarr.array_meta(meta, len(listed))
+                info = zarr.array_meta(meta, len(listed), expect=tuple(leaf.shape))
             except Exception:  # noqa: BLE001 - a layout not read here: checksummed from disk
                 continue
             if len(info.keys) != 1 or info.sharded:

@@ -108,7 +108,7 @@ class InputContract:
         )
 
     def _frame(self, frame: Any) -> dict[str, Any]:
-        cols = [str(c) for c in frame.columns]
+        cols = frame_columns(frame, self)
         positions = [str(i) for i in range(len(self.specs))]
         if len(self.specs) > 1 and cols == positions and not set(cols) & set(self.names):
             # columns "0", "1", ...: by position (spark_udf names the columns it is given so
@@ -120,7 +120,8 @@ class InputContract:
         if len(spec.shape) == 2 and len(cols) > 1:
             return {spec.name: frame.to_numpy()}  # n scalar feature columns
         if len(cols) != 1:
-            raise input_error(spec, f"a DataFrame with {len(cols)} columns {_shorten(cols)}")
+            shown = f" {_shorten(cols)}" if cols else ""
+            raise input_error(spec, f"a DataFrame with {len(cols)} columns{shown}")
         return {spec.name: column(frame[frame.columns[0]])}
 
     def _mapping(self, data: Mapping) -> dict[str, Any]:
@@ -205,6 +206,48 @@ class InputContract:
                         f"{first_size} and {size}. Expected: {self.expected()}."
                     )
                 seen.setdefault(sym, (size, spec.name))
+
+
+def _unnamed(label: Any) -> bool:
+    """A column label that names nothing: None, NaN or empty text."""
+    return label is None or (isinstance(label, float) and label != label) or label == ""
+
+
+def frame_columns(frame: Any, contract: InputContract) -> list[str]:
+    """A DataFrame's column names as text, each a single, present name used once.
+
+    MLflow's server builds the DataFrame of ``dataframe_split`` / ``dataframe_records`` (and
+    parquet, CSV) as sent: ``columns`` may repeat a name (``frame[name]`` is then a DataFrame,
+    not a column), nest lists (a MultiIndex: tuple labels), hold ``null`` (a None/NaN label)
+    or numbers, which their text may collide with (``1`` and ``"1"``). Every such shape is an
+    ``InputError`` stating the rule before a column is read.
+    """
+    import pandas as pd
+
+    if isinstance(frame.columns, pd.MultiIndex) or frame.columns.nlevels != 1:
+        raise InputError(
+            "Rule: a DataFrame's columns are one level of names, one per input (or feature). "
+            f"Found {frame.columns.nlevels} levels of column labels (nested lists in "
+            f"'columns'). Expected inputs: {contract.expected()}."
+        )
+    labels = list(frame.columns)
+    unnamed = [i for i, c in enumerate(labels) if _unnamed(c)]
+    if unnamed:
+        raise InputError(
+            "Rule: every DataFrame column has a name (an input name, or a feature name). "
+            f"Found {len(unnamed)} column(s) without one (null or empty), the first at position "
+            f"{unnamed[0]}. Expected inputs: {contract.expected()}."
+        )
+    cols = [str(c) for c in labels]
+    if len(set(cols)) != len(cols):
+        seen: set[str] = set()
+        repeated = [c for c in cols if c in seen or seen.add(c)]
+        raise InputError(
+            "Rule: a DataFrame names each column once. Found "
+            f"{len(cols)} columns with repeated names {_shorten(sorted(set(repeated)))}. "
+            f"Expected inputs: {contract.expected()}."
+        )
+    return cols
 
 
 def _len_of(data: Any) -> str:

@@ -17,11 +17,12 @@ slow bodies, decoded size, deadlines, JSON.
 * A body must arrive whole within ``JAXEXP_BODY_TIMEOUT_S`` seconds (default 60) of the
   request's start: a client that sends all but the last byte and waits is answered 408 and its
   bytes leave the in-flight budget.
-* :func:`parquet_frame` reads a parquet body's footer first and refuses (413) a body whose
-  columns would decode to more than :func:`decoded_limit` bytes (4x ``max_request_bytes``:
-  a JSON number takes at least 2 bytes and decodes to 8), or whose columns are not numbers, before
-  anything is decoded: parquet's dictionary and run-length encodings turn a few hundred kB of
-  constant columns into gigabytes.
+* :func:`parquet_frame` reads a parquet body's footer and every page header first and refuses
+  (413) a body whose columns would decode to more than :func:`decoded_limit` bytes (4x
+  ``max_request_bytes``: a JSON number takes at least 2 bytes and decodes to 8), or whose
+  columns are not numbers, before anything is decoded: parquet's dictionary and run-length
+  encodings turn a few hundred kB of constant columns into gigabytes, and a page header may
+  claim more than the footer (a zstd page of 1 GiB in 32 kB).
 * :func:`deadline` / :func:`check_deadline`: the work of a request stops at the next checkpoint
   (after parsing, between the chunks of a batch larger than the largest bucket) once its
   deadline has passed (``MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT``, answered 504).
@@ -105,13 +106,35 @@ def decoded_limit(max_request_bytes: int) -> int:
     return int(env) if env else DECODED_FACTOR * int(max_request_bytes)
 
 
+def _paged(body: bytes, chunk: Any, expected: str) -> int:
+    """What the page headers of one column chunk make pyarrow allocate: each page's
+    uncompressed size (dictionary pages included) and 8 bytes per value it states."""
+    from jaxexp_mlflow.serving.parquet_pages import BadPages, page_sizes
+
+    start = chunk.data_page_offset
+    dictionary = chunk.dictionary_page_offset if chunk.has_dictionary_page else None
+    if dictionary and 0 < dictionary < start:  # where pyarrow starts reading the chunk
+        start = dictionary
+    try:
+        pages = page_sizes(body, start, chunk.total_compressed_size)
+    except BadPages as err:
+        raise InputError(
+            "Rule: a parquet body is a file written by DataFrame.to_parquet. Found a column "
+            f"chunk whose page headers cannot be read ({err}). Expected inputs: {expected}."
+        ) from None
+    return sum(p.uncompressed + 8 * p.num_values for p in pages)
+
+
 def parquet_frame(body: bytes, *, limit: int, expected: str) -> Any:
-    """A parquet body as a DataFrame, its decoded size checked on the footer first.
+    """A parquet body as a DataFrame, its decoded size checked on the footer and the page
+    headers first.
 
     Every column chunk must hold numbers or booleans (lists of them for array inputs); the
     values it declares (``num_values``, 8 bytes each), its uncompressed pages and one cell object
     per row and column must fit in ``limit`` bytes, else ``RequestLimitError`` (413) before a
-    page is read.
+    page is read. The sizes count twice where the file states them twice: the footer's, and
+    what each page header states (``serving/parquet_pages.py``: the buffer pyarrow
+    decompresses a page into, dictionary pages included), whichever is larger.
     """
     import io
 
@@ -136,7 +159,8 @@ def parquet_frame(body: bytes, *, limit: int, expected: str) -> Any:
                     f"{expected}. Found column {str(chunk.path_in_schema)[:40]!r} of "
                     f"{chunk.physical_type}."
                 )
-            decoded += 8 * max(chunk.num_values, 0) + max(chunk.total_uncompressed_size, 0)
+            stated = 8 * max(chunk.num_values, 0) + max(chunk.total_uncompressed_size, 0)
+            decoded += max(stated, _paged(body, chunk, expected))
     if decoded > limit:
         raise RequestLimitError(
             f"The parquet body decodes to about {decoded} bytes of input ({meta.num_rows} rows), "

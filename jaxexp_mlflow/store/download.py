@@ -143,7 +143,34 @@ class _Tree:
         if covered != tops:
             return None  # a subdirectory the manifest does not describe: list them all
         self.bounds.check(base, [i.path for i in named])
-        return named
+        fetched = self._check_used(base, self._local(info).parent, entries, named)
+        return [i for i in named if i.path not in fetched]
+
+    def _check_used(self, base: str, root: Path, entries: dict, named: list[Any]) -> set[str]:
+        """Fetch the arrays' zarr metadata among ``named`` and refuse, before anything else
+        of the checkpoint is downloaded, every file no array uses (``store.used_files``).
+        Returns the store paths fetched here."""
+        from jaxexp_mlflow.codec import zarr
+        from jaxexp_mlflow.errors import ArtifactError
+        from jaxexp_mlflow.store import used_files
+
+        by_path = {i.path: i for i in named}
+        fetched: set[str] = set()
+        for rel in used_files.metadata_files(entries):
+            info = by_path[posixpath.join(base, rel)]
+            fetch_listed(self.repo, info, self._local(info), max_bytes=used_files.META_MAX_BYTES)
+            fetched.add(info.path)
+        ocdbt = any(posixpath.basename(rel) == "manifest.ocdbt" for rel in entries)
+        bad = used_files.refused(entries, lambda d: zarr.read_meta(root, d, entries), ocdbt)
+        if bad:
+            rel, size, why = bad[0]
+            more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
+            raise ArtifactError(
+                f"The params manifest lists {rel!r} ({size} bytes), {why}: expected only the "
+                f"files the checkpoint's arrays use{more}. Nothing of it was downloaded; the "
+                "stored model was altered (a store adding files), log it again."
+            )
+        return fetched
 
     def _download(self, info: Any, local: Path) -> None:
         fetch_listed(self.repo, info, local)
