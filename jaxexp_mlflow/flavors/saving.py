@@ -191,6 +191,8 @@ class Written:
     params: Any  #: the params as stored, ``{name: array}`` (None: none, or a checkpoint path)
     host_outputs: Any  #: the reference of a host lowering (exported for another platform)
     params_proven: bool = False  #: every array file's checksum taken from ``params`` in memory
+    #: what the user gave: ``readback.GIVEN_FUNCTION``, ``GIVEN_EXPORTED`` or ``GIVEN_BYTES``
+    given: str | None = None
 
 
 def write_model_files(
@@ -327,7 +329,18 @@ def write_model_files(
             check_runs(taken[0], section.to_dict(), description)
         else:  # the reference result is computed by the read-back
             _refuse_if_it_cannot_run_here(section.to_dict(), description)
-    return Written(section, exp, arrays, host_outputs, proven)
+    return Written(section, exp, arrays, host_outputs, proven, _given(exported))
+
+
+def _given(exported: Any) -> str:
+    """What the user passed, as the read-back's advice names it (``flavors.readback``)."""
+    from jaxexp_mlflow.flavors import readback
+
+    if isinstance(exported, bytes | bytearray | memoryview):
+        return readback.GIVEN_BYTES
+    if isinstance(exported, jax.export.Exported):
+        return readback.GIVEN_EXPORTED
+    return readback.GIVEN_FUNCTION
 
 
 def _every_array_from_memory(report: dict[str, Any], exp: Any) -> bool:
