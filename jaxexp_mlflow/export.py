@@ -49,7 +49,10 @@ def batch_symbols(args: tuple) -> list[str | None]:
 def looks_like_key(x: Any) -> bool:
     """Whether an input example leaf looks like one raw PRNG key: ``uint32[2]`` (threefry, as
     ``jax.random.PRNGKey`` makes it) or ``uint32[4]`` (rbg)."""
-    return np.ndim(x) == 1 and np.shape(x)[0] in (2, 4) and np.result_type(x) == np.uint32
+    if np.ndim(x) != 1 or np.shape(x)[0] not in (2, 4):
+        return False
+    dtype = getattr(x, "dtype", None)
+    return (np.asarray(x).dtype if dtype is None else np.dtype(dtype)) == np.uint32
 
 
 def unbatched_leaves(args: tuple) -> list[bool]:
