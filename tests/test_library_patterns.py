@@ -278,24 +278,22 @@ def test_key_of_the_batch_size_found_by_tracing(tmp_path, caplog):
     np.testing.assert_array_equal(got["action"], jax.jit(search)(PARAMS, KEY, _rows(6))["action"])
 
 
-@pytest.mark.parametrize(
-    ("entry", "ok"),
-    [
-        ({"shape": [2], "batched": False}, True),
-        ({"shape": [-1, 3], "batched": False}, False),
-        ({"shape": [2], "batched": "no"}, False),
-        ({"shape": [], "batched": False}, False),
-    ],
-)
-def test_io_batched_field_is_checked(entry, ok):
+def test_io_batched_field_is_checked():
     """``batched`` in MLmodel's io: absent, true, or false for an input of fixed leading
     dimension; anything else is a damaged file."""
-    io = {
-        "inputs": [{"name": "k", "dtype": "uint32", "symbols": None, **entry}],
-        "outputs": [{"name": "o", "dtype": "float32", "shape": [-1], "symbols": ["b"]}],
-    }
-    if ok:
-        section._io(io)
-    else:
+
+    def io(**entry):
+        return {
+            "inputs": [{"name": "k", "dtype": "uint32", "symbols": None, **entry}],
+            "outputs": [{"name": "o", "dtype": "float32", "shape": [-1], "symbols": ["b"]}],
+        }
+
+    section._io(io(shape=[2], batched=False))
+    section._io(io(shape=[-1, 3], batched=True))
+    for bad in (
+        io(shape=[-1, 3], batched=False),
+        io(shape=[2], batched="no"),
+        io(shape=[], batched=False),
+    ):
         with pytest.raises(ArtifactError, match=re.escape("io.inputs[0].batched")):
-            section._io(io)
+            section._io(bad)
