@@ -191,6 +191,7 @@ def export_function(
     batch_polymorphic: bool = True,
     platforms: Sequence[str] | None = None,
     polymorphic_shapes: Any = None,
+    announce: bool = True,
 ) -> Any:
     """Export ``fn(params, *inputs)`` (or ``fn(*inputs)`` without params) against examples
     (symbolic dimensions: :func:`input_specs`).
@@ -198,7 +199,8 @@ def export_function(
     An input that is one value for the whole batch (a PRNG key ``uint32[2]`` beside batched
     inputs, as samplers and tree searches take it) keeps its concrete shape: where the example
     shows it (:func:`unbatched_leaves`), or where tracing with a symbolic leading dimension
-    fails for that input alone (each input leaf tried once). The choice is logged once. Where
+    fails for that input alone (each input leaf tried once). The choice is logged (unless
+    ``announce`` is False: a second export of the same function, said once already). Where
     no single input explains the failure, or several do, the ``UnsupportedModelError`` names
     the ``polymorphic_shapes`` to give (e.g. ``(None, "b, ...")``).
     """
@@ -235,10 +237,11 @@ def export_function(
             batch_polymorphic=batch_polymorphic,
             has_params=params is not None,
         )
-        if not auto or not _about_batch(str(err), args) or host_callbacks(jitted, args):
+        callback = "calls back into the Python host" in failed.message  # export_error's word
+        if not auto or callback or not _about_batch(str(err), args):
             raise failed from err
         exp, static = _static_retry(jitted, platforms, example, static, specs, failed, err)
-    if static is not None and any(static):
+    if announce and static is not None and any(static):
         _logger.warning(
             "jaxexp: %s of %r is one value for the whole batch (not batched): exported at its "
             "concrete shape, recorded with batched: false in MLmodel's io, sent once per "
