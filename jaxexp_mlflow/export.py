@@ -59,7 +59,14 @@ def unbatched_leaves(args: tuple) -> list[bool]:
     """Which input leaves the example shows are one value for the whole batch: a raw PRNG key
     (:func:`looks_like_key`) beside batched inputs (rank >= 1, not keys) whose leading sizes
     agree with each other but not with the key's. Such a leaf keeps its concrete shape; every
-    other leaf is as :func:`batch_symbols` names it."""
+    other leaf is as :func:`batch_symbols` names it.
+
+    Args:
+        args: the positional inputs of the example (:func:`as_args`).
+
+    Returns:
+        One flag per input leaf (``jax.tree.leaves`` order): True where it is one value.
+    """
     leaves = jax.tree.leaves(args)
     keys = [looks_like_key(x) for x in leaves]
     sizes = {np.shape(x)[0] for x, k in zip(leaves, keys, strict=True) if np.ndim(x) and not k}

@@ -224,8 +224,19 @@ def once(value: Any, spec: LeafSpec, allow_nan: bool = False) -> Any:
     """The one value of an input that is the same for the whole batch (``spec.batched`` is
     False: a PRNG key beside batched inputs). Sent once, it is taken as it is; sent once per
     row (a column of a row form: ``dataframe_split``, ``dataframe_records``, records, CSV),
-    its rows must all be equal and the first is taken; rows that differ are an
-    ``InputError``: it is never sliced per row."""
+    its rows must all be equal and the first is taken: it is never sliced per row.
+
+    Args:
+        value: the raw value sent for the input (array, nested list, scalar).
+        spec: the input's ``LeafSpec`` (``batched`` False).
+        allow_nan: whether NaN/inf pass the cast of a repeated value (``convert``).
+
+    Returns:
+        The value to convert: as sent, or the first of its equal rows.
+
+    Raises:
+        InputError: the rows sent for it differ.
+    """
     if isinstance(value, np.ndarray):
         rank = value.ndim
     elif isinstance(value, list | tuple):

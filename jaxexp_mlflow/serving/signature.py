@@ -198,7 +198,14 @@ def mark_unbatched(inputs: list[LeafSpec]) -> list[LeafSpec]:
     an input of rank >= 1 whose leading dimension is concrete, beside an input whose leading
     dimension is symbolic (a PRNG key ``uint32[2]`` beside ``x: float32[b, F]``). Every door
     takes such an input as one value, never sliced, split into chunks or padded per row
-    (``serving/inputs.py``); MLmodel's ``io`` records it as ``batched: false``."""
+    (``serving/inputs.py``); MLmodel's ``io`` records it as ``batched: false``.
+
+    Args:
+        inputs: the input leaf specs of an export, in leaf order.
+
+    Returns:
+        The same specs, ``batched=False`` where the rule above holds.
+    """
     import dataclasses
 
     if not any(s.shape and s.shape[0] is None for s in inputs):
