@@ -102,8 +102,9 @@ def same_export_advice(given: str | None) -> str:
     if given == GIVEN_FUNCTION:
         return (
             "The function's export does not survive jax.export's own serialization round "
-            "trip: report the issue with this message; export it yourself with "
-            "jax.export.export and check Exported.serialize/jax.export.deserialize meanwhile."
+            "trip (Exported.serialize, then jax.export.deserialize): report the issue with "
+            "this message; batch_polymorphic=False or polymorphic_shapes= may avoid the "
+            "difference meanwhile."
         )
     return "This is a bug in the serialization: report the issue with this message."
 
