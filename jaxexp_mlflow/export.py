@@ -199,6 +199,7 @@ def export_function(
     platforms: Sequence[str] | None = None,
     polymorphic_shapes: Any = None,
     announce: bool = True,
+    arg_names: Sequence[str] | None = None,
 ) -> Any:
     """Export ``fn(params, *inputs)`` (or ``fn(*inputs)`` without params) against examples
     (symbolic dimensions: :func:`input_specs`).
@@ -207,7 +208,9 @@ def export_function(
     inputs, as samplers and tree searches take it) keeps its concrete shape: where the example
     shows it (:func:`unbatched_leaves`), or where tracing with a symbolic leading dimension
     fails for that input alone (each input leaf tried once). The choice is logged (unless
-    ``announce`` is False: a second export of the same function, said once already). Where
+    ``announce`` is False: a second export of the same function, said once already), naming
+    the inputs by ``arg_names`` (the user's function's parameters after the params, where
+    ``fn`` wraps it) or by ``fn``'s own. Where
     no single input explains the failure, or several do, the ``UnsupportedModelError`` names
     the ``polymorphic_shapes`` to give (e.g. ``(None, "b, ...")``).
     """
@@ -253,7 +256,13 @@ def export_function(
             "jaxexp: %s of %r is one value for the whole batch (not batched): exported at its "
             "concrete shape, recorded with batched: false in MLmodel's io, sent once per "
             "request and never split or padded. Spelled out, this is polymorphic_shapes=%s.",
-            ", ".join(label for label, s in zip(_leaf_labels(example), static, strict=True) if s),
+            ", ".join(
+                label
+                for label, s in zip(
+                    _named_labels(fn, example, params, arg_names), static, strict=True
+                )
+                if s
+            ),
             getattr(fn, "__name__", None) or type(fn).__name__,
             _shapes_hint(example, static),
         )
@@ -261,6 +270,23 @@ def export_function(
 
 
 _logger = logging.getLogger(__name__)
+
+
+def _named_labels(
+    fn: Callable, example: tuple, params: Any, arg_names: Sequence[str] | None = None
+) -> list[str]:
+    """``input 'key'``, ``input 'batch'['x']``: each input leaf by the function's parameter
+    name (``arg_names``, else :func:`argument_names` of ``fn``), else by position."""
+    names = list(arg_names or argument_names(fn, has_params=params is not None))
+    labels = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(example)[0]:
+        first = getattr(path[0], "idx", None) if path else None
+        if isinstance(first, int) and first < len(names):
+            labels.append(f"input {names[first]!r}{jax.tree_util.keystr(path[1:])}")
+        else:
+            labels.append(f"input {jax.tree_util.keystr(path)}")
+    return labels
+
 
 #: Input leaves tried one at a time as unbatched after an export with every leading
 #: dimension symbolic fails (each try is one trace of the function).

@@ -273,6 +273,7 @@ def test_key_of_the_batch_size_found_by_tracing(tmp_path, caplog):
         )
     said = [r for r in caplog.records if "one value for the whole batch" in r.getMessage()]
     assert len(said) == 1 and "(None, 'b, ...')" in said[0].getMessage()
+    assert "input 'key' of 'search'" in said[0].getMessage()
     got = mlflow.pyfunc.load_model(str(tmp_path / "m")).predict({"key": KEY, "x": _rows(6)})
     np.testing.assert_array_equal(got["action"], jax.jit(search)(PARAMS, KEY, _rows(6))["action"])
 

@@ -12,7 +12,7 @@ import jax
 from jaxexp_mlflow.codec import blob as blob_codec
 from jaxexp_mlflow.codec.pytrees import register_for_save
 from jaxexp_mlflow.errors import IncompatibleError, ParamsMismatchError, UnsupportedModelError
-from jaxexp_mlflow.export import export_function
+from jaxexp_mlflow.export import argument_names, export_function
 from jaxexp_mlflow.params import names as named_params
 from jaxexp_mlflow.store import artifact
 from jaxexp_mlflow.store.section import FlavorSection, package_version
@@ -110,6 +110,7 @@ def resolve_exported(
             batch_polymorphic=batch_polymorphic,
             platforms=platforms,
             polymorphic_shapes=polymorphic_shapes,
+            arg_names=argument_names(exported, has_params=params is not None),
         )
     else:
         raise UnsupportedModelError(
