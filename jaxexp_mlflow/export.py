@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,8 +46,42 @@ def batch_symbols(args: tuple) -> list[str | None]:
     return [None if n is None else names[n] for n in sizes]
 
 
+def looks_like_key(x: Any) -> bool:
+    """Whether an input example leaf looks like one raw PRNG key: ``uint32[2]`` (threefry, as
+    ``jax.random.PRNGKey`` makes it) or ``uint32[4]`` (rbg)."""
+    if np.ndim(x) != 1 or np.shape(x)[0] not in (2, 4):
+        return False
+    dtype = getattr(x, "dtype", None)
+    return (np.asarray(x).dtype if dtype is None else np.dtype(dtype)) == np.uint32
+
+
+def unbatched_leaves(args: tuple) -> list[bool]:
+    """Which input leaves the example shows are one value for the whole batch: a raw PRNG key
+    (:func:`looks_like_key`) beside batched inputs (rank >= 1, not keys) whose leading sizes
+    agree with each other but not with the key's. Such a leaf keeps its concrete shape; every
+    other leaf is as :func:`batch_symbols` names it.
+
+    Args:
+        args: the positional inputs of the example (:func:`as_args`).
+
+    Returns:
+        One flag per input leaf (``jax.tree.leaves`` order): True where it is one value.
+    """
+    leaves = jax.tree.leaves(args)
+    keys = [looks_like_key(x) for x in leaves]
+    sizes = {np.shape(x)[0] for x, k in zip(leaves, keys, strict=True) if np.ndim(x) and not k}
+    if len(sizes) != 1:
+        return [False] * len(leaves)
+    (size,) = sizes
+    return [k and np.shape(x)[0] != size for x, k in zip(leaves, keys, strict=True)]
+
+
 def input_specs(
-    args: tuple, *, batch_polymorphic: bool = True, polymorphic_shapes: Any = None
+    args: tuple,
+    *,
+    batch_polymorphic: bool = True,
+    polymorphic_shapes: Any = None,
+    static: Sequence[bool] | None = None,
 ) -> tuple:
     """ShapeDtypeStructs for ``args``.
 
@@ -54,14 +89,18 @@ def input_specs(
     prefix pytree of them, e.g. ``("n, f", "e")``) names the symbolic dimensions of each input;
     it is checked against the example (``InputError`` naming the input and the dimension).
     Otherwise, with ``batch_polymorphic``, leading dimensions become symbols (:func:`batch_symbols`:
-    one shared ``b`` when the example's leading sizes agree, one per distinct size otherwise).
+    one shared ``b`` when the example's leading sizes agree, one per distinct size otherwise),
+    except for the leaves ``static`` marks (one flag per input leaf): those keep their shape.
     """
     if polymorphic_shapes is not None:
         return _user_specs(args, polymorphic_shapes)
     if not batch_polymorphic:
         return jax.tree.map(_spec, args)
     leaves, tree = jax.tree.flatten(args)
-    names = batch_symbols(args)
+    static = list(static) if static is not None else [False] * len(leaves)
+    names = batch_symbols(tuple(x for x, s in zip(leaves, static, strict=True) if not s))
+    names_iter = iter(names)
+    names = [None if s else next(names_iter) for s in static]
     scope = jax.export.SymbolicScope()
     dims = {n: jax.export.symbolic_shape(n, scope=scope)[0] for n in dict.fromkeys(names) if n}
     specs = [_spec(x, dims.get(n) if n else None) for x, n in zip(leaves, names, strict=True)]
@@ -159,9 +198,22 @@ def export_function(
     batch_polymorphic: bool = True,
     platforms: Sequence[str] | None = None,
     polymorphic_shapes: Any = None,
+    announce: bool = True,
+    arg_names: Sequence[str] | None = None,
 ) -> Any:
     """Export ``fn(params, *inputs)`` (or ``fn(*inputs)`` without params) against examples
-    (symbolic dimensions: :func:`input_specs`)."""
+    (symbolic dimensions: :func:`input_specs`).
+
+    An input that is one value for the whole batch (a PRNG key ``uint32[2]`` beside batched
+    inputs, as samplers and tree searches take it) keeps its concrete shape: where the example
+    shows it (:func:`unbatched_leaves`), or where tracing with a symbolic leading dimension
+    fails for that input alone (each input leaf tried once). The choice is logged (unless
+    ``announce`` is False: a second export of the same function, said once already), naming
+    the inputs by ``arg_names`` (the user's function's parameters after the params, where
+    ``fn`` wraps it) or by ``fn``'s own. Where
+    no single input explains the failure, or several do, the ``UnsupportedModelError`` names
+    the ``polymorphic_shapes`` to give (e.g. ``(None, "b, ...")``).
+    """
     if input_example is None:
         raise UnsupportedModelError(
             "Exporting a function needs an input_example to learn the input shapes and dtypes: "
@@ -170,24 +222,138 @@ def export_function(
             "and pass the Exported."
         )
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-    args = input_specs(
-        as_args(input_example),
-        batch_polymorphic=batch_polymorphic,
-        polymorphic_shapes=polymorphic_shapes,
-    )
-    if params is not None:
-        args = (jax.tree.map(_spec, params), *args)
+    example = as_args(input_example)
+    auto = batch_polymorphic and polymorphic_shapes is None
+    static = unbatched_leaves(example) if auto else None
+
+    def specs(flags: Sequence[bool] | None) -> tuple:
+        args = input_specs(
+            example,
+            batch_polymorphic=batch_polymorphic,
+            polymorphic_shapes=polymorphic_shapes,
+            static=flags,
+        )
+        return args if params is None else (jax.tree.map(_spec, params), *args)
+
+    args = specs(static)
     try:
-        return jax.export.export(jitted, platforms=platforms)(*args)
+        exp = jax.export.export(jitted, platforms=platforms)(*args)
     except Exception as err:
-        raise export_error(
+        failed = export_error(
             fn,
             jitted,
             args,
             err,
             batch_polymorphic=batch_polymorphic,
             has_params=params is not None,
-        ) from err
+        )
+        callback = "calls back into the Python host" in failed.message  # export_error's word
+        if not auto or callback or not _about_batch(str(err), args):
+            raise failed from err
+        exp, static = _static_retry(jitted, platforms, example, static, specs, failed, err)
+    if announce and static is not None and any(static):
+        _logger.warning(
+            "jaxexp: %s of %r is one value for the whole batch (not batched): exported at its "
+            "concrete shape, recorded with batched: false in MLmodel's io, sent once per "
+            "request and never split or padded. Spelled out, this is polymorphic_shapes=%s.",
+            ", ".join(
+                label
+                for label, s in zip(
+                    _named_labels(fn, example, params, arg_names), static, strict=True
+                )
+                if s
+            ),
+            getattr(fn, "__name__", None) or type(fn).__name__,
+            _shapes_hint(example, static),
+        )
+    return exp
+
+
+_logger = logging.getLogger(__name__)
+
+
+def _named_labels(
+    fn: Callable, example: tuple, params: Any, arg_names: Sequence[str] | None = None
+) -> list[str]:
+    """``input 'key'``, ``input 'batch'['x']``: each input leaf by the function's parameter
+    name (``arg_names``, else :func:`argument_names` of ``fn``), else by position."""
+    names = list(arg_names or argument_names(fn, has_params=params is not None))
+    labels = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(example)[0]:
+        first = getattr(path[0], "idx", None) if path else None
+        if isinstance(first, int) and first < len(names):
+            labels.append(f"input {names[first]!r}{jax.tree_util.keystr(path[1:])}")
+        else:
+            labels.append(f"input {jax.tree_util.keystr(path)}")
+    return labels
+
+
+#: Input leaves tried one at a time as unbatched after an export with every leading
+#: dimension symbolic fails (each try is one trace of the function).
+MAX_STATIC_TRIES = 16
+
+
+def _static_retry(
+    jitted: Callable,
+    platforms: Sequence[str] | None,
+    example: tuple,
+    static: list[bool],
+    specs: Callable[[Sequence[bool]], tuple],
+    failed: UnsupportedModelError,
+    err: Exception,
+) -> tuple[Any, list[bool]]:
+    """The export with one more input leaf kept static, where exactly one such leaf makes it
+    succeed; else ``failed`` with the ``polymorphic_shapes`` to give added."""
+    leaves = jax.tree.leaves(example)
+    tries = [i for i, x in enumerate(leaves) if np.ndim(x) and not static[i]]
+    fixes: list[tuple[list[bool], Any]] = []
+    if len(tries) > 1:  # one batched input: keeping it static is batch_polymorphic=False
+        for i in tries[:MAX_STATIC_TRIES]:
+            flags = [s or j == i for j, s in enumerate(static)]
+            try:
+                fixes.append((flags, jax.export.export(jitted, platforms=platforms)(*specs(flags))))
+            except Exception:  # noqa: BLE001 - this input is not the one
+                continue
+    if len(fixes) == 1:
+        return fixes[0][1], fixes[0][0]
+    if fixes:
+        options = " or ".join(f"polymorphic_shapes={_shapes_hint(example, f)}" for f, _ in fixes)
+        advice = (
+            f" Keeping any one of several inputs unbatched makes the export succeed, so the "
+            f"flavor cannot tell which is one value for the whole batch: pass {options}."
+        )
+    else:
+        guess = [s or looks_like_key(x) for s, x in zip(static, leaves, strict=True)]
+        advice = (
+            " If some inputs are one value for the whole batch (a PRNG key, a shared table), "
+            "say which with one shapes string per input, None for those: e.g. "
+            f"polymorphic_shapes={_shapes_hint(example, guess)}."
+        )
+    raise UnsupportedModelError(failed.message + advice) from err
+
+
+def _shapes_hint(example: tuple, static: Sequence[bool]) -> str:
+    """``(None, 'b, ...')``: the ``polymorphic_shapes`` of one entry per input that keeps the
+    inputs marked ``static`` (all of an input's leaves) concrete and batches the others."""
+    leaves = jax.tree.leaves(example)
+    names = iter(batch_symbols(tuple(x for x, s in zip(leaves, static, strict=True) if not s)))
+    flags = iter(static)
+    parts = []
+    for arg in example:
+        mine = jax.tree.leaves(arg)
+        syms = [None if next(flags) else next(names) for _ in mine]
+        batched = bool(mine) and all(syms)
+        parts.append(f"'{syms[0]}, ...'" if batched else "None")
+    return f"({', '.join(parts)},)" if len(parts) == 1 else f"({', '.join(parts)})"
+
+
+def _about_batch(text: str, args: tuple) -> bool:
+    """Whether an export failure is about the symbolic dimensions: a shape naming one of the
+    symbols of ``args``, or jax's words for them (a mismatch of concrete shapes is not)."""
+    syms = {str(d) for a in jax.tree.leaves(args) for d in a.shape if not isinstance(d, int)}
+    return any(
+        word in text for word in ("symbolic", "polymorphic", "Inconclusive", "dimension variable")
+    ) or any(re.search(rf"\b{re.escape(sym)}\b", text) for sym in syms)
 
 
 #: Primitives that call back into the Python host: jax.export cannot serialize them.
@@ -287,12 +453,9 @@ def export_error(
     syms = sorted(
         {str(d) for a in jax.tree.leaves(args) for d in a.shape if not isinstance(d, int)}
     )
-    text = str(err)
     # the batch hint where the failure is about the symbolic batch (a shape naming a symbol,
     # or jax's words for it); a mismatch of concrete shapes (params of the wrong shape) is not
-    about_batch = any(
-        word in text for word in ("symbolic", "polymorphic", "Inconclusive", "dimension variable")
-    ) or any(re.search(rf"\b{re.escape(sym)}\b", text) for sym in syms)
+    about_batch = _about_batch(str(err), args)
     hint = (
         " If the function needs a concrete batch size, pass batch_polymorphic=False."
         if batch_polymorphic and about_batch

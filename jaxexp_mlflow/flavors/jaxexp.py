@@ -318,6 +318,7 @@ def _save_into(
         host_outputs=written.host_outputs,
         batched=one_batch_axis(in_specs, out_specs),
         params_proven=written.params_proven,
+        given=written.given,
     )
 
 

@@ -70,18 +70,56 @@ def _flavor_conf(path: Path, flavor_name: str) -> dict[str, Any]:
     return flavor_section(read_mlmodel(path), flavor_name)  # as load_model reads it
 
 
-def _same_export(saved: Any, loaded: Any) -> None:
+#: What the user gave ``save_model``, as the read-back's advice names it.
+GIVEN_FUNCTION, GIVEN_EXPORTED, GIVEN_BYTES = "function", "Exported", "bytes"
+
+
+def _kept(value: Any) -> str:
+    """A field of an ``Exported`` as its serialization keeps it: avals by dtype and shape
+    (``int32[b]``), since ``jax.export`` does not serialize an aval's ``weak_type`` (a weak
+    type means nothing to a caller of the deserialized function, which gets the dtype)."""
+    from jaxexp_mlflow.store.section import aval_str
+
+    if isinstance(value, tuple | list) and all(hasattr(a, "str_short") for a in value):
+        return str([aval_str(a) for a in value])
+    return str(value)
+
+
+def same_export_advice(given: str | None) -> str:
+    """What to do when the export read back differs from the one saved, for what was given:
+    a function (the flavor exported it), an ``Exported``, or its bytes."""
+    if given == GIVEN_BYTES:
+        return (
+            "This is a bug in the serialization; save the jax.export.Exported object (not its "
+            "bytes) and report the issue."
+        )
+    if given == GIVEN_EXPORTED:
+        return (
+            "The Exported given does not survive jax.export's own serialization round trip: "
+            "pass the function fn(params, *inputs) with params= and input_example= instead "
+            "(the flavor exports it), and report the issue with this message."
+        )
+    if given == GIVEN_FUNCTION:
+        return (
+            "The function's export does not survive jax.export's own serialization round "
+            "trip (Exported.serialize, then jax.export.deserialize): report the issue with "
+            "this message; batch_polymorphic=False or polymorphic_shapes= may avoid the "
+            "difference meanwhile."
+        )
+    return "This is a bug in the serialization: report the issue with this message."
+
+
+def _same_export(saved: Any, loaded: Any, given: str | None = None) -> None:
     fields = ("in_tree", "out_tree", "in_avals", "out_avals", "platforms", "nr_devices")
     diff = [
         f"{f}: expected {getattr(saved, f)}, found {getattr(loaded, f)}"
         for f in fields
-        if str(getattr(saved, f)) != str(getattr(loaded, f))
+        if _kept(getattr(saved, f)) != _kept(getattr(loaded, f))
     ]
     if diff:
         raise ArtifactError(
             "The serialized function read back from the model directory differs from the one "
-            "saved:\n- " + "\n- ".join(diff) + "\nThis is a bug in the serialization; save the "
-            "jax.export.Exported object (not its bytes) and report the issue."
+            "saved:\n- " + "\n- ".join(diff) + "\n" + same_export_advice(given)
         )
 
 
@@ -184,6 +222,7 @@ def read_back(
     inputs: tuple | None = None,
     target: str | os.PathLike | None = None,
     params_proven: bool = False,
+    given: str | None = None,
 ) -> ReadBack:
     """Load the model at ``path`` as ``load_model`` would and run it on ``inputs`` if given.
 
@@ -192,7 +231,9 @@ def read_back(
     checkpoint, which the model's copy is made of). ``target`` is the path the model is being
     saved to (named in errors). ``params_proven``: every array file's checksum in the manifest
     was taken from ``params`` in memory (``saving.Written``), so the files checked against it
-    hold exactly ``params``, which are then bound and run once. Returns the outputs for
+    hold exactly ``params``, which are then bound and run once. ``given``: what the user
+    passed (``GIVEN_FUNCTION``, ``GIVEN_EXPORTED``, ``GIVEN_BYTES``), which the advice of a
+    failed comparison names. Returns the outputs for
     ``inputs`` (the model run with the params as stored), and the loaded model.
     """
     import jax
@@ -242,15 +283,15 @@ def read_back(
             "report the issue with this message if they are."
         ) from err
     result.model = model if route != routes.RECORDED_ENV else None  # no synthetic probes there
-    _same_export(exported, loaded_exp)
+    _same_export(exported, loaded_exp, given)
     result.seconds["load"] = time.perf_counter() - t0
     if inputs is not None and model is not None:
         t1 = time.perf_counter()
         if model.has_params and params is not None and bind is None:
             # restored params against the given ones, through the same executable
             outputs = model.call_with_params(model.params, *inputs)
-            given = _placed_like(_as_model_params(params, conf), restored)
-            expected = model.call_with_params(given, *inputs)
+            placed = _placed_like(_as_model_params(params, conf), restored)
+            expected = model.call_with_params(placed, *inputs)
             _assert_outputs_agree(
                 jax.tree.leaves(outputs),
                 jax.tree.leaves(expected),
@@ -362,6 +403,7 @@ def read_back_and_record(
     host_outputs: Any = None,
     batched: bool = False,
     params_proven: bool = False,
+    given: str | None = None,
 ) -> None:
     """Never publish what cannot load: read ``path`` back as load_model does, store the reference.
 
@@ -375,7 +417,8 @@ def read_back_and_record(
     (``{name: array}``, from ``saving.write_model_files``), None for none or a checkpoint path.
     ``host_outputs``: for a function exported for platforms this machine lacks, the reference
     computed by a host lowering of it (the read-back then deserializes and restores only).
-    ``params_proven``: see :func:`read_back`.
+    ``params_proven``, ``given``: see :func:`read_back` (without ``given``, a section that
+    records no exporting jax, as for a blob given as bytes, names bytes).
     """
     from jaxexp_mlflow.export import as_args
     from jaxexp_mlflow.runtime import probes
@@ -390,6 +433,7 @@ def read_back_and_record(
         inputs=inputs,
         target=target,
         params_proven=params_proven,
+        given=given or (GIVEN_BYTES if section.jax_version is None else None),
     )
     outputs, platform = found.outputs, None if found.model is None else found.model.platform
     if outputs is None and host_outputs is not None:

@@ -12,7 +12,7 @@ import jax
 from jaxexp_mlflow.codec import blob as blob_codec
 from jaxexp_mlflow.codec.pytrees import register_for_save
 from jaxexp_mlflow.errors import IncompatibleError, ParamsMismatchError, UnsupportedModelError
-from jaxexp_mlflow.export import export_function
+from jaxexp_mlflow.export import argument_names, export_function
 from jaxexp_mlflow.params import names as named_params
 from jaxexp_mlflow.store import artifact
 from jaxexp_mlflow.store.section import FlavorSection, package_version
@@ -110,6 +110,7 @@ def resolve_exported(
             batch_polymorphic=batch_polymorphic,
             platforms=platforms,
             polymorphic_shapes=polymorphic_shapes,
+            arg_names=argument_names(exported, has_params=params is not None),
         )
     else:
         raise UnsupportedModelError(
@@ -153,6 +154,7 @@ def _host_reference(fn: Any, params: Any, input_example: Any, batch_polymorphic:
         input_example,
         batch_polymorphic=batch_polymorphic,
         platforms=(running_platform(),),
+        announce=False,  # the export for the target platforms said it
     )
     args = as_args(input_example)
     outputs = here.call(arrays, *args) if arrays is not None else here.call(*args)
@@ -191,6 +193,8 @@ class Written:
     params: Any  #: the params as stored, ``{name: array}`` (None: none, or a checkpoint path)
     host_outputs: Any  #: the reference of a host lowering (exported for another platform)
     params_proven: bool = False  #: every array file's checksum taken from ``params`` in memory
+    #: what the user gave: ``readback.GIVEN_FUNCTION``, ``GIVEN_EXPORTED`` or ``GIVEN_BYTES``
+    given: str | None = None
 
 
 def write_model_files(
@@ -327,7 +331,18 @@ def write_model_files(
             check_runs(taken[0], section.to_dict(), description)
         else:  # the reference result is computed by the read-back
             _refuse_if_it_cannot_run_here(section.to_dict(), description)
-    return Written(section, exp, arrays, host_outputs, proven)
+    return Written(section, exp, arrays, host_outputs, proven, _given(exported))
+
+
+def _given(exported: Any) -> str:
+    """What the user passed, as the read-back's advice names it (``flavors.readback``)."""
+    from jaxexp_mlflow.flavors import readback
+
+    if isinstance(exported, bytes | bytearray | memoryview):
+        return readback.GIVEN_BYTES
+    if isinstance(exported, jax.export.Exported):
+        return readback.GIVEN_EXPORTED
+    return readback.GIVEN_FUNCTION
 
 
 def _every_array_from_memory(report: dict[str, Any], exp: Any) -> bool:

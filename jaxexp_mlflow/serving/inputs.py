@@ -19,7 +19,10 @@ Forms (``InputContract.named``), for inputs named as in the signature:
   ``{"dataframe_records": ...}`` (``serving_input_example.json`` as saved), unless an input is
   itself named like the envelope key;
 * one example without its batch axis (every input one rank short of a batched spec) is a batch
-  of 1.
+  of 1;
+* an input that is one value for the whole batch (``batched: false`` in MLmodel's ``io``: a
+  PRNG key beside batched inputs) is sent once, never per row; a row form that repeats it in
+  every row must repeat the same value (:func:`once`).
 
 Casting rules: ``serving/casts.py`` (``convert``, re-exported here).
 Every refusal is an ``InputError`` (HTTP 400, CLI exit 2) stating the rule, the expected spec
@@ -164,9 +167,15 @@ class InputContract:
                 f"Rule: every input by its signature name (or by position). Found "
                 f"{' and '.join(parts)}. Expected: {self.expected()}."
             )
-        values = [named[n] for n in self.names]
+        values = [
+            once(v, s, self.allow_nan) if not s.batched else v
+            for v, s in zip((named[n] for n in self.names), self.specs, strict=True)
+        ]
         if self._unbatched(values):
-            values = [np.expand_dims(np.asarray(v), 0) for v in values]
+            values = [
+                np.expand_dims(np.asarray(v), 0) if s.batched else v
+                for v, s in zip(values, self.specs, strict=True)
+            ]
         out = [
             convert(v, s, dtype=s.wire_dtype if wire else None, allow_nan=self.allow_nan)
             for v, s in zip(values, self.specs, strict=True)
@@ -176,8 +185,12 @@ class InputContract:
         return out
 
     def _unbatched(self, values: list[Any]) -> bool:
-        """Whether every input is one example: one rank short of a batched (``-1``) spec."""
-        for v, s in zip(values, self.specs, strict=True):
+        """Whether every input is one example: one rank short of a batched (``-1``) spec (an
+        input that is one value for the whole batch, ``batched=False``, aside)."""
+        batched = [(v, s) for v, s in zip(values, self.specs, strict=True) if s.batched]
+        if len(batched) < len(values) and not batched:
+            return False  # only one-value inputs: nothing to add a batch axis to
+        for v, s in batched:
             if not s.shape or s.shape[0] is not None:
                 return False
             if isinstance(v, np.ndarray):
@@ -248,6 +261,51 @@ def frame_columns(frame: Any, contract: InputContract) -> list[str]:
             f"Expected inputs: {contract.expected()}."
         )
     return cols
+
+
+def once(value: Any, spec: LeafSpec, allow_nan: bool = False) -> Any:
+    """The one value of an input that is the same for the whole batch (``spec.batched`` is
+    False: a PRNG key beside batched inputs). Sent once, it is taken as it is; sent once per
+    row (a column of a row form: ``dataframe_split``, ``dataframe_records``, records, CSV),
+    its rows must all be equal and the first is taken: it is never sliced per row.
+
+    Args:
+        value: the raw value sent for the input (array, nested list, scalar).
+        spec: the input's ``LeafSpec`` (``batched`` False).
+        allow_nan: whether NaN/inf pass the cast of a repeated value (``convert``).
+
+    Returns:
+        The value to convert: as sent, or the first of its equal rows.
+
+    Raises:
+        InputError: the rows sent for it differ.
+    """
+    if isinstance(value, np.ndarray):
+        rank = value.ndim
+    elif isinstance(value, list | tuple):
+        rank = _list_rank(value)
+    else:
+        return value
+    if rank != len(spec.shape) + 1 or len(value) == 0:
+        return value
+    rows = convert(value, _per_row(spec), allow_nan=allow_nan)
+    if not (rows == rows[:1]).all():
+        raise input_error(
+            spec,
+            f"{len(rows)} rows that differ",
+            "It is one value for the whole batch (batched: false in MLmodel's io): send it "
+            "once, or the same value in every row.",
+        )
+    return rows[0]
+
+
+def _per_row(spec: LeafSpec) -> LeafSpec:
+    """``spec`` with one leading batch axis more: how a row form carries a one-value input."""
+    import dataclasses
+
+    return dataclasses.replace(
+        spec, shape=(None, *spec.shape), symbols=(None, *spec.symbols), batched=True
+    )
 
 
 def _len_of(data: Any) -> str:

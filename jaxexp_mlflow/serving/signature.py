@@ -43,6 +43,8 @@ class LeafSpec:
     wire_dtype: np.dtype  # the dtype MLflow's signature declares
     shape: tuple[int | None, ...]
     symbols: tuple[str | None, ...]  # the symbolic dimension expression per axis, else None
+    #: False for an input that is one value for the whole batch (see :func:`mark_unbatched`)
+    batched: bool = True
 
     def describe(self) -> str:
         """``x: float32[-1,8]`` (with ``bfloat16 (send float32)`` for wire-cast dtypes)."""
@@ -50,7 +52,8 @@ class LeafSpec:
         kind = str(self.dtype)
         if self.wire_dtype != self.dtype:
             kind = f"{self.dtype} (sent as {self.wire_dtype})"
-        return f"{self.name}: {kind}[{dims}]"
+        once = "" if self.batched else " (one value for the whole batch)"
+        return f"{self.name}: {kind}[{dims}]{once}"
 
 
 def wire_dtype(dtype: Any) -> np.dtype:
@@ -186,7 +189,31 @@ def leaf_specs(
             specs.append(LeafSpec(name, dt, wire_dtype(dt), shape, syms))
         return specs
 
-    return make(in_names, exported.in_avals[n_params:]), make(out_names, exported.out_avals)
+    inputs = mark_unbatched(make(in_names, exported.in_avals[n_params:]))
+    return inputs, make(out_names, exported.out_avals)
+
+
+def mark_unbatched(inputs: list[LeafSpec]) -> list[LeafSpec]:
+    """The input specs, those that are one value for the whole batch marked ``batched=False``:
+    an input of rank >= 1 whose leading dimension is concrete, beside an input whose leading
+    dimension is symbolic (a PRNG key ``uint32[2]`` beside ``x: float32[b, F]``). Every door
+    takes such an input as one value, never sliced, split into chunks or padded per row
+    (``serving/inputs.py``); MLmodel's ``io`` records it as ``batched: false``.
+
+    Args:
+        inputs: the input leaf specs of an export, in leaf order.
+
+    Returns:
+        The same specs, ``batched=False`` where the rule above holds.
+    """
+    import dataclasses
+
+    if not any(s.shape and s.shape[0] is None for s in inputs):
+        return inputs
+    return [
+        dataclasses.replace(s, batched=False) if s.shape and s.shape[0] is not None else s
+        for s in inputs
+    ]
 
 
 def specs_from_conf(conf: dict[str, Any]) -> tuple[list[LeafSpec], list[LeafSpec]] | None:
@@ -203,14 +230,16 @@ def specs_from_conf(conf: dict[str, Any]) -> tuple[list[LeafSpec], list[LeafSpec
             dt = np.dtype(resolve_dtype(e["dtype"]))
             shape = tuple(None if d == -1 else int(d) for d in e["shape"])
             syms = tuple(e.get("symbols") or [None] * len(shape))
-            out.append(LeafSpec(e["name"], dt, wire_dtype(dt), shape, syms))
+            batched = e.get("batched") is not False
+            out.append(LeafSpec(e["name"], dt, wire_dtype(dt), shape, syms, batched))
         return out
 
     return make(sig["inputs"]), make(sig["outputs"])
 
 
 def specs_to_conf(inputs: list[LeafSpec], outputs: list[LeafSpec]) -> dict[str, Any]:
-    """The ``io`` entry of the flavor section: names, exact dtypes, shapes, symbols."""
+    """The ``io`` entry of the flavor section: names, exact dtypes, shapes, symbols, and
+    ``batched: false`` for an input that is one value for the whole batch."""
 
     def dump(specs: list[LeafSpec]) -> list[dict]:
         return [
@@ -219,6 +248,7 @@ def specs_to_conf(inputs: list[LeafSpec], outputs: list[LeafSpec]) -> dict[str, 
                 "dtype": str(s.dtype),
                 "shape": [-1 if d is None else d for d in s.shape],
                 "symbols": list(s.symbols),
+                **({} if s.batched else {"batched": False}),  # written only where false
             }
             for s in specs
         ]

@@ -497,6 +497,13 @@ def _io(io: Any) -> None:
                 or not all(s is None or isinstance(s, str) for s in symbols)
             ):
                 raise _bad(f"{where}.symbols", "one string or null per dimension", symbols)
+            once = e.get("batched", True)  # false: an input of fixed leading dim, one value
+            if once is not True and (
+                once is not False or side == "outputs" or shape[:1] in ([], [-1])
+            ):
+                raise _bad(
+                    f"{where}.batched", "true, or false for an input of fixed shape[0]", once
+                )
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
