@@ -1,4 +1,4 @@
-"""Which stored input schema keeps every MLflow door of a jaxexp model working (issue 35).
+"""Which stored input schema keeps every MLflow door of a jaxexp model working.
 
 Saves the tests' one-input MLP (``x: float32[-1,8]``) and two-input model (``ids: int32[-1]``,
 ``x: float32[-1,8]`` -> ``{"logits", "score"}``), then, for each candidate input schema written

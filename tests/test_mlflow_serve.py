@@ -1,4 +1,4 @@
-"""MLflow's own doors, unmodified (issue 35): ``mlflow models serve`` and ``mlflow models
+"""MLflow's own doors, unmodified: ``mlflow models serve`` and ``mlflow models
 predict`` take every format MLflow documents and answer what in-process ``pyfunc.predict``
 answers.
 
@@ -202,7 +202,7 @@ def test_declaring_inputs_would_break_mlflow_doors(models, tmp_path, kind):
     asks the schema for pandas dtypes, which tensor specs and non-scalar columns have none of),
     enforces the schema in-process before the model sees the input, and quotes the input in its
     refusals. A sentinel: when MLflow stops doing any of this, this test fails and the choice in
-    ``serving/signature.served_signature`` is to be revisited (issue 35)."""
+    ``serving/signature.served_signature`` is to be revisited."""
     one = _declared(models["one"], tmp_path / "one", kind)
     two = _declared(models["two"], tmp_path / "two", kind)
     assert two.metadata.get_input_schema().input_names() == ["ids", "x"]  # what the UI would show
