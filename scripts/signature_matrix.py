@@ -12,7 +12,8 @@ the in-process predict time. Re-run it when MLflow changes:
 Candidates: ``none`` (what jaxexp stores: no input schema), ``tensor`` (named tensor specs, the
 wire dtypes), ``tensor64`` (the same widened to int64/float64, the dtypes JSON parses to),
 ``cols`` / ``cols64`` (scalar columns for ``[-1]``, ``Array`` per further axis), ``any``
-(``AnyType`` columns named after the inputs). docs/serving.md, "Signature", has the results.
+(``AnyType`` columns named after the inputs).
+docs/serving/pyfunc-rest.md, "Why the MLflow signature declares no inputs", has the results.
 """
 
 from __future__ import annotations

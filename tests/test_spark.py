@@ -79,4 +79,4 @@ def test_default_result_type_for_every_output_shape(spark, tmp_path):
     rows = df2.select(udf2(struct(*df2.columns)).alias("out")).collect()
     np.testing.assert_allclose([r.out.logits for r in rows], want["logits"], rtol=1e-5)
     with pytest.raises(MlflowException, match="zero columns"):
-        udf2()  # the one form that needs an input schema (docs/serving.md, "Signature")
+        udf2()  # the one form that needs an input schema (docs/serving/pyfunc-rest.md, "Signature")
