@@ -1,5 +1,5 @@
 """Carry the shared corpus across JAX releases: every blob reproduces through a route the
-product picks (issue 24, goal).
+product picks.
 
 For each of the 32 blobs of ``../shared/corpus`` (jax 0.4.35, 0.6.2, 0.8.3, 0.10.2): log the
 blob as a bare blob (its bytes, nothing else, as someone archived it) into a temporary MLflow

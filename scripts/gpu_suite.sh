@@ -12,7 +12,7 @@
 #                        and XLA_PYTHON_CLIENT_PREALLOCATE=false
 #                        bash scripts/gpu_suite.sh bench [bench_gpu.py args...]: the benchmark
 #                        bash scripts/gpu_suite.sh llm [bench_llm.py args...]: the 1b LLM's
-#                        figures (issue 39) on this accelerator
+#                        figures on this accelerator
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

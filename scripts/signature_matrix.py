@@ -1,4 +1,4 @@
-"""Which stored input schema keeps every MLflow door of a jaxexp model working (issue 35).
+"""Which stored input schema keeps every MLflow door of a jaxexp model working.
 
 Saves the tests' one-input MLP (``x: float32[-1,8]``) and two-input model (``ids: int32[-1]``,
 ``x: float32[-1,8]`` -> ``{"logits", "score"}``), then, for each candidate input schema written
@@ -12,7 +12,8 @@ the in-process predict time. Re-run it when MLflow changes:
 Candidates: ``none`` (what jaxexp stores: no input schema), ``tensor`` (named tensor specs, the
 wire dtypes), ``tensor64`` (the same widened to int64/float64, the dtypes JSON parses to),
 ``cols`` / ``cols64`` (scalar columns for ``[-1]``, ``Array`` per further axis), ``any``
-(``AnyType`` columns named after the inputs). docs/serving.md, "Signature", has the results.
+(``AnyType`` columns named after the inputs).
+docs/serving/pyfunc-rest.md, "Why the MLflow signature declares no inputs", has the results.
 """
 
 from __future__ import annotations

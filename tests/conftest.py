@@ -46,7 +46,7 @@ def corpus_refusals(case: Path, *, expired_flag: bool = False) -> set[str]:
     """Why the installed jax refuses to deserialize a corpus blob, as verdict codes (empty: it
     reads it).
 
-    Measured (issue 23) with jax 0.11.0, 0.11.1 and 0.12.0.1, and read from their
+    Measured with jax 0.11.0, 0.11.1 and 0.12.0.1, and read from their
     ``jax/_src/export/serialization.py``: from 0.11.1 on, jax refuses every blob of schema < 5
     (all of jax 0.4.35's and 0.6.2's) unless ``jax_export_deserialize_expired_versions`` is set
     (``expired``), and every blob carrying an old-style HLO sharding (``sharded4`` of 0.4.35,

@@ -1,4 +1,4 @@
-"""Inputs with different leading sizes (issue 37): one symbol per size, or the user's own names.
+"""Inputs with different leading sizes: one symbol per size, or the user's own names.
 
 A graph network takes nodes ``[N, F]`` and edges ``[E]``: logged with an example where N != E
 its inputs get separate symbols, with ``polymorphic_shapes`` the user names them (needed when

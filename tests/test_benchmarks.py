@@ -128,7 +128,8 @@ def test_newest_file_per_family_wins_and_says_where_it_came_from():
     call = page.split("## Call")[1].split("## ")[0]
     codec = page.split("## Codec")[1].split("## ")[0]
     assert "`2026-02-01-bbbbbbb.json`" in call and "cpu-bbbbbbb" in call and "| 0.5 |" in call
-    assert "`2026-01-01-aaaaaaa.json`" in codec and "| 2.5 |" in codec  # a failed run: no rows
+    # a failed run: no rows
+    assert "`2026-01-01-aaaaaaa.json`" in codec and "| 2.5 |" in codec
     assert "2026-03-01-ccccccc.json" not in page
     assert page.endswith("## Performance decisions\n\n- a decision.\n")
     assert page == render.render(dict(reversed(list(docs.items()))), "- a decision.")

@@ -1,4 +1,4 @@
-"""Issue 36: every size a model states is checked before anything proportional to it is made
+"""Every size a model states is checked before anything proportional to it is made
 (zarr chunk grids, the params manifest), and every string from a model reaches stderr escaped."""
 
 from __future__ import annotations

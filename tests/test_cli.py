@@ -1,4 +1,4 @@
-"""The ``jaxexp`` command line (issue 6): click's runner and the installed console script."""
+"""The ``jaxexp`` command line: click's runner and the installed console script."""
 
 from __future__ import annotations
 

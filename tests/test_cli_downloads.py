@@ -1,4 +1,4 @@
-"""Issue 36: the downloads of ``jaxexp inspect``, ``check`` (and ``audit``, which fetches the
+"""The downloads of ``jaxexp inspect``, ``check`` (and ``audit``, which fetches the
 same way) and ``refresh`` stop at the listed size, refuse a listed size past the file's limit
 before fetching, and leave nothing behind. The store is the hostile fake ``mlflow server`` of
 tests/test_transfer_safety.py (a real HTTP server on 127.0.0.1)."""

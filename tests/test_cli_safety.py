@@ -1,7 +1,7 @@
-"""Issue 25 ("a model directory is untrusted input"), defects 12-14, through the real CLI:
-``verify --env-manager uv`` installs only plain requirements unless told to trust the model
-(12), ``audit`` survives registered-model names that MLflow's filter syntax cannot quote (13),
-and no string of a model reaches the terminal as a control sequence (14)."""
+"""A model directory is untrusted input, through the real CLI: ``verify --env-manager uv``
+installs only plain requirements unless told to trust the model, ``audit`` survives
+registered-model names that MLflow's filter syntax cannot quote, and no string of a model
+reaches the terminal as a control sequence."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The compatibility verdict (issue 5, point 3): reasons, what to do, load refuses/warns."""
+"""The compatibility verdict: reasons, what to do, load refuses/warns."""
 
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def test_expired_blob_saved_through_the_flag_route_and_loaded_with_the_flag(tmp_
         assert np.allclose(np.asarray(model(*args, **kwargs)), outputs[0], rtol=1e-5, atol=1e-5)
         return
     # saving it here goes through the expired-flag route (JAX's flag around the read only),
-    # recorded in MLmodel: issue 41 (the route it loads through; never log what cannot load) ...
+    # recorded in MLmodel (the route it loads through; never log what cannot load) ...
     from jaxexp_mlflow.codec.mlmodel import read_mlmodel
 
     mlflow.jaxexp.save_model(blob, tmp_path / "routed")
@@ -352,7 +352,7 @@ def test_kernel_signatures_read_from_the_module(env):
     new = read_blob_file(CORPUS / "jax-0.6.2" / "linalg" / "exported.bin")
     assert ("lapack_strsm_ffi", 2, 1) in new.custom_calls
     assert "kernel_abi" not in _judge(CORPUS / "jax-0.6.2" / "linalg", env).codes()
-    # the same call with 3 operands (as JAX's 2024-12-02 module makes it) is refused
+    # the same call with 3 operands (as JAX's module written 2024-12-02 makes it) is refused
     meta = {
         "platforms": ["cpu"],
         "nr_devices": 1,

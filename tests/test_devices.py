@@ -1,4 +1,4 @@
-"""Platforms and devices (issue 5, points 1-2).
+"""Platforms and devices.
 
 Multi-device behaviour runs in subprocesses with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the device count is fixed when JAX starts);

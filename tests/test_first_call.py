@@ -1,4 +1,4 @@
-"""The first predict of a fresh load (issue 27, point 2): compiled executables are stored by what
+"""The first predict of a fresh load: compiled executables are stored by what
 determines them, so a warm first call loads its executable without lowering or compiling."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def test_other_calls_go_to_the_jitted_function(model_dir, tmp_path, monkeypatch)
 
 
 def test_no_local_cache_directory_stores_nothing(model_dir, monkeypatch):
-    """Without a local cache directory the executables are still kept (bounded, issue 35),
+    """Without a local cache directory the executables are still kept (bounded),
     but nothing is read from or written to a store."""
     monkeypatch.setenv("JAXEXP_PYFUNC_CACHE", "0")
     impl = load_pyfunc(model_dir, {"compilation_cache": False, "buckets": BUCKETS})

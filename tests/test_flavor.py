@@ -1,4 +1,4 @@
-"""The jaxexp flavor core: save, log and load against a real MLflow store (issue 2)."""
+"""The jaxexp flavor core: save, log and load against a real MLflow store."""
 
 from __future__ import annotations
 
@@ -458,7 +458,7 @@ def test_section_written_today_equals_the_old_one(tmp_path):
         classifier=["a", "b"],
     )
     old, new = _flavor_conf(OLD_MODEL), _flavor_conf(tmp_path / "m")
-    # issue 37 added the padding proof; 0.1.0 wrote none (and its model is never padded)
+    # the padding proof is newer than 0.1.0, which wrote none (and its model is never padded)
     assert new.pop("padding")["rows_independent"] is True
     assert sorted(new) == sorted(old)
     if jax.__version__ == old["jax_version"]:  # another jax writes other avals, schema, ...
@@ -466,10 +466,10 @@ def test_section_written_today_equals_the_old_one(tmp_path):
         def same(conf: dict) -> dict:
             blob = {"exported_sha256", "exported_nbytes", "iree"}
             out = {k: v for k, v in conf.items() if k not in blob}
-            # params are zarr2 since issue 26 (Orbax's flat chunk files), zarr3 before
+            # params are zarr2 now (Orbax's flat chunk files), zarr3 in 0.1.0
             out["params_format"] = {**out["params_format"], "use_zarr3": None}
-            # the platform that computed the reference is recorded since issue 34, the
-            # reference files' digests since session 40
+            # the platform that computed the reference and the reference files' digests are
+            # newer than 0.1.0
             out["reference"] = {
                 k: v for k, v in out["reference"].items() if k not in ("platform", "sha256")
             }

@@ -316,7 +316,7 @@ def test_corpus_checks_and_runs_on_this_host():
 
 
 def test_llm_generates_here_as_the_raw_jitted_call(tmp_path):
-    """Issue 39 on the accelerator: examples/llm.py's tiny bf16 decoder (prefill and a KV-cached
+    """An LLM on the accelerator: examples/llm.py's tiny bf16 decoder (prefill and a KV-cached
     ``fori_loop`` in one function), saved here, loaded with its params in this accelerator's
     memory, generating the raw ``jax.jit(generate)``'s tokens through ``load_model`` and pyfunc;
     ``jaxexp verify`` in a fresh process reproduces the stored reference."""

@@ -1,4 +1,4 @@
-"""The training-loop hook (issue 6): metrics, periodic/best model logs, alias, process 0."""
+"""The training-loop hook: metrics, periodic/best model logs, alias, process 0."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One input contract at every door (issue 12): the same table of cases through in-process
+"""One input contract at every door: the same table of cases through in-process
 ``pyfunc.predict``, ``jaxexp predict``, REST (``jaxexp serve``) and ``mlflow models
 predict``; Spark and MLServer in their own (slow) tests."""
 

@@ -1,4 +1,4 @@
-"""The IREE backend: archived models run without importing JAX (issue 14).
+"""The IREE backend: archived models run without importing JAX.
 
 Skipped where the ``iree`` extra is not installed (the oldest-jax environment). Every test
 shares the session's ``.vmfb`` cache (``JAXEXP_IREE_CACHE``, set in conftest), so each module

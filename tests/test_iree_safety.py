@@ -1,4 +1,4 @@
-"""A model directory and the IREE compile cache are untrusted input (issue 25, defects 5 and 8).
+"""A model directory and the IREE compile cache are untrusted input.
 
 * Results: the buffers the compiled module returns are checked against the blob's out avals
   (element type and shape, symbolic dims solved from the inputs) before they are read; a
@@ -302,7 +302,7 @@ def test_cache_entry_of_another_machine_is_not_run(doubling, tmp_path, monkeypat
     assert any("HMAC" in r.getMessage() for r in caplog.records)
 
 
-# -- compile fallback (issue 24, point 4): speed flags by default, base flags if they fail ------
+# -- compile fallback: speed flags by default, base flags if they fail ------
 
 
 def test_failing_speed_flags_fall_back_reproduce_and_the_failure_is_cached(

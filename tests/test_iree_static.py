@@ -1,4 +1,4 @@
-"""Symbolic-batch models on IREE compiled per batch size, params bound into the module (issue 38).
+"""Symbolic-batch models on IREE compiled per batch size, params bound into the module.
 
 IREE 3.13 cannot compile a flatten (``dynamic_reshape``) or an embedding lookup (``gather``) of a
 symbolic batch; the flavor specializes ``main`` to static shapes for each batch size it is called

@@ -1,4 +1,4 @@
-"""The lite pyfunc (issue 38, start-up): a fresh process answers stored buckets without jax."""
+"""The lite pyfunc at start-up: a fresh process answers stored buckets without jax."""
 
 from __future__ import annotations
 
@@ -342,7 +342,7 @@ def _stores_child(model_dir: Path, x_file: Path, cache: Path, **env: str) -> dic
 @needs_lite
 def test_entries_are_stored_when_jax_cache_compiled_them_before(mlp_dir, tmp_path):
     """JAX's persistent cache keys a compile by its module; an executable it hands back
-    serializes without its kernels on XLA:CPU. Before session 45 a second environment (here
+    serializes without its kernels on XLA:CPU. Without this fix a second environment (here
     ``JAX_TRACEBACK_FILTERING``, part of both stores' keys, not of JAX's) compiled the same
     modules, got them from JAX's cache and could store neither entry, in any later process:
     its fresh processes never answered without jax."""

@@ -1,4 +1,4 @@
-"""An LLM archived, loaded and generating (issue 39): examples/llm.py's ``tiny`` config.
+"""An LLM archived, loaded and generating: examples/llm.py's ``tiny`` config.
 
 ``jax.jit(generate)`` (prefill and a KV-cached greedy decode loop in one function) and
 ``jax.jit(sample)`` (the same with one PRNG key per row) are logged with
@@ -129,7 +129,7 @@ def test_jaxexp_verify_reproduces_the_stored_reference(logged):
 
 def test_a_server_compiles_one_bucket_of_a_loop_ahead_and_none_by_running_it(logged):
     """Inside a server, a generate loop gets its first bucket compiled in the background, not
-    all eleven (issue 39: 628 s before a 100M model answered); compiled, not run."""
+    all eleven (minutes before a 100M model would answer); compiled, not run."""
     from jaxexp_mlflow.runtime import buckets
     from jaxexp_mlflow.serving.pyfunc import JaxExpPyfunc
 

@@ -1,4 +1,4 @@
-"""Logging a bare blob this JAX refuses (issue 41): stored unchanged, read back through a route
+"""Logging a bare blob this JAX refuses: stored unchanged, read back through a route
 recorded in MLmodel, then verified and refreshed through the CLI.
 
 Against shared-corpus blobs and the installed jax, whichever it is: jax >= 0.11.1 refuses the

@@ -1,12 +1,12 @@
-"""MLflow's own doors, unmodified (issue 35): ``mlflow models serve`` and ``mlflow models
+"""MLflow's own doors, unmodified: ``mlflow models serve`` and ``mlflow models
 predict`` take every format MLflow documents and answer what in-process ``pyfunc.predict``
 answers.
 
 The stored MLflow signature declares no inputs (``serving/signature.served_signature``), so
 MLflow's server parses each format the plain way and hands the result to ``predict`` unchanged,
-where the input contract applies (docs/serving.md, "Which MLflow behaviour each door relies
-on"). A refusal raised by ``predict`` keeps its own short message: MLflow's prefix quoting the
-whole request is not taken (``errors.JaxExpError.message``).
+where the input contract applies (docs/serving/pyfunc-rest.md, "Which MLflow behaviour each
+door relies on"). A refusal raised by ``predict`` keeps its own short message: MLflow's prefix
+quoting the whole request is not taken (``errors.JaxExpError.message``).
 """
 
 from __future__ import annotations
@@ -197,12 +197,12 @@ def _mlflow_answer(model, content_type: str, body: bytes) -> tuple[int, str]:
 
 @pytest.mark.parametrize("kind", ["any columns", "tensors"])
 def test_declaring_inputs_would_break_mlflow_doors(models, tmp_path, kind):
-    """Why the stored signature declares no inputs (docs/serving.md, "Signature"): declared in
-    either form, MLflow itself (3.17.2) refuses CSV at ``mlflow models serve`` (its CSV parser
-    asks the schema for pandas dtypes, which tensor specs and non-scalar columns have none of),
-    enforces the schema in-process before the model sees the input, and quotes the input in its
+    """Why the stored signature declares no inputs (docs/serving/pyfunc-rest.md, "Signature"):
+    declared in either form, MLflow itself (3.17.2) refuses CSV at ``mlflow models serve`` (its CSV
+    parser asks the schema for pandas dtypes, which tensor specs and non-scalar columns have none
+    of), enforces the schema in-process before the model sees the input, and quotes the input in its
     refusals. A sentinel: when MLflow stops doing any of this, this test fails and the choice in
-    ``serving/signature.served_signature`` is to be revisited (issue 35)."""
+    ``serving/signature.served_signature`` is to be revisited."""
     one = _declared(models["one"], tmp_path / "one", kind)
     two = _declared(models["two"], tmp_path / "two", kind)
     assert two.metadata.get_input_schema().input_names() == ["ids", "x"]  # what the UI would show

@@ -1,4 +1,4 @@
-"""MLServer (the V2 inference protocol of KServe / Seldon) serves a jaxexp model (issue 12).
+"""MLServer (the V2 inference protocol of KServe / Seldon) serves a jaxexp model.
 
 MLflow 3.17 no longer has ``mlflow models serve --enable-mlserver``; what that flag ran is
 MLServer with the ``mlserver_mlflow.MLflowRuntime`` runtime, which is what KServe and Seldon
@@ -71,8 +71,9 @@ def v2_body(data: dict) -> dict:
 
 
 # The stock runtime (STOCK) no longer loads a jaxexp model: it reads the MLflow signature's
-# inputs, which a jaxexp model does not declare (issue 35: MLflow then hands inputs over
-# unchanged at every door); JaxExpRuntime gives it the inputs from jaxexp.io (docs/serving.md).
+# inputs, which a jaxexp model does not declare (MLflow then hands inputs over
+# unchanged at every door); JaxExpRuntime gives it the inputs from jaxexp.io
+# (docs/serving/mlserver.md).
 # workers: the model in MLServer's own process (0) or in one spawned worker (1, MLServer's default)
 @pytest.mark.parametrize("runtime", [OURS])
 @pytest.mark.parametrize("workers", [0, 1])
@@ -102,7 +103,7 @@ def test_v2_inference_on_mlserver(tmp_path, runtime, workers):
 
 
 def test_stock_runtime_cannot_load_a_model_without_input_schema(tmp_path):
-    """The cost docs/serving.md states (issue 35, "Why the MLflow signature declares no inputs"):
+    """The cost docs/serving/pyfunc-rest.md states ("Why the MLflow signature declares no inputs"):
     MLServer's stock ``MLflowRuntime`` reads ``signature.inputs`` in ``_sync_metadata`` and fails
     to load a jaxexp model, whose signature declares outputs only. A sentinel: when
     mlserver-mlflow loads such a model, the docs are to be updated."""

@@ -1,9 +1,9 @@
 """Real models (Flax NNX, Equinox, transformer-style, control flow) through the flavor and IREE.
 
-Issue 24, points 3 and 5. Each builder of ``tests/models_real.py`` is saved the default way
+Each builder of ``tests/models_real.py`` is saved the default way
 (``batch_polymorphic=True``) and must come back through ``mlflow.jaxexp.load_model`` and
 ``mlflow.pyfunc`` with its own outputs; on the IREE backend each model reproduces within
-docs/longevity.md's tolerances, either compiled once for every batch size or (issue 38) compiled
+docs/longevity.md's tolerances, either compiled once for every batch size or compiled
 per batch size with ``main`` specialized to static shapes (the symbolic-batch gathers and
 flatten reshapes IREE 3.13 cannot compile as they are), at the example's batch and at another.
 ``IREE_OUTCOME`` states per model which happens, so a change either way turns a test red.
@@ -55,7 +55,7 @@ IREE_OUTCOME = {
     "eqx_attention": (GATHER, RESHAPE),  # vmap(eqx.nn.Embedding) lookups; head split
     "while_scatter": "runs",  # lax.while_loop + .at[].set scatter + scatter-add
     "list_params": "runs",  # params named layers[0].w, non_trainable[0] (a scalar)
-    "linen_merged_batch": (RESHAPE,),  # [b, 8] -> [2b, 4]: dynamic_reshape (issue 37)
+    "linen_merged_batch": (RESHAPE,),  # [b, 8] -> [2b, 4]: dynamic_reshape
 }
 
 

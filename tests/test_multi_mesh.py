@@ -1,4 +1,4 @@
-"""Exports whose shardings use several meshes (issue 10): JAX's own archived test data.
+"""Exports whose shardings use several meshes: JAX's own archived test data.
 
 ``export_with_multiple_meshes`` (jax/_src/internal_test_util/export_back_compat_test_data) is
 ``f(inputs, weights) = [x @ w for x, w in zip(inputs, weights)]`` exported for 2 devices with the

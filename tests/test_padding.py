@@ -1,4 +1,4 @@
-"""Padding to buckets never changes an answer (issue 37): rows proven independent at save.
+"""Padding to buckets never changes an answer: rows proven independent at save.
 
 Real models whose rows are not independent (a graph network with segment sums over edges,
 attention across the batch, BatchNorm in training mode) are recorded ``rows_independent:

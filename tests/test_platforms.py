@@ -77,7 +77,7 @@ def test_the_verdict_on_a_cuda_host_names_cuda():
 
 def test_lapack_kernels_of_the_host_are_no_false_refusal_on_a_gpu_host():
     """jax 0.10.2's ``linalg`` corpus blob calls LAPACK kernels; on a CUDA host they are
-    registered for the host CPU, which runs the cpu lowering (issue 34 saw them refused)."""
+    registered for the host CPU, which runs the cpu lowering, so they are no reason to refuse."""
     case = CORPUS / "jax-0.10.2" / "linalg"
     if not case.is_dir():
         pytest.skip(f"no corpus at {CORPUS}")

@@ -1,4 +1,4 @@
-"""The MLflow plugin points (issue 6): JAX run tags only when jax is imported; lazy mlflow.jaxexp.
+"""The MLflow plugin points: JAX run tags only when jax is imported; lazy mlflow.jaxexp.
 
 Each case runs in a fresh interpreter: whether jax is imported is a per-process fact.
 """

@@ -1,4 +1,4 @@
-"""Models without a reference input: synthetic probes at save, verify and refresh (issue 13.2)."""
+"""Models without a reference input: synthetic probes at save, verify and refresh."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_bare_blob_saved_with_a_synthetic_reference_that_verify_reproduces(
     path = tmp_path / "m"
     blob = (case / "exported.bin").read_bytes()
     if "expired" in corpus_refusals(case):
-        with without_expired_flag():  # saved through the expired-flag route (issue 41)
+        with without_expired_flag():  # saved through the expired-flag route
             mlflow.jaxexp.save_model(blob, tmp_path / "routed")
         assert _flavor(tmp_path / "routed")["route"]["name"] == "expired-flag"
     mlflow.jaxexp.save_model(blob, path)

@@ -1,4 +1,4 @@
-"""pyfunc face of jaxexp models (issue 4): signature, input forms, casting rules, buckets, cache."""
+"""pyfunc face of jaxexp models: signature, input forms, casting rules, buckets, cache."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def input_specs(path: Path) -> list[tuple[str, str, list[int]]]:
 def test_signature_inferred_from_export(mlp_dir, two_dir):
     info = mlflow.models.get_model_info(str(mlp_dir[0]))
     sig = info.signature.to_dict()
-    # MLflow's signature declares no inputs (MLflow then hands them over as they are: issue 35);
+    # MLflow's signature declares no inputs (MLflow then hands them over as they are);
     # the flavor section declares them, with the exact dtypes
     assert sig["inputs"] is None and info.signature.inputs is None
     assert input_specs(mlp_dir[0]) == [("x", "float32", [-1, 8])]

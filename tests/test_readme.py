@@ -140,7 +140,7 @@ def test_default_env_manager_serves_from_a_local_wheel(quickstart, tmp_path):
     """``mlflow models serve -m URI`` with MLflow's default environment manager (virtualenv:
     pyenv's Python of the model's ``python_env.yaml``, then ``pip install -r`` of its
     requirements, ``jaxexp-mlflow>=X`` among them) serves the README's request once pip finds
-    the built wheel through ``PIP_FIND_LINKS``, as docs/serving.md documents."""
+    the built wheel through ``PIP_FIND_LINKS``, as docs/serving/pyfunc-rest.md documents."""
     pyenv = _pyenv_bin()
     if pyenv is None:
         pytest.skip("MLflow's virtualenv manager needs pyenv, which is not installed here")

@@ -1,4 +1,4 @@
-"""Refresh (issue 5, point 4): re-export archived models with the running JAX.
+"""Refresh: re-export archived models with the running JAX.
 
 Shown on every reproducible case of the shared corpus (jax 0.4.35 to 0.10.2); the sharded ones
 in a subprocess with 4 devices. ``linalg`` from jax 0.4.35 calls LAPACK kernels jaxlib 0.10.2 no

@@ -1,4 +1,4 @@
-"""Routes (``runtime/routes.py``, issue 24): the ways a model runs here when this JAX refuses it.
+"""Routes (``runtime/routes.py``): the ways a model runs here when this JAX refuses it.
 
 Against shared-corpus blobs and the installed jax, whichever it is: jax >= 0.11.1 refuses the
 blobs of jax <= 0.7 (schema < 5) unless its expired-versions flag is set, and HLO-sharded blobs

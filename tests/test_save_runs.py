@@ -1,4 +1,4 @@
-"""How often a save runs the model (issue 39): once for the reference, then the padded batches of
+"""How often a save runs the model: once for the reference, then the padded batches of
 the row proof, each distinct batch once; a decode loop is proven on one padded batch. The model
 is the real loaded ``JaxExpModel`` (its jitted calls counted by a delegating wrapper) and XLA's
 own compile events (``jax.monitoring``). The read-back still refuses a blob or a params file

@@ -1,4 +1,4 @@
-"""Saving never publishes a model that cannot load, nor half a model (issue 10, items 2 and 3)."""
+"""Saving never publishes a model that cannot load, nor half a model."""
 
 from __future__ import annotations
 

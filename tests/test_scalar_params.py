@@ -1,4 +1,4 @@
-"""Plain Python numbers among the params (issue 37): stored with the dtype the export gives them.
+"""Plain Python numbers among the params: stored with the dtype the export gives them.
 
 An Equinox module's ``float`` field and a Flax struct dataclass's ``std_eps: float`` (brax's
 ``RunningStatisticsState`` is one) are exported as float32/int32 while ``jax_enable_x64`` is off;

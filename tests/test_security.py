@@ -125,7 +125,7 @@ def test_symlinks_leading_outside_are_refused(model, what):
 
 
 def _walk_by_os_walk(root: Path, rel: str) -> list[tuple[str, int, int]]:
-    """The walk as ``codec.files.walk_files`` did it up to session 39 (``os.walk`` with
+    """The walk as ``codec.files.walk_files`` once did it (``os.walk`` with
     ``followlinks=True`` and every directory's ``realpath``): the reference it is held to."""
     import stat as st_
 
@@ -494,7 +494,7 @@ def test_manifest_verification_needs_no_jax(base):
     assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr[-2000:]
 
 
-# -- 6. loading and vetting run none of the model's code (issue 25) -----------------------------
+# -- 6. loading and vetting run none of the model's code ---------------------------------------
 
 _CLI = "import sys; from jaxexp_mlflow.cli import main; sys.exit(main())"
 

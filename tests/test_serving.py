@@ -1,4 +1,4 @@
-"""Real servers answering for a jaxexp model over HTTP on 127.0.0.1 (issues 4, 11, 26, 27).
+"""Real servers answering for a jaxexp model over HTTP on 127.0.0.1.
 
 ``jaxexp serve`` (MLflow's scoring protocol with the request limits: ``serving/server.py``) is
 the guarded server; ``mlflow models serve`` runs as MLflow made it (nothing patched), with the
@@ -412,7 +412,7 @@ def test_serve_in_fresh_virtualenv(tmp_path):
         stop_server(proc)
 
 
-# -- hostile requests (issue 11) ------------------------------------------------------------------
+# -- hostile requests ----------------------------------------------------------------------------
 
 HOSTILE_JSON = {
     "5000-digit integer": '{"inputs": {"x": [[1,2,3,4,5,6,7,8]], "ids": [' + "9" * 5000 + "]}}",

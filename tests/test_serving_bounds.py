@@ -1,4 +1,4 @@
-"""Bounded work per request in ``jaxexp serve`` (issue 35), against a real server on 127.0.0.1.
+"""Bounded work per request in ``jaxexp serve``, against a real server on 127.0.0.1.
 
 * parquet is bounded before decoding: a body of constant columns (parquet's run-length and
   dictionary encodings) whose decoded size passes the limit is a 413 read off the footer, with

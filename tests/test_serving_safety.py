@@ -1,4 +1,4 @@
-"""Serving processes against hostile requests and model configs (issue 25, defects 4, 6, 7, 10).
+"""Serving processes against hostile requests and model configs.
 
 * Defect 4: a small REST body must not cost a large allocation. ``dataframe_records`` rows were
   widened to the first record's keys and a CSV header widened every short row, so ~270 kB grew
@@ -289,7 +289,7 @@ MLSERVER_CASES = {
     "declared_shape_mismatch": _v2(x_shape=(4, 8), x_data=[0.5] * 30),
     "fifty_digit_int": _v2(ids=(10**49, 2)),
     "content_type_pd": _v2(parameters={"content_type": "pd"}),
-    # refused by the input contract (issue 35: every door names expected and found)
+    # refused by the input contract (every door names expected and found)
     "float_into_int": {
         "inputs": [
             _tensor("x", [2, 8], "FP64", [MARK] * 16),

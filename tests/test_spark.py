@@ -70,7 +70,7 @@ def test_default_result_type_for_every_output_shape(spark, tmp_path):
     np.testing.assert_allclose([r.out.score for r in rows], want["score"], rtol=1e-5)
 
     # a struct column reaches the model as a DataFrame with the struct's field names: inputs
-    # by name, in any order, with no names passed (issue 35: the signature declares no inputs)
+    # by name, in any order, with no names passed (the signature declares no inputs)
     from mlflow.exceptions import MlflowException
     from pyspark.sql.functions import struct
 
@@ -79,4 +79,4 @@ def test_default_result_type_for_every_output_shape(spark, tmp_path):
     rows = df2.select(udf2(struct(*df2.columns)).alias("out")).collect()
     np.testing.assert_allclose([r.out.logits for r in rows], want["logits"], rtol=1e-5)
     with pytest.raises(MlflowException, match="zero columns"):
-        udf2()  # the one form that needs an input schema (docs/serving.md, "Signature")
+        udf2()  # the one form that needs an input schema (docs/serving/pyfunc-rest.md, "Signature")

@@ -1,4 +1,4 @@
-"""The transfer path against hostile stores and cut re-logs (issue 25, defects 9, 11, 16).
+"""The transfer path against hostile stores and cut re-logs.
 
 A hostile artifact store is a real HTTP server on 127.0.0.1 imitating ``mlflow server``'s
 artifact endpoints (``GET /api/2.0/mlflow-artifacts/artifacts?path=...`` lists a directory,

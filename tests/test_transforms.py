@@ -1,4 +1,4 @@
-"""JAX transformations of a loaded model: what works, and honest errors for what cannot (issue 10).
+"""JAX transformations of a loaded model: what works, and honest errors for what cannot.
 
 jax.export serializes reverse-mode derivatives only (up to ``vjp_order``) and its call_exported
 primitive has no batching rule, so forward mode and vmap must say so, not "inputs do not match".

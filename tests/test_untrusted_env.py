@@ -1,4 +1,4 @@
-"""Issue 36: ``jaxexp verify --env-manager`` builds the recorded environment from MLmodel's
+"""``jaxexp verify --env-manager`` builds the recorded environment from MLmodel's
 facts, in a directory holding no file of the model; nothing the model's requirements add is
 installed without ``--trust-requirements``, and no fallback reads another file.
 

@@ -1,4 +1,4 @@
-"""Exports that take no inputs (issue 10): a function of params only, or of nothing at all.
+"""Exports that take no inputs: a function of params only, or of nothing at all.
 
 JAX's own archived test modules are like this (``export_back_compat_test_data``: ``inputs=()``);
 the QR case below is rebuilt from one and checked against its archived expected outputs.

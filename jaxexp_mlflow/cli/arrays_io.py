@@ -1,13 +1,13 @@
 """Read model inputs from ``.npz``/``.npy``/``.json`` files and write outputs to them.
 
 A file holds the model's inputs *after* its params in any form of the input contract
-(``serving/inputs.py``, the table in docs/serving.md), the same as ``pyfunc.predict`` and
-serving take: ``.npz`` keyed by the signature's input names (or ``in_0``, ``in_1``, ... by
+(``serving/inputs.py``, the table in docs/serving/pyfunc-rest.md), the same as ``pyfunc.predict``
+and serving take: ``.npz`` keyed by the signature's input names (or ``in_0``, ``in_1``, ... by
 position), ``.npy`` for a single input, ``.json`` as an object keyed by names, a list, or the
 model's own ``input_example.json`` / ``serving_input_example.json`` (``{"inputs": ...}``,
-``{"dataframe_split": ...}``...). Casts are lossless only. bfloat16 stored as raw ``uint16``
-bits (the reference-file convention) is viewed back. Outputs are flat leaves ``out_0``,
-``out_1``, ...; no pickle anywhere.
+``{"dataframe_split": ...}``...). Casts are lossless only. bfloat16 stored as raw ``uint16`` bits
+(the reference-file convention) is viewed back. Outputs are flat leaves ``out_0``, ``out_1``, ...;
+no pickle anywhere.
 """
 
 from __future__ import annotations

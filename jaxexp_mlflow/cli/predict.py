@@ -40,8 +40,8 @@ Examples:
   jaxexp predict models:/classifier/3 --input x.json --json
 \b
 Input files hold the inputs after the params, by the same contract as pyfunc and serving
-(docs/serving.md): .npz keyed by the signature's input names (or in_0, in_1, ... by position);
-.npy for a single input; .json as an object keyed by names, a list, or the model's own
+(docs/serving/pyfunc-rest.md): .npz keyed by the signature's input names (or in_0, in_1, ... by
+position); .npy for a single input; .json as an object keyed by names, a list, or the model's own
 input_example.json / serving_input_example.json. Casts are lossless only (exit 2 otherwise).
 """,
 )

@@ -29,9 +29,9 @@ bodies over max_request_bytes while they stream in and for parquet that would de
 JAXEXP_MAX_DECODED_BYTES, 408 for bodies not whole within JAXEXP_BODY_TIMEOUT_S and headers
 not whole within --header-timeout, 503 when the bodies in flight pass JAXEXP_MAX_INFLIGHT_BYTES
 or the sockets --max-connections (idle sockets are closed first), 504 past the request timeout
-(the work stops), 400 for hostile JSON and inputs the contract refuses (docs/serving.md). The
-model loads through mlflow.pyfunc.load_model; no environment is created (like
---env-manager local).
+(the work stops), 400 for hostile JSON and inputs the contract refuses
+(docs/serving/pyfunc-rest.md). The model loads through mlflow.pyfunc.load_model; no environment is
+created (like --env-manager local).
 """,
 )
 @click.option("-m", "--model-uri", required=True, help="The model: any URI MLflow understands.")

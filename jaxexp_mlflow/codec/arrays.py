@@ -137,7 +137,7 @@ def load_arrays(
     """Read the leaves written by ``save_arrays``, restoring their real dtypes.
 
     The file must be a regular file (opened without following links); with ``sha256`` (what
-    the MLmodel records since session 40) its bytes must hash to it, so damage reads as
+    the MLmodel records) its bytes must hash to it, so damage reads as
     damage, not as a model that no longer reproduces; the members' declared sizes are
     checked against the file's size and their headers against their sizes before anything is
     decompressed or allocated. No pickle.

@@ -122,7 +122,7 @@ def save_model(
         input_names: Names of the input leaves in the signature.
         output_names: Names of the output leaves in the signature.
         serving_config: Pyfunc defaults stored with the model (``buckets``, ``max_batch``,
-            ``precompile``, ``allow_nan``, ``max_request_bytes``; docs/serving.md).
+            ``precompile``, ``allow_nan``, ``max_request_bytes``; docs/serving/pyfunc-rest.md).
         include_package: Copy this package into the model's ``code/`` for air-gapped archives
             (used by MLflow's pyfunc loader only) instead of requiring it.
         classifier: ``True`` or the list of labels: pyfunc returns labels of the logits.

@@ -1,4 +1,4 @@
-"""The route a blob given as bytes is saved through when the running JAX refuses it (issue 41).
+"""The route a blob given as bytes is saved through when the running JAX refuses it.
 
 ``save_model``/``log_model`` (and ``jaxexp log``) store a blob's bytes unchanged, and never
 publish a model that does not load. A blob this JAX refuses (schema < 5 of jax <= 0.7 under

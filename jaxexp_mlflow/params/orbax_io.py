@@ -46,7 +46,7 @@ def _no_copy_registry() -> Any:
     """Orbax's standard type handlers, except numpy arrays written without a deep copy.
 
     Orbax's default ``NumpyHandler`` copies every numpy leaf before writing it (a second copy of
-    the params in memory, and half the save throughput: issue 10). The registry is this
+    the params in memory, and half the save throughput). The registry is this
     package's own (``create_type_handler_registry``): Orbax's global registry, which the user's
     own checkpoints use, is left alone.
     """

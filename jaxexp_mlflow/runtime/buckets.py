@@ -156,7 +156,7 @@ def has_loop(exported: Any) -> bool:
     """Whether the exported module has a ``stablehlo.while`` (a decode loop, a scan), read from
     its bytecode's op names (``codec.mlir_bytecode``; the module is never printed). A
     server compiles only the first bucket of such a model ahead: each may take seconds to
-    minutes to compile (a 100M-parameter generate took 628 s for all eleven, issue 39) and
+    minutes to compile (a 100M-parameter generate takes minutes for all eleven) and
     most are never asked for; the others compile on first use."""
     from jaxexp_mlflow.codec.mlir_bytecode import scan_module
 

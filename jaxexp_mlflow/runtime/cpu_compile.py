@@ -6,8 +6,8 @@ it builds big YNNPACK fusions, and where such a fusion cannot hold a broadcast i
 input that XLA fills in memory first: a transformer encoder at a large batch gets several of
 those (LayerNorm, softmax and GELU constants broadcast up to ``[rows, tokens, hidden]``), most
 of its temporaries, fresh pages on every call and a slower call than with reductions left to
-XLA (docs/serving.md, "Reductions and YNNPACK"). A CNN's pooling needs the offload the other
-way round (XLA's own ``reduce-window`` is several times slower there), so no single setting is
+XLA (docs/serving/batching.md, "Reductions and YNNPACK"). A CNN's pooling needs the offload the
+other way round (XLA's own ``reduce-window`` is several times slower there), so no single setting is
 right and none is set process-wide.
 
 **Converted copies hoisted out of loops.** XLA's while-loop-invariant code motion moves a loop's
@@ -15,8 +15,8 @@ invariant instructions before it, converts included: a bfloat16 decoder's decode
 starts by converting every weight to float32 (most of its temporaries), and each step reads
 those f32 copies, twice the bytes of the weights. Left in the loop, each layer's weights are
 converted as the step reaches them: a fraction of the temporaries, and a faster ``generate``
-(docs/serving.md, "Loop-invariant converts"). The pass also hoists what is worth hoisting (an
-invariant matmul run once instead of once a step), so it is turned off only where it moved no
+(docs/serving/batching.md, "Loop-invariant converts"). The pass also hoists what is worth hoisting
+(an invariant matmul run once instead of once a step), so it is turned off only where it moved no
 dot or convolution out of a loop.
 
 :func:`compile_lowered` compiles with XLA's defaults first. Only when that executable runs on

@@ -4,7 +4,7 @@ JAX's CPU client hands every computation of more than ~1000 flops to a worker th
 caller waits for it when it reads the result (``jax_cpu_enable_async_dispatch``, on by default).
 A scoring server reads every result at once, so the handoff buys it nothing and costs two thread
 switches a call: on the 2-core VM, the 784-512-512-10 MLP at batch 1 took 57-65 us a call with
-the handoff and 39 us without (jax 0.10.2 and 0.12 alike; docs/serving.md, "Dispatch").
+the handoff and 39 us without (jax 0.10.2 and 0.12 alike; docs/serving/batching.md, "Dispatch").
 
 The flag is public and read once, when JAX makes its CPU client. So it is set only where that
 has not happened and the process is ours to configure: a scoring server (``mlflow models serve``,

@@ -13,7 +13,7 @@ answers and the errors are the JAX path's.
 Entries are written by the JAX path (:func:`LiteWriter`) in a process that had not imported jax
 before the load, for each bucket on its first call, in the background: the folded executable
 must give the jitted function's outputs within ``archive.reproduce.DEFAULT_TOLERANCES`` and,
-reloaded through jaxlib, the same bytes. See docs/serving.md ("Start-up and batch 1").
+reloaded through jaxlib, the same bytes. See docs/serving/batching.md ("Start-up: the lite store").
 """
 
 from __future__ import annotations

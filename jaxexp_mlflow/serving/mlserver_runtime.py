@@ -57,10 +57,10 @@ class JaxExpRuntime(MLflowRuntime):
         """MLflowRuntime's hook that reads the model's metadata and the request content type
         off the MLflow signature, given the inputs the signature no longer declares.
 
-        A jaxexp model's MLflow signature declares its outputs only (so that MLflow hands
-        inputs over unchanged: docs/serving.md); the stock hook reads ``signature.inputs``
-        (``AttributeError`` on ``None``) and chooses the codec from it. Here the inputs come
-        from the flavor section (``jaxexp.io``) as named tensor specs, which gives MLServer's
+        A jaxexp model's MLflow signature declares its outputs only (so that MLflow hands inputs
+        over unchanged: docs/serving/pyfunc-rest.md); the stock hook reads ``signature.inputs``
+        (``AttributeError`` on ``None``) and chooses the codec from it. Here the inputs come from
+        the flavor section (``jaxexp.io``) as named tensor specs, which gives MLServer's
         ``dict`` codec (one tensor per input), as a tensor signature always did.
         """
         from mlflow.models import ModelSignature

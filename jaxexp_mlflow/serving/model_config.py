@@ -1,13 +1,14 @@
 """The keys ``mlflow.pyfunc.load_model(..., model_config=...)`` takes for a jaxexp model.
 
 ``save_model`` declares them in MLmodel (MLflow passes only declared keys);
-docs/serving.md says what each does.
+docs/serving/pyfunc-rest.md says what each does.
 """
 
 from __future__ import annotations
 
 #: Keys accepted in ``mlflow.pyfunc.load_model(..., model_config=...)`` (and ``mlflow models
-#: serve --model-config``); see docs/serving.md. MLflow only passes keys the MLmodel declares.
+#: serve --model-config``); see docs/serving/pyfunc-rest.md. MLflow only passes keys the
+#: MLmodel declares.
 PYFUNC_CONFIG_KEYS = (
     "buckets",
     "max_batch",

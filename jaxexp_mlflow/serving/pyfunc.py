@@ -109,7 +109,7 @@ class JaxExpPyfunc:
         ):
             _logger.info(
                 "jaxexp: batches run at their own size, not padded to buckets: the model's "
-                "rows are not proven independent (MLmodel jaxexp.padding; docs/serving.md)"
+                "rows are not proven independent (MLmodel jaxexp.padding; docs/serving/batching.md)"
             )
         self._out_wire = [None if s.wire_dtype == s.dtype else s.wire_dtype for s in self.outputs]
         self._chunks: Any = None  # the rows each bucket runs in (CPU, JAX path): _chunk_plan

@@ -390,8 +390,8 @@ def served_signature(signature: Any) -> Any:
     ``spark_udf``'s ``udf()`` needs its columns (``udf(struct(...))`` or ``udf(*cols)``), and
     MLServer's stock runtime cannot load the model (``JaxExpRuntime`` can). Outputs and params
     are kept (``spark_udf`` reads its ``result_type`` from the outputs). The six candidates
-    measured: ``scripts/signature_matrix.py``; docs/serving.md, "Why the MLflow signature
-    declares no inputs".
+    measured: ``scripts/signature_matrix.py``; docs/serving/pyfunc-rest.md, "Why the MLflow
+    signature declares no inputs".
     """
     from mlflow.models import ModelSignature
 

@@ -12,8 +12,8 @@ Python) -> the input contract (names, shapes, dtypes, lossless casts: the same
 output buffers.
 
 The outputs are what ``mlflow.pyfunc.load_model(uri).predict`` returns on the same rows (a
-classifier's labels included). ``mlflow.pyfunc.spark_udf`` works too (docs/serving.md); this path
-skips the pandas cells and Python lists that MLflow's pandas UDF converts each result through.
+classifier's labels included). ``mlflow.pyfunc.spark_udf`` works too (docs/serving/spark.md); this
+path skips the pandas cells and Python lists that MLflow's pandas UDF converts each result through.
 Classic Spark only (``SparkContext.addFile``: not Spark Connect).
 """
 
