@@ -21,8 +21,9 @@ compiler's own MLIR bindings and passes:
    of constant shapes). A module left with a dynamic type anywhere is refused
    (:class:`SpecializeError`, naming the op): nothing half-specialized reaches the compiler.
    Then the rewrites of ``rewrites`` (same math, faster IREE code: single-input-channel
-   convolutions as im2col) and, where asked, the params made module parameters
-   (:func:`bind_arguments`).
+   convolutions as im2col), the narrowing float converts made to keep their rounding
+   (``roundings``; :func:`rounded_text` does the same for a module compiled as it is) and,
+   where asked, the params made module parameters (:func:`bind_arguments`).
 
 The result is compiled like any StableHLO text (``compiler.compile_module`` with a
 :data:`STATIC` entry); the compile cache keys it by the original module and the static shapes.
@@ -185,13 +186,15 @@ def child_main() -> None:
 
 def rounded_module(text: str) -> str:
     """The StableHLO module ``text`` with its narrowing float converts keeping their rounding
-    (``roundings.keep_roundings``); parsed here, so run in a child (:func:`rounded_text`)."""
+    (``roundings.keep_roundings``), "" where it has none; parsed here, so run in a child
+    (:func:`rounded_text`)."""
     from iree.compiler import ir
 
     with ir.Context(), ir.Location.unknown():
         try:
             module = ir.Module.parse(text)
-            roundings.keep_roundings(module, ir)
+            if not roundings.keep_roundings(module, ir):
+                return ""  # nothing to keep: the module is compiled as stored
         except Exception as err:  # MLIRError
             raise SpecializeError(f"keeping the roundings: {str(err)[:500]}") from None
         if not module.operation.verify():
@@ -205,7 +208,8 @@ def rounded_text(module: bytes, timeout: float = 600.0) -> bytes | str:
     text = stablehlo_text(module, timeout)
     if "stablehlo.convert" not in text:
         return module
-    return run_child(json.dumps({"roundings": True}).encode() + b"\n" + text.encode(), timeout)
+    request = json.dumps({"roundings": True}).encode() + b"\n" + text.encode()
+    return run_child(request, timeout) or module
 
 
 #: The parameter scope of the arguments :func:`bind_arguments` binds; each is named ``arg<i>``
