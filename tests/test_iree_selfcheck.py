@@ -107,3 +107,22 @@ def test_a_refused_symbolic_batch_names_batch_polymorphic_false_which_runs(tmp_p
     )
     model = flavor.load_model(str(tmp_path / "static"), backend="iree")
     np.testing.assert_allclose(model(x), np.asarray(carried(params, x)), rtol=1e-6, atol=1e-6)
+
+
+def test_nan_where_the_reference_has_nan_reproduces(tmp_path):
+    """A model whose reference outputs hold NaN (log of a negative input) loads on IREE, and
+    ``jaxexp verify``'s comparison takes NaN for NaN (it reported a mismatch)."""
+    from jaxexp_mlflow.archive.reproduce import compare_outputs, verify_directory
+
+    def logged(params, x):
+        return jnp.log(x) * params["s"]
+
+    x = np.array([[1.0, -1.0, 2.0], [0.5, -3.0, 4.0]], np.float32)
+    flavor.save_model(jax.jit(logged), tmp_path / "m", params={"s": np.float32(2)}, input_example=x)
+    model = flavor.load_model(str(tmp_path / "m"), backend="iree")
+    assert np.isnan(model(x)).sum() == 2
+    assert all(c.passed for c in verify_directory(model, tmp_path / "m"))
+    (check,) = compare_outputs([np.float32([np.nan, 1.0])], [np.float32([np.nan, 1.0])])
+    assert check.passed and check.max_abs_err == 0.0
+    (check,) = compare_outputs([np.float32([1.0, 1.0])], [np.float32([np.nan, 1.0])])
+    assert not check.passed
