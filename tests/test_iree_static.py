@@ -288,7 +288,7 @@ def test_big_batches_run_in_chunks(cnn, monkeypatch):
     monkeypatch.setenv(ENV_CHUNK, "0")
     whole = mlflow.jaxexp.load_model(path, backend="iree", iree_driver="local-sync")
     np.testing.assert_allclose(whole(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
-    assert whole.sizes() == [1, 16]
+    assert whole.sizes() == [1, 4, 16]  # 4: the 3-row reference, run at load (selfcheck)
     monkeypatch.setenv(ENV_CHUNK, "many")
     with pytest.raises(ValueError, match="expected a number of rows"):
         mlflow.jaxexp.load_model(path, backend="iree")

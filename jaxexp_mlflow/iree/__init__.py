@@ -11,6 +11,7 @@ Modules: ``files`` (every file read), ``shapes`` (the shape assertions IREE drop
 (pytrees without JAX), ``verdict`` (what IREE cannot run), ``compiler`` (compile + cache),
 ``model`` (the callable), ``specialize`` (a symbolic-batch module made static, without JAX),
 ``rewrites`` (same-math rewrites of a static module for faster IREE code), ``static`` (the
-callable compiled per batch size), ``loader`` (directory -> model), ``prepare`` (save time, with
-JAX).
+callable compiled per batch size), ``roundings`` (narrowing float converts that keep their
+rounding), ``loader`` (directory -> model), ``selfcheck`` (the stored reference reproduced at
+load), ``failures`` (the runtime's errors typed), ``prepare`` (save time, with JAX).
 """

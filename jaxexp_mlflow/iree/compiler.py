@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxexp_mlflow.errors import IncompatibleError
-from jaxexp_mlflow.iree import specialize
+from jaxexp_mlflow.iree import roundings, specialize
 from jaxexp_mlflow.runtime import cache as cache_settings
 from jaxexp_mlflow.runtime import cache_auth
 
@@ -152,6 +152,7 @@ def cache_key(module: bytes, flags: tuple[str, ...] = FLAGS, entry: Entry | None
         "target": TARGET,
         "flags": list(flags),
         "host": cache_settings.host_cpu(),
+        "roundings": roundings.VERSION,
     }
     if entry is not None:
         facts["entry"] = [
@@ -190,9 +191,10 @@ def _compile(module: bytes, flags: tuple[str, ...], entry: Entry | None) -> byte
     if entry is not None and entry.name == specialize.STATIC:
         text = specialize.static_main(module, entry.inputs, entry.outputs, entry.bound)
         return bytes(ic.compile_str(text, **options, extra_args=list(flags)))
+    source = specialize.rounded_text(module)  # narrowing converts keep their rounding
     if entry is None:
-        return bytes(ic.compile_str(module, **options, extra_args=list(flags)))
-    text = ic.compile_str(module, **options, extra_args=[*flags, "--compile-to=input"])
+        return bytes(ic.compile_str(source, **options, extra_args=list(flags)))
+    text = ic.compile_str(source, **options, extra_args=[*flags, "--compile-to=input"])
     try:
         text = add_entry(bytes(text).decode(), entry)
     except EntryError:

@@ -10,6 +10,10 @@ The save-time ``iree`` section and its prepared module are tied to the blob: the
 the sha256 of the blob it was prepared from (``blob_sha256``), checked before the prepared module
 is read or compiled; the compiled function's interface is then checked against the blob's avals
 (``model.check_interface``), and every result buffer at each call.
+
+A model directory's model is run once on its stored reference before it is returned
+(``selfcheck``): one that does not reproduce it within ``jaxexp verify``'s tolerances, or whose
+first call fails in the IREE runtime, is refused (``IncompatibleError``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 from jaxexp_mlflow.codec import blob, mlir_bytecode, reader
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError
-from jaxexp_mlflow.iree import compiler, files, trees
+from jaxexp_mlflow.iree import compiler, files, selfcheck, trees
 from jaxexp_mlflow.iree import verdict as iree_verdict
 from jaxexp_mlflow.iree.model import IreeModel, batch1_entry, sized_entry
 from jaxexp_mlflow.iree.specialize import STATIC
@@ -81,6 +85,13 @@ def param_leaf_names(
         )
     return names
 
+
+#: The way out of a refused symbolic-batch model that a static export gives: the exporter then
+#: writes static shapes, so nothing is left to specialize (what failed here).
+STATIC_WAY_OUT = (
+    "Or save the model with batch_polymorphic=False: its module then has static shapes, which "
+    "IREE compiles as exported (one batch size), and it runs on the IREE backend."
+)
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -176,7 +187,7 @@ def build(
             )
         except IncompatibleError as err:
             if needed:
-                raise
+                raise IncompatibleError(f"{err.message}\n{STATIC_WAY_OUT}") from None
             _logger.warning(
                 "jaxexp: IREE: the model could not be compiled per batch size (%s); "
                 "compiling one module for every batch size instead",
@@ -261,7 +272,7 @@ def load_directory(
     if data is None:
         data = files.read_blob(path, meta)
     source = str(Path(path, meta.get("exported_file") or files.EXPORTED_FILE))
-    return build(
+    model = build(
         data,
         meta,
         source=source,
@@ -272,3 +283,5 @@ def load_directory(
         iree_cache=iree_cache,
         iree_driver=iree_driver,
     )
+    selfcheck.check_reference(model, path, meta)  # no numbers handed out unchecked
+    return model

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
-from jaxexp_mlflow.iree import compiler, shapes, trees
+from jaxexp_mlflow.iree import compiler, failures, shapes, trees
 
 #: IREE's CPU drivers: ``local-sync`` runs dispatches on the calling thread (no thread hand-off
 #: per dispatch: faster for small batches), ``local-task`` on a thread pool (IREE's default: faster
@@ -538,7 +538,10 @@ class IreeModel:
         for ref, j in runner.plan:
             args.push_ref(ref if j < 0 else self._upload(arrays[j], n + j, runner.device))
         results = rt.VmVariantList(len(self._out_dtypes))
-        runner.context.invoke(runner.function, args, results)
+        try:
+            runner.context.invoke(runner.function, args, results)
+        except failures.RUNTIME_ERRORS as err:  # bare runtime statuses, typed here
+            raise failures.runtime_failure(self._source, err) from None
         return results
 
     def _checked_view(self, results: Any, i: int, shape: tuple, bits: np.dtype) -> Any:

@@ -21,8 +21,9 @@ compiler's own MLIR bindings and passes:
    of constant shapes). A module left with a dynamic type anywhere is refused
    (:class:`SpecializeError`, naming the op): nothing half-specialized reaches the compiler.
    Then the rewrites of ``rewrites`` (same math, faster IREE code: single-input-channel
-   convolutions as im2col) and, where asked, the params made module parameters
-   (:func:`bind_arguments`).
+   convolutions as im2col), the narrowing float converts made to keep their rounding
+   (``roundings``; :func:`rounded_text` does the same for a module compiled as it is) and,
+   where asked, the params made module parameters (:func:`bind_arguments`).
 
 The result is compiled like any StableHLO text (``compiler.compile_module`` with a
 :data:`STATIC` entry); the compile cache keys it by the original module and the static shapes.
@@ -38,11 +39,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from jaxexp_mlflow.iree import rewrites
+from jaxexp_mlflow.iree import rewrites, roundings
 
 #: The ``compiler.Entry`` name that means: ``main`` itself, specialized to the entry's shapes.
 #: Part of the compile cache key: its suffix is bumped whenever what is compiled changes.
-STATIC = "jaxexp_static_main.3"
+STATIC = "jaxexp_static_main.4"
 #: The pass after which IREE's input pipeline prints the module (VHLO is legalized before it).
 _PRINT_AFTER = "chlo-legalize-to-stablehlo"
 _MAX_ROUNDS = 8
@@ -131,6 +132,12 @@ def static_main(
     header = {"inputs": [list(s) for s in inputs], "outputs": [list(s) for s in outputs]}
     header["bound"] = list(bound)
     request = json.dumps(header).encode() + b"\n" + text.encode()
+    return run_child(request, timeout)
+
+
+def run_child(request: bytes, timeout: float = 600.0) -> str:
+    """The text :func:`child_main` writes for ``request`` (a JSON header line, then a module's
+    text), run in a child process; its refusal or crash is a :class:`SpecializeError`."""
     root = str(Path(__file__).resolve().parents[2])
     code = (
         f"import sys; sys.path.insert(0, {root!r}); "
@@ -162,6 +169,9 @@ def child_main() -> None:
     header, _, text = sys.stdin.buffer.read().partition(b"\n")
     spec = json.loads(header)
     try:
+        if spec.get("roundings"):
+            sys.stdout.write(rounded_module(text.decode()))
+            return
         out = specialize(
             text.decode(),
             tuple(tuple(s) for s in spec["inputs"]),
@@ -172,6 +182,34 @@ def child_main() -> None:
         sys.stderr.write(f"{_PREFIX}{err}\n")
         sys.exit(_REFUSED)
     sys.stdout.write(out)
+
+
+def rounded_module(text: str) -> str:
+    """The StableHLO module ``text`` with its narrowing float converts keeping their rounding
+    (``roundings.keep_roundings``), "" where it has none; parsed here, so run in a child
+    (:func:`rounded_text`)."""
+    from iree.compiler import ir
+
+    with ir.Context(), ir.Location.unknown():
+        try:
+            module = ir.Module.parse(text)
+            if not roundings.keep_roundings(module, ir):
+                return ""  # nothing to keep: the module is compiled as stored
+        except Exception as err:  # MLIRError
+            raise SpecializeError(f"keeping the roundings: {str(err)[:500]}") from None
+        if not module.operation.verify():
+            raise SpecializeError("the module with its roundings kept does not verify")
+        return str(module)
+
+
+def rounded_text(module: bytes, timeout: float = 600.0) -> bytes | str:
+    """``module`` as compiled: its StableHLO text with the roundings kept where it has a
+    float convert, else ``module`` itself (unchanged, as stored)."""
+    text = stablehlo_text(module, timeout)
+    if "stablehlo.convert" not in text:
+        return module
+    request = json.dumps({"roundings": True}).encode() + b"\n" + text.encode()
+    return run_child(request, timeout) or module
 
 
 #: The parameter scope of the arguments :func:`bind_arguments` binds; each is named ``arg<i>``
@@ -286,6 +324,7 @@ def specialize(
         if left is not None:
             raise SpecializeError(f"a dynamic type is left: {left[:300]}")
         rewrites.single_channel_convolutions(module, ir)
+        roundings.keep_roundings(module, ir)
         ret = list(block.operations)[-1].operation
         found = [tuple(ir.RankedTensorType(v.type).shape) for v in ret.operands]
         if outputs is not None and found != [tuple(o) for o in outputs]:
