@@ -3,7 +3,8 @@
 #
 #   bash scripts/docs.sh [VENV]     # VENV: the docs tools' virtualenv (default .venv-docs)
 #
-# Installs mkdocs-material, mkdocstrings[python], mkdocs-click and ruff (signatures) into VENV (made if absent),
+# Installs the `docs` dependency group (mkdocs-material, mkdocstrings, mkdocs-click, ruff) into
+# VENV (made if absent),
 # then runs `mkdocs build --strict` into a temporary directory, removed afterwards. The API and
 # command-line references are read from the source tree (PYTHONPATH): neither JAX nor MLflow
 # needs to be installed in VENV.
@@ -14,8 +15,9 @@ python="${PYTHON:-python3}"
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
-"$venv/bin/pip" install --quiet --disable-pip-version-check \
-    mkdocs-material 'mkdocstrings[python]' mkdocs-click ruff
+# pip >= 25.1 installs PEP 735 dependency groups: the `docs` group of pyproject.toml
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip>=25.1"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --group docs
 site="$(mktemp -d)"
 trap 'rm -rf "$site"' EXIT
 NO_MKDOCS_2_WARNING=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \

@@ -85,6 +85,10 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
       versions .venv || return $?
       rc=0
       .venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts || rc=$?
+      # text that tells how the project was made (sessions, clock times, issue numbers) fails
+      .venv/bin/python scripts/check_prose.py || rc=$?
+      # the docs site, strict: broken links and references fail it
+      bash scripts/docs.sh .venv-docs || rc=$?
       # `mlflow models serve` and `jaxexp` come from the venv
       PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -q -p no:cacheprovider "$@" || rc=$?
       # a real Spark standalone cluster (master + worker on 127.0.0.1; needs Java 17), unless
