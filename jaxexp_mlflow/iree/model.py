@@ -22,14 +22,27 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
-from jaxexp_mlflow.iree import compiler, failures, shapes, trees
+from jaxexp_mlflow.iree import failures, shapes, trees
+from jaxexp_mlflow.iree.entries import BATCH1, _resolve, _static, batch1_shapes
+
+# re-exported: the loader, iree/static.py, iree/verdict.py and the tests import these from here
+from jaxexp_mlflow.iree.entries import batch1_entry as batch1_entry
+from jaxexp_mlflow.iree.entries import batch_shapes as batch_shapes
+from jaxexp_mlflow.iree.entries import sized_entry as sized_entry
+from jaxexp_mlflow.iree.interface import (
+    _ELEMENT_TYPES,
+    DTYPES_HINT,
+    MISMATCH_HINT,
+    _accepted,
+    check_interface,
+    unsupported_dtypes,
+)
 
 #: IREE's CPU drivers: ``local-sync`` runs dispatches on the calling thread (no thread hand-off
 #: per dispatch: faster for small batches), ``local-task`` on a thread pool (IREE's default: faster
@@ -55,237 +68,6 @@ def task_driver_usable() -> bool:
     """Whether this process may run IREE's ``local-task`` driver: False in a forked child of a
     process that made it (see ``_TASK_OWNER``)."""
     return _TASK_OWNER[0] in (0, os.getpid())
-
-
-#: The name of the batch-1 function the compiler adds beside ``main`` (:func:`batch1_entry`).
-BATCH1 = "jaxexp_main_batch1"
-
-#: numpy dtype name -> IREE HAL element type name (the runtime's own map lacks the ml_dtypes).
-_ELEMENT_TYPES = {
-    "bool": "BOOL_8",
-    "int8": "SINT_8",
-    "int16": "SINT_16",
-    "int32": "SINT_32",
-    "int64": "SINT_64",
-    "uint8": "UINT_8",
-    "uint16": "UINT_16",
-    "uint32": "UINT_32",
-    "uint64": "UINT_64",
-    "float16": "FLOAT_16",
-    "bfloat16": "BFLOAT_16",
-    "float32": "FLOAT_32",
-    "float64": "FLOAT_64",
-    "complex64": "COMPLEX_64",
-    "complex128": "COMPLEX_128",
-    "float8_e4m3fn": "FLOAT_8_E4M3_FN",
-    "float8_e4m3fnuz": "FLOAT_8_E4M3_FNUZ",
-    "float8_e5m2": "FLOAT_8_E5M2",
-    "float8_e5m2fnuz": "FLOAT_8_E5M2_FNUZ",
-}
-
-#: numpy dtype name -> MLIR element type (as StableHLO and IREE's ABI declaration print it).
-_MLIR_TYPES = {
-    "bool": "i1",
-    "int8": "i8",
-    "int16": "i16",
-    "int32": "i32",
-    "int64": "i64",
-    "uint8": "ui8",
-    "uint16": "ui16",
-    "uint32": "ui32",
-    "uint64": "ui64",
-    "float16": "f16",
-    "bfloat16": "bf16",
-    "float32": "f32",
-    "float64": "f64",
-    "complex64": "complex<f32>",
-    "complex128": "complex<f64>",
-    "float8_e4m3fn": "f8E4M3FN",
-    "float8_e4m3fnuz": "f8E4M3FNUZ",
-    "float8_e5m2": "f8E5M2",
-    "float8_e5m2fnuz": "f8E5M2FNUZ",
-}
-_TENSOR = r"tensor<((?:[^<>]|<[^<>]*>)*)>"
-_ENCODING = re.compile(r"iree\.abi\.encoding\s*=\s*" + _TENSOR)
-
-MISMATCH_HINT = (
-    "The compiled module does not compute what the blob declares: the model's prepared module "
-    "(iree/) or an entry of the IREE compile cache was altered or belongs to another model. "
-    "Download the model again (or run `jaxexp refresh` where JAX is installed to prepare it "
-    "anew), or clear the IREE cache (JAXEXP_IREE_CACHE); the JAX backend reads the blob itself."
-)
-
-
-def _tensor_types(text: str, label: str) -> list[tuple[list[str], str]] | None:
-    """The ``%input0: tensor<?x3xf32>`` items of one side of an ABI declaration as
-    ``(["?", "3"], "f32")`` (the ``iree.abi.encoding`` type where IREE records one, e.g. for
-    unsigned ints); ``([], "?")`` for a non-tensor item; None when the side is not labelled."""
-    segments = re.split(rf"%{label}\d+\s*:", text)
-    if len(segments) < 2:
-        return None
-    out = []
-    for segment in segments[1:]:
-        match = _ENCODING.search(segment) or re.search(_TENSOR, segment)
-        if match is None:
-            out.append(([], "?"))
-            continue
-        parts = re.split(r"x(?![^<]*>)", match.group(1))  # not inside complex<...>
-        out.append((parts[:-1], parts[-1]))
-    return out
-
-
-def _accepted(rt: Any, dtype: str) -> frozenset[int]:
-    """The HAL element types a result of ``dtype`` may come back as (IREE returns signless
-    ints: ``INT_32`` for an ``int32`` result)."""
-    names = {_ELEMENT_TYPES[dtype]}
-    if dtype.startswith(("int", "uint")):
-        names.add(f"INT_{np.dtype(dtype).itemsize * 8}")
-    return frozenset(int(getattr(rt.HalElementType, n)) for n in names)
-
-
-def _fits(aval: shapes.Aval, tensor: tuple[list[str], str]) -> bool:
-    dims, element = tensor
-    want = _MLIR_TYPES.get(aval.dtype)
-    if want is not None and element != want:
-        return False
-    if len(dims) != len(aval.dims):
-        return False
-    pairs = zip(aval.dims, dims, strict=True)
-    return all(not isinstance(a, int) or d in ("?", str(a)) for a, d in pairs)
-
-
-def _mlir(aval: shapes.Aval) -> str:
-    dims = ["?" if isinstance(d, str) else str(d) for d in aval.dims]
-    return f"tensor<{'x'.join([*dims, _MLIR_TYPES.get(aval.dtype, aval.dtype)])}>"
-
-
-def check_interface(
-    function: Any,
-    inputs: list[shapes.Aval],
-    outputs: list[shapes.Aval],
-    source: str,
-) -> None:
-    """Refuse (``ArtifactError``) a compiled ``function`` whose declared interface is not
-    ``inputs -> outputs``: element types, ranks and static sizes, from IREE's ABI declaration.
-
-    A function without a readable declaration is left to the call-time buffer checks.
-    """
-    declaration = (getattr(function, "reflection", None) or {}).get("iree.abi.declaration")
-    if not isinstance(declaration, str) or "->" not in declaration:
-        return
-    args, results = declaration.split("->", 1)
-    for side, avals, found in (
-        ("input", inputs, _tensor_types(args, "input")),
-        ("output", outputs, _tensor_types(results, "output")),
-    ):
-        if found is None:  # a declaration form this check does not know: left to the call
-            if avals:
-                continue
-            found = []
-        if len(found) != len(avals):
-            raise ArtifactError(
-                f"{source}: expected {len(avals)} {side}s as the blob declares "
-                f"({[str(a) for a in avals]}), found a module with {len(found)} "
-                f"({declaration[:300]}). {MISMATCH_HINT}"
-            )
-        for i, (aval, tensor) in enumerate(zip(avals, found, strict=True)):
-            if not _fits(aval, tensor):
-                got = f"tensor<{'x'.join([*tensor[0], tensor[1]])}>"
-                raise ArtifactError(
-                    f"{source}: {side} {i} is {got}, expected {aval} ({_mlir(aval)}) as the "
-                    f"blob declares. {MISMATCH_HINT}"
-                )
-
-
-DTYPES_HINT = (
-    f"which the IREE backend does not pass: expected some of {sorted(_ELEMENT_TYPES)}. Load it "
-    "with the JAX backend."
-)
-
-
-def unsupported_dtypes(description: Any) -> list[str]:
-    """The dtypes of the blob's inputs and outputs IREE's runtime cannot take or return."""
-    avals = (*description.in_avals, *description.out_avals)
-    return sorted({a.split("[", 1)[0] for a in avals} - set(_ELEMENT_TYPES))
-
-
-def batch1_entry(
-    description: Any,
-    n_params: int,
-    platform_index: int | None = None,
-    constraints: tuple[str, ...] = (),
-) -> compiler.Entry | None:
-    """The batch-1 function to compile beside ``main``: for a module whose inputs (after the
-    ``n_params`` fixed-size param leaves) have one dimension variable, the batch, ``main`` with
-    it set to 1 (if the constraints allow); else None. IREE's code for static shapes is several
-    times faster at batch 1 than its code for a dynamic dimension that happens to be 1."""
-    return sized_entry(BATCH1, description, n_params, 1, platform_index, constraints)
-
-
-def sized_entry(
-    name: str,
-    description: Any,
-    n_params: int,
-    size: int,
-    platform_index: int | None = None,
-    constraints: tuple[str, ...] = (),
-    bind_params: bool = False,
-) -> compiler.Entry | None:
-    """The entry ``name``: ``main`` with its one dimension variable (the batch) set to ``size``,
-    as the static shapes of the arguments it is passed and of its results; None when the inputs
-    do not have exactly one dimension variable or the constraints refuse ``size``. With
-    ``bind_params``, the kept params' positions among ``main``'s arguments as ``bound``."""
-    avals = [shapes.Aval.parse(a) for a in description.in_avals]
-    outs = [shapes.Aval.parse(a) for a in description.out_avals]
-    found = batch_shapes(avals[n_params:], outs, constraints, size)
-    if found is None:
-        return None
-    inputs, outputs = found
-    static = [_static(a) for a in avals[:n_params]] + list(inputs)
-    passed = [static[i] for i in description.module_kept_var_idx]
-    if any(p is None for p in passed):
-        return None
-    offset = 0 if platform_index is None else 1
-    if platform_index is not None:
-        passed.insert(0, ())
-    kept = description.module_kept_var_idx
-    bound = tuple(j + offset for j, i in enumerate(kept) if i < n_params) if bind_params else ()
-    return compiler.Entry(name, tuple(passed), outputs, bound)  # type: ignore[arg-type]
-
-
-def batch1_shapes(
-    inputs: list[shapes.Aval], outputs: list[shapes.Aval], constraints: tuple[str, ...] = ()
-) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None:
-    """The input and output shapes at batch 1 (:func:`batch_shapes`)."""
-    return batch_shapes(inputs, outputs, constraints, 1)
-
-
-def batch_shapes(
-    inputs: list[shapes.Aval],
-    outputs: list[shapes.Aval],
-    constraints: tuple[str, ...] = (),
-    size: int = 1,
-) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] | None:
-    """The input and output shapes at batch ``size`` when ``inputs`` have exactly one dimension
-    variable (a plain name) and the constraints allow it to be ``size``; else None."""
-    name = shapes.dim_var(inputs)
-    if name is None:
-        return None
-    env = {name: size}
-    try:
-        found = tuple(tuple(shapes.evaluate(str(d), env) for d in a.dims) for a in inputs)
-        shapes.bind_dims(inputs, found, [str(a) for a in inputs], constraints)
-    except (InputError, ValueError, KeyError, SyntaxError, ZeroDivisionError):
-        return None
-    resolved = tuple(_resolve(a, env) for a in outputs)
-    if any(d is None for shape in resolved for d in shape):
-        return None
-    return found, resolved  # type: ignore[return-value]
-
-
-def _static(aval: shapes.Aval) -> tuple[int, ...] | None:
-    """The shape of a fixed-size aval; None if some dimension is symbolic."""
-    return None if aval.symbolic else tuple(int(d) for d in aval.dims)
 
 
 class IreeModel:
@@ -617,21 +399,6 @@ class Runner(NamedTuple):
     function: Any
     device: Any
     plan: list[tuple[Any, int]]
-
-
-def _resolve(aval: shapes.Aval, env: dict[str, int]) -> tuple[int | None, ...]:
-    """The shape of ``aval`` with its dimension expressions evaluated (None where they cannot
-    be: the result's size is then only checked against its buffer)."""
-    out: list[int | None] = []
-    for d in aval.dims:
-        if isinstance(d, int):
-            out.append(d)
-            continue
-        try:
-            out.append(shapes.evaluate(d, env))
-        except (KeyError, ValueError, ZeroDivisionError, SyntaxError):
-            out.append(None)
-    return tuple(out)
 
 
 def _bits(dtype: np.dtype) -> np.dtype:
