@@ -1,4 +1,5 @@
-"""MkDocs hook: the MLmodel ``jaxexp`` section reference, generated from ``store/section.py``.
+"""MkDocs hook: the MLmodel ``jaxexp`` section reference, generated from ``store/section.py``
+(and the modules it re-exports its bounds and load-time-only keys from).
 
 The page ``reference/mlmodel.md`` holds markers; at build time they are replaced by tables read
 from the schema object's source: every field of ``FlavorSection`` (type, default, whether it is
@@ -15,7 +16,10 @@ import tokenize
 from pathlib import Path
 from typing import Any
 
-SECTION = Path(__file__).resolve().parents[2] / "jaxexp_mlflow" / "store" / "section.py"
+STORE = Path(__file__).resolve().parents[2] / "jaxexp_mlflow" / "store"
+SECTION = STORE / "section.py"
+#: the schema object, its ``MAX_*`` bounds and its ``python_function.config`` keys
+SOURCES = (SECTION, STORE / "section_fields.py", STORE / "pyfunc_config.py")
 PAGE = "reference/mlmodel.md"
 MARKERS = {
     "<!-- jaxexp-section-fields -->": "fields",
@@ -67,11 +71,11 @@ def _type(annotation: str) -> str:
     return " or ".join(f"`{part.strip()}`" for part in annotation.split("|"))
 
 
-def read_schema(path: Path = SECTION) -> dict[str, Any]:
-    """The schema object's facts, read from its source.
+def read_schema(paths: tuple[Path, ...] = SOURCES) -> dict[str, Any]:
+    """The schema object's facts, read from its sources.
 
     Args:
-        path: ``store/section.py``.
+        paths: ``store/section.py`` and the modules holding its bounds and config keys.
 
     Returns:
         ``fields`` (name, type, default or None when required, comment), ``when_set`` (the
@@ -81,9 +85,18 @@ def read_schema(path: Path = SECTION) -> dict[str, Any]:
     Raises:
         ValueError: the source no longer holds ``FlavorSection`` (the page would be empty).
     """
+    facts: dict[str, Any] = {"fields": [], "when_set": set(), "bounds": [], "load_time_only": []}
+    for path in paths:
+        _read_source(path, facts)
+    if not facts["fields"]:
+        raise ValueError(f"{paths[0]}: no FlavorSection fields found")
+    return facts
+
+
+def _read_source(path: Path, facts: dict[str, Any]) -> None:
+    """Add the facts one source file holds to ``facts``."""
     source = path.read_text(encoding="utf-8")
     tree, lines, comments = ast.parse(source), source.splitlines(), _comments(source)
-    facts: dict[str, Any] = {"fields": [], "when_set": set(), "bounds": [], "load_time_only": []}
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else None
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
@@ -109,9 +122,6 @@ def read_schema(path: Path = SECTION) -> dict[str, Any]:
                             _doc_comment(comments, lines, item.lineno),
                         )
                     )
-    if not facts["fields"]:
-        raise ValueError(f"{path}: no FlavorSection fields found")
-    return facts
 
 
 def render(facts: dict[str, Any]) -> dict[str, str]:
