@@ -3,8 +3,8 @@
 ``pyfunc.predict`` (in-process), the scoring server (``jaxexp serve``: the four JSON formats and
 CSV; ``mlflow models serve``: MLflow's ``inputs`` format), ``mlflow models predict``,
 ``spark_udf``, MLServer and ``jaxexp predict`` all turn what they receive into the exported input
-leaves with ``InputContract.leaves``; the table in docs/serving/pyfunc-rest.md ("The input contract") is
-this module in prose.
+leaves with ``InputContract.leaves``; the table in docs/serving/pyfunc-rest.md ("The input
+contract") is this module in prose.
 
 Forms (``InputContract.named``), for inputs named as in the signature:
 
