@@ -97,8 +97,30 @@ def _placement(exported, jax, np):  # noqa: ANN001, ANN202 - jax and numpy passe
         raise RuntimeError(f"exported for {n} devices, {len(devs)} visible")
     from jax.sharding import Mesh
 
-    mesh = Mesh(np.array(devs[:n]), ("jaxexp",))
-    return tuple(exported.in_shardings_jax(mesh)), tuple(exported.out_shardings_jax(mesh))
+    shape, names = (n,), ("jaxexp",)
+    named = (
+        *(getattr(exported, "_in_named_shardings", None) or ()),
+        *(getattr(exported, "_out_named_shardings", None) or ()),
+    )
+    for s in named:  # the exported mesh's shape
+        mesh = getattr(s, "mesh", None)
+        if mesh is not None and getattr(mesh, "axis_sizes", None):
+            shape, names = tuple(mesh.axis_sizes), tuple(mesh.axis_names)
+            break
+    else:  # no named sharding: the module's own Shardy mesh, if it has one of n devices
+        import re
+
+        found = re.search(r"sdy\.mesh @\w+ = <\[([^\]]*)\]", exported.mlir_module())
+        axes = re.findall(r'"([^"]+)"=(\d+)', found.group(1)) if found else []
+        if axes and int(np.prod([int(k) for _, k in axes])) == n:
+            shape, names = tuple(int(k) for _, k in axes), tuple(a for a, _ in axes)
+    mesh = Mesh(np.array(devs[:n]).reshape(shape), names)
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    # an unspecified input sharding: replicated on the mesh, so that the call spans its devices
+    whole = NamedSharding(mesh, PartitionSpec())
+    ins = tuple(whole if s is None else s for s in exported.in_shardings_jax(mesh))
+    return ins, tuple(exported.out_shardings_jax(mesh))
 
 
 def _init_kernels(jax, np) -> None:  # noqa: ANN001 - jax and numpy passed in
