@@ -21,15 +21,19 @@ from jaxexp_mlflow.runtime import compat, remesh
 from jaxexp_mlflow.runtime.routes import REMESH, VIRTUAL_DEVICES
 
 
-def mesh_axes(meta: Mapping[str, Any], description: Any) -> dict[str, int]:
-    """The mesh axes ``{name: size}`` the blob's named shardings state (``{}`` for HLO ones)."""
+def meshes(meta: Mapping[str, Any], description: Any) -> list[tuple[tuple[str, int], ...]]:
+    """The distinct meshes ``((axis, size), ...)`` the blob's named shardings state (none for
+    HLO ones), in order of appearance."""
     texts = list(getattr(description, "in_shardings", None) or meta.get("in_shardings") or ())
     texts += list(getattr(description, "out_shardings", None) or meta.get("out_shardings") or ())
+    found: list[tuple[tuple[str, int], ...]] = []
     for text in texts:
-        found = re.search(r"AbstractMesh\(([^)]*)\)", str(text or ""))
-        if found:
-            return {n: int(s) for n, s in re.findall(r"'([^']+)':\s*(\d+)", found.group(1))}
-    return {}
+        match = re.search(r"AbstractMesh\(([^)]*)\)", str(text or ""))
+        if match:
+            axes = tuple((n, int(k)) for n, k in re.findall(r"'([^']+)':\s*(\d+)", match.group(1)))
+            if axes and axes not in found:
+                found.append(axes)
+    return found
 
 
 def nr_devices(meta: Mapping[str, Any], description: Any) -> int:
@@ -39,12 +43,10 @@ def nr_devices(meta: Mapping[str, Any], description: Any) -> int:
 
 def remesh_change(meta: Mapping[str, Any], description: Any, devices: int) -> tuple[str, str]:
     """(``8 devices (data=2, model=4) -> 1 (data=1, model=1)``, "" or why it cannot)."""
-    axes = mesh_axes(meta, description)
-    facts = remesh.MeshFacts(
-        nr_devices(meta, description), (("mesh", tuple(axes.items())),), False, ()
-    )
+    found = tuple((f"mesh{i}", axes) for i, axes in enumerate(meshes(meta, description)))
+    facts = remesh.MeshFacts(nr_devices(meta, description), found, False, ())
     try:
-        sizes = remesh.choose_sizes(axes, devices) if axes else {}
+        sizes = remesh.plan_sizes(facts, devices)
     except IncompatibleError as err:
         return remesh.change_text(facts, {}, devices), str(err)
     return remesh.change_text(facts, sizes, devices), ""

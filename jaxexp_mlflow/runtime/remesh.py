@@ -212,8 +212,16 @@ def _divides(axes: Mapping[str, int], devices: int) -> bool:
 
 def change_text(facts: MeshFacts, sizes: Mapping[str, int], devices: int) -> str:
     """``8 devices (data=2, model=4) -> 1 (data=1, model=1)``."""
-    old = ", ".join(f"{n}={s}" for n, s in facts.axes().items())
-    new = ", ".join(f"{n}={s}" for n, s in sizes.items())
+
+    def shown(axes: Any) -> str:
+        return ", ".join(f"{n}={s}" for n, s in axes)
+
+    meshes = [axes for _, axes in facts.meshes if axes]
+    if len(meshes) > 1:  # one group per mesh: (x1=1, x2=2; y2=2, y1=1)
+        old = "; ".join(shown(axes) for axes in meshes)
+        new = "; ".join(shown((n, sizes.get(n, s)) for n, s in axes) for axes in meshes)
+    else:
+        old, new = shown(facts.axes().items()), shown(sizes.items())
     return f"{facts.nr_devices} devices ({old}) -> {devices}" + (f" ({new})" if new else "")
 
 
@@ -310,7 +318,18 @@ def plan_sizes(facts: MeshFacts, devices: int) -> dict[str, int]:
             f"virtual-devices (the blob as it is, on {facts.nr_devices} simulated CPU devices "
             "in a child process)."
         )
-    return choose_sizes(facts.axes(), devices)
+    if not facts.meshes:
+        return {}
+    sizes: dict[str, int] = {}
+    for symbol, axes in facts.meshes:  # every mesh multiplies to the new device count
+        for name, size in choose_sizes(dict(axes), devices).items():
+            if sizes.setdefault(name, size) != size:
+                raise IncompatibleError(
+                    f"Cannot re-mesh onto {devices} devices: expected one size per axis name, "
+                    f"found axis {name!r} of mesh @{symbol} needing {size} where another mesh "
+                    f"needs {sizes[name]}. Take --route virtual-devices."
+                )
+    return sizes
 
 
 def remesh(exported: Any, devices: int) -> Remeshed:
