@@ -193,6 +193,31 @@ def run_all(out: str, devices: int) -> dict[str, Any]:
     return {"diffs": diffs, "changes": changes, "n": len(jax.devices())}
 
 
+def corpus_by_remesh(devices: int, tmp: str) -> dict[str, list]:
+    """Each readable ``sharded4`` corpus blob run by ``jaxexp predict --route remesh`` on
+    ``devices``: ``[max abs difference from the 4-device outputs, what it printed]`` or
+    ``[None, the refusal]``."""
+    from click.testing import CliRunner
+
+    from jaxexp_mlflow.cli import main
+    from tests.conftest import CORPUS, corpus_refusals
+
+    found: dict[str, list] = {}
+    for case in sorted(CORPUS.glob("jax-*/sharded4")):
+        if corpus_refusals(case):
+            continue
+        out = Path(tmp, f"{case.parent.name}.npy")
+        args = ["predict", str(case / "exported.bin"), "--input", str(case / "inputs.npz")]
+        args += ["--route", "remesh", "--devices", str(devices), "--output", str(out)]
+        result = CliRunner().invoke(main, args)
+        if result.exit_code:
+            found[case.parent.name] = [None, " ".join(result.output.split())]
+            continue
+        want = np.load(case / "outputs.npz")["out_0"]
+        found[case.parent.name] = [float(np.abs(np.load(out) - want).max()), result.output]
+    return found
+
+
 def _grads1(call: Any, w: Any, x: Any) -> Any:
     import jax
 

@@ -469,15 +469,13 @@ def remesh_for_load(exported: Any, options: Mapping[str, Any]) -> tuple[Remeshed
 
     opts = dict(options)
     count, listed = target_devices(opts.pop("devices", None), int(exported.nr_devices))
+    done = remesh(exported, count)  # what the module allows first, then this machine
     if listed is not None:
         opts["devices"] = listed
-    else:
-        visible = visible_devices()
-        if count > visible:
-            raise IncompatibleError(
-                f"remesh onto {count} devices: expected at most the {visible} visible here, "
-                f"found {count} asked for. Pass devices={visible} or fewer (--devices)."
-            )
-    done = remesh(exported, count)
+    elif count > (visible := visible_devices()):
+        raise IncompatibleError(
+            f"remesh onto {count} devices: expected at most the {visible} visible here, "
+            f"found {count} asked for. Pass devices={visible} or fewer (--devices)."
+        )
     logging.getLogger(__name__).warning("jaxexp: route remesh: %s", done.change)
     return done, opts
