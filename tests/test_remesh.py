@@ -173,3 +173,23 @@ def test_multi_mesh_archive_on_one_device(tmp_path):
     ws = tuple(rng.random((8, 2), dtype=np.float32) for _ in range(4))
     for out, x, w in zip(model(xs, ws), xs, ws, strict=True):
         np.testing.assert_allclose(np.asarray(out), x @ w, rtol=remesh.RTOL, atol=remesh.ATOL)
+
+
+def test_refresh_by_remesh_logs_a_model_for_fewer_devices(exported8):
+    args = ["refresh", str(exported8 / "mlp"), "--route", "remesh", "--devices", "1", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.output[result.output.index("{") :])
+    model = mlflow.jaxexp.load_model(info["model_uri"])  # no route: it is a 1-device model now
+    assert model.exported.nr_devices == 1 and model.route == "direct"
+    tags = mlflow.get_logged_model(info["model_id"]).tags
+    assert tags["jaxexp.refresh.route"] == (
+        "remesh: 8 devices (data=2, model=4) -> 1 (data=1, model=1)"
+    )
+    assert tags["jaxexp.refresh.tolerance"] == "cross-device: rtol 1e-05, atol 1e-05"
+    assert float(tags["jaxexp.refresh.max_abs_err"]) <= remesh.ATOL
+    ref = np.load(exported8 / "reference.npz")
+    w, x = remesh_cases._inputs()
+    np.testing.assert_allclose(model(w, x), ref["mlp/out"], rtol=remesh.RTOL, atol=remesh.ATOL)
+    refused = CliRunner().invoke(main, ["refresh", str(exported8 / "rng"), "--route", "remesh"])
+    assert refused.exit_code != 0 and "no stored reference" in " ".join(refused.output.split())
