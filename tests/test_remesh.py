@@ -193,3 +193,19 @@ def test_refresh_by_remesh_logs_a_model_for_fewer_devices(exported8):
     np.testing.assert_allclose(model(w, x), ref["mlp/out"], rtol=remesh.RTOL, atol=remesh.ATOL)
     refused = CliRunner().invoke(main, ["refresh", str(exported8 / "rng"), "--route", "remesh"])
     assert refused.exit_code != 0 and "no stored reference" in " ".join(refused.output.split())
+
+
+def test_log_model_of_a_blob_through_remesh_records_the_route(exported8, tmp_path):
+    blob = (exported8 / "mlp" / "exported.bin").read_bytes()
+    w, x = remesh_cases._inputs()
+    with pytest.raises(IncompatibleError, match="8 devices"):  # no route: its reference cannot run
+        mlflow.jaxexp.save_model(blob, tmp_path / "refused", input_example=(w, x))
+    with mlflow.start_run():
+        info = mlflow.jaxexp.log_model(blob, name="m", input_example=(w, x), route="remesh")
+    assert info.flavors["jaxexp"]["route"]["name"] == "remesh"
+    assert info.flavors["jaxexp"]["nr_devices"] == 8  # the blob is stored as it is
+    with pytest.raises(IncompatibleError, match="8 devices"):
+        mlflow.jaxexp.load_model(info.model_uri)  # taken only when asked
+    model = mlflow.jaxexp.load_model(info.model_uri, route="remesh")
+    want = np.load(exported8 / "reference.npz")["mlp/out"]
+    np.testing.assert_allclose(model(w, x), want, rtol=remesh.RTOL, atol=remesh.ATOL)

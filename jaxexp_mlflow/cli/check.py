@@ -153,7 +153,8 @@ def device_routes(target: Target, verdict: Any) -> list[Any]:
 
     desc = target.description
     meta = target.flavor or blob_meta(desc)
-    return routes.plan(verdict, meta, desc, uri=target.uri)
+    device_routes = (routes.REMESH, routes.VIRTUAL_DEVICES)
+    return [r for r in routes.plan(verdict, meta, desc, uri=target.uri) if r.name in device_routes]
 
 
 def verdict_dict(verdict: Any) -> dict[str, Any]:

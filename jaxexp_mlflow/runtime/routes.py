@@ -232,10 +232,6 @@ def plan(
         # no JAX of any era runs a cuda-only (tpu-only...) lowering on this machine's devices:
         # every JAX route, the recorded environment's included, needs the exported platform
         return routes
-    if machine == ["devices"] and not blocking:
-        from jaxexp_mlflow.runtime.device_routes import device_routes
-
-        return device_routes(meta, description, env, Route)
     if not blocking:
         text, when = _direct_closes(verdict, schema)
         routes.append(Route(DIRECT, here, "load it as it is." + first, text, when))
@@ -299,6 +295,10 @@ def plan(
                 None,
             )
         )
+    if machine == ["devices"] and not blocking:  # fewer devices here than the blob's
+        from jaxexp_mlflow.runtime.device_routes import device_routes
+
+        routes.extend(device_routes(meta, description, env, Route))
     return routes
 
 
@@ -406,10 +406,12 @@ def judged_with_flag(meta: Mapping[str, Any], description: Any, **options: Any) 
 
 # -- taking a route in this process ---------------------------------------------------------------
 
-IN_PROCESS = (DIRECT, EXPIRED_FLAG, REMESH)
+IN_PROCESS = (DIRECT, EXPIRED_FLAG)
+#: The routes a load in this process takes when asked (``remesh`` rewrites the blob here).
+TAKEN_HERE = (*IN_PROCESS, REMESH)
 
 
-def check_name(route: str | None, *, allowed: tuple[str, ...] = IN_PROCESS) -> str | None:
+def check_name(route: str | None, *, allowed: tuple[str, ...] = TAKEN_HERE) -> str | None:
     """``route`` if it is one this caller takes, else :class:`IncompatibleError` naming them."""
     from jaxexp_mlflow.errors import IncompatibleError
 
