@@ -209,3 +209,17 @@ def test_log_model_of_a_blob_through_remesh_records_the_route(exported8, tmp_pat
     model = mlflow.jaxexp.load_model(info.model_uri, route="remesh")
     want = np.load(exported8 / "reference.npz")["mlp/out"]
     np.testing.assert_allclose(model(w, x), want, rtol=remesh.RTOL, atol=remesh.ATOL)
+
+
+def test_pyfunc_takes_remesh_from_model_config(exported8):
+    path = str(exported8 / "mlp")
+    with pytest.raises(IncompatibleError, match="8 devices"):
+        mlflow.pyfunc.load_model(path)
+    loaded = mlflow.pyfunc.load_model(path, model_config={"route": "remesh"})
+    assert loaded.metadata.flavors["jaxexp"]["nr_devices"] == 8
+
+
+def test_serve_takes_one_route(exported8):
+    args = ["serve", "-m", str(exported8 / "mlp"), "--route", "remesh"]
+    clash = CliRunner().invoke(main, [*args, "--model-config", '{"route": "direct"}'])
+    assert clash.exit_code == 2 and "expected one route" in clash.output
