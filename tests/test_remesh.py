@@ -28,14 +28,19 @@ from tests.remesh_cases import corpus_by_remesh
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) != 1, reason="runs the 1-device case here")
 
+#: the children keep any tracking store MLflow opens in their own temporary directory
 EXPORT = """
 import json, sys
+import mlflow
+mlflow.set_tracking_uri(f"sqlite:///{sys.argv[1]}/mlflow.db")
 from tests.remesh_cases import export_all
 print("RESULT " + json.dumps(export_all(sys.argv[1])))
 """
 #: on M devices: every case by the remesh route, and the corpus's sharded4 blobs by the CLI
 RUN = """
 import json, sys
+import mlflow
+mlflow.set_tracking_uri(f"sqlite:///{sys.argv[1]}/mlflow.db")
 from tests.remesh_cases import run_all
 from tests.remesh_cases import corpus_by_remesh
 res = run_all(sys.argv[1], int(sys.argv[2]))
