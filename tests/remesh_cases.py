@@ -103,6 +103,7 @@ def _grads(call: Any, w: Any, x: Any) -> tuple[Any, Any]:
 def export_all(out: str) -> dict[str, Any]:
     """Export, save and run every case on this process's 8 devices (see the module doc)."""
     import jax
+    import mlflow
     from jax import export
 
     import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
@@ -120,6 +121,8 @@ def export_all(out: str) -> dict[str, Any]:
     sm = export.export(_shard_map_fn(mesh))(xsm)
     (root / f"{SHARD_MAP}.bin").write_bytes(bytes(sm.serialize()))
     np.savez(root / f"{SHARD_MAP}_in.npz", in_0=xsm)
+    # and as a model with its 8-device run stored as the reference (verify --route ...)
+    mlflow.jaxexp.save_model(bytes(sm.serialize()), root / SHARD_MAP, input_example=(xsm,))
     placed = jax.device_put(xsm, sm.in_shardings_jax(mesh)[0])
     ref[f"{SHARD_MAP}/out"] = np.asarray(jax.jit(sm.call)(placed))
     np.savez(root / "reference.npz", **ref)

@@ -50,6 +50,12 @@ print("RESULT " + json.dumps(res))
 SECOND_ORDER = 1e-4
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """Each test runs in its own directory: nothing it opens lands in the source tree."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def exported8(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("remesh8")
@@ -124,6 +130,13 @@ def test_shard_map_is_refused_by_remesh_and_run_by_virtual_devices(exported8, tm
     assert ran.exit_code == 0, ran.output
     want = np.load(exported8 / "reference.npz")[f"{remesh_cases.SHARD_MAP}/out"]
     np.testing.assert_array_equal(np.load(out), want)  # the same blob on 8 devices: exact
+    model = str(exported8 / remesh_cases.SHARD_MAP)
+    args = ["verify", model, "--route", "virtual-devices", "--json"]
+    verified = CliRunner().invoke(main, args)
+    assert verified.exit_code == 0, verified.output
+    report = json.loads(verified.output[verified.output.index("{") :])
+    assert report["route"]["name"] == "virtual-devices" and report["ok"]
+    assert [o["max_abs_err"] for o in report["outputs"]] == [0.0]  # the 8-device reference
 
 
 def test_module_facts_name_device_ids_and_sub_axes():

@@ -319,3 +319,26 @@ def module_tools() -> tuple[ModuleTools | None, str]:
 def exported_fields(exported: Any) -> set[str]:
     """The dataclass field names of an ``Exported`` (they differ between jax releases)."""
     return set(getattr(exported, "__dataclass_fields__", {}))
+
+
+#: the ``Exported`` fields :func:`replace_exported` maps to this jax's private names
+_PRIVATE_FIELDS = {
+    "in_named_shardings": "_in_named_shardings",
+    "out_named_shardings": "_out_named_shardings",
+    "has_named_shardings": "_has_named_shardings",
+    "get_vjp": "_get_vjp",
+}
+
+
+def has_named_shardings(exported: Any) -> bool:
+    """Whether ``exported`` carries NamedShardings (jax 0.9-0.11 say so; jax 0.12 always)."""
+    return bool(getattr(exported, "_has_named_shardings", True))
+
+
+def replace_exported(exported: Any, **changes: Any) -> Any:
+    """A copy of ``exported`` with ``changes``, the private fields named without their
+    underscore (``in_named_shardings``, ``has_named_shardings``, ``get_vjp``...); a change to a
+    field this jax does not have is dropped."""
+    fields = exported_fields(exported)
+    mapped = {_PRIVATE_FIELDS.get(k, k): v for k, v in changes.items()}
+    return dataclasses.replace(exported, **{k: v for k, v in mapped.items() if k in fields})

@@ -21,7 +21,6 @@ and its stored VJP re-meshed the same way at every order.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -417,29 +416,26 @@ def _replace(
     keep: bool,
     facts: MeshFacts,
 ) -> Any:
-    from jaxexp_mlflow.internals.jax_private import exported_fields, get_vjp
+    from jaxexp_mlflow.internals import jax_private as private
 
-    fields = exported_fields(exported)
     changes: dict[str, Any] = {"mlir_module_serialized": data, "nr_devices": int(devices)}
-    hlo_only = "_has_named_shardings" in fields and not exported._has_named_shardings
-    if hlo_only and keep and devices > 1:  # HLO shardings name devices: replicate on the mesh
-        changes["_has_named_shardings"] = True
+    # HLO shardings (jax 0.8) name devices: the inputs replicated on the resized mesh instead
+    replicate = keep and devices > 1 and not private.has_named_shardings(exported)
+    if replicate:
+        changes["has_named_shardings"] = True
     for side in ("in", "out"):
-        named = f"_{side}_named_shardings"
-        if named in fields and "_has_named_shardings" in changes:
-            n = len(getattr(exported, f"{side}_avals"))
-            changes[named] = (_replicated(facts, sizes),) * n
-        elif named in fields:
-            changes[named] = tuple(_resized(s, sizes, keep) for s in getattr(exported, named) or ())
-        hlo = f"{side}_shardings_hlo"
-        if hlo in fields:
-            changes[hlo] = (None,) * len(getattr(exported, hlo))
+        n = len(getattr(exported, f"{side}_avals"))
+        named = private.named_shardings(exported, side)
+        if replicate:
+            changes[f"{side}_named_shardings"] = (_replicated(facts, sizes),) * n
+        elif named is not None:
+            changes[f"{side}_named_shardings"] = tuple(_resized(s, sizes, keep) for s in named)
+        changes[f"{side}_shardings_hlo"] = (None,) * n
         avals = f"{side}_avals"
         changes[avals] = tuple(_aval(a, sizes, keep) for a in getattr(exported, avals))
-    inner = get_vjp(exported)
-    if "_get_vjp" in fields:
-        changes["_get_vjp"] = None if inner is None else _vjp_remeshed(exported, inner, devices)
-    return dataclasses.replace(exported, **changes)
+    inner = private.get_vjp(exported)
+    changes["get_vjp"] = None if inner is None else _vjp_remeshed(exported, inner, devices)
+    return private.replace_exported(exported, **changes)
 
 
 def _vjp_remeshed(primal: Any, inner: Any, devices: int) -> Any:
