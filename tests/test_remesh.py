@@ -51,8 +51,9 @@ SECOND_ORDER = 1e-4
 
 
 @pytest.fixture(autouse=True)
-def _in_tmp(tmp_path, monkeypatch):
-    """Each test runs in its own directory: nothing it opens lands in the source tree."""
+def _in_tmp(tmp_path, monkeypatch, tracking_uri):
+    """Each test runs in its own directory with its own MLflow store: nothing it opens or logs
+    lands in the source tree."""
     monkeypatch.chdir(tmp_path)
 
 
@@ -116,6 +117,8 @@ def test_check_names_the_routes_and_without_one_the_load_is_refused(exported8):
 def test_shard_map_is_refused_by_remesh_and_run_by_virtual_devices(exported8, tmp_path):
     blob = str(exported8 / f"{remesh_cases.SHARD_MAP}.bin")
     inputs = str(exported8 / f"{remesh_cases.SHARD_MAP}_in.npz")
+    checked = json.loads(CliRunner().invoke(main, ["check", "--json", blob]).output)
+    assert [r["name"] for r in checked["routes"]] == ["virtual-devices"]  # remesh not offered
     refused = CliRunner().invoke(main, ["predict", blob, "--input", inputs, "--route", "remesh"])
     assert refused.exit_code != 0
     said = " ".join(refused.output.split())
