@@ -36,6 +36,8 @@ LOOKUPS = {
         "make_ir_context",
     ),
     "hlo.get_current_version": ("jax._src.lib.mlir.dialects", "hlo.get_current_version"),
+    "_export._module_to_bytecode": ("jax._src.export._export", "_module_to_bytecode"),
+    "passmanager.PassManager": ("jax._src.lib.mlir", "passmanager.PassManager"),
 }
 #: the jax releases that have each name on purpose: (first, last) (read from the wheels:
 #: named shardings arrived in 0.9 and 0.12 dropped ``_has_named_shardings``, reading them only)

@@ -92,13 +92,51 @@ def _placement(exported, jax, np):  # noqa: ANN001, ANN202 - jax and numpy passe
     n = int(exported.nr_devices)
     if n == 1:
         return (None,) * len(exported.in_avals), None
+    mesh = _mesh(exported, jax, np)
+    return tuple(exported.in_shardings_jax(mesh)), tuple(exported.out_shardings_jax(mesh))
+
+
+def _mesh(exported, jax, np):  # noqa: ANN001, ANN202 - jax and numpy passed in
+    """A mesh of ``nr_devices`` devices shaped as the export's own (its named shardings, else
+    its module's Shardy mesh), else one axis ``jaxexp``."""
+    n = int(exported.nr_devices)
     devs = jax.devices()
     if len(devs) < n:
         raise RuntimeError(f"exported for {n} devices, {len(devs)} visible")
     from jax.sharding import Mesh
 
-    mesh = Mesh(np.array(devs[:n]), ("jaxexp",))
-    return tuple(exported.in_shardings_jax(mesh)), tuple(exported.out_shardings_jax(mesh))
+    shape, names = (n,), ("jaxexp",)
+    named = (
+        *(getattr(exported, "_in_named_shardings", None) or ()),
+        *(getattr(exported, "_out_named_shardings", None) or ()),
+    )
+    for s in named:  # the exported mesh's shape
+        mesh = getattr(s, "mesh", None)
+        if mesh is not None and getattr(mesh, "axis_sizes", None):
+            shape, names = tuple(mesh.axis_sizes), tuple(mesh.axis_names)
+            break
+    else:  # no sharding at all (HLO ones keep the one axis): the module's own Shardy mesh
+        import re
+
+        hlo = (*exported.in_shardings_hlo, *exported.out_shardings_hlo)
+        if any(h is not None for h in hlo):
+            return Mesh(np.array(devs[:n]), names)
+
+        found = re.search(r"sdy\.mesh @\w+ = <\[([^\]]*)\]", exported.mlir_module())
+        axes = re.findall(r'"([^"]+)"=(\d+)', found.group(1)) if found else []
+        if axes and int(np.prod([int(k) for _, k in axes])) == n:
+            shape, names = tuple(int(k) for _, k in axes), tuple(a for a, _ in axes)
+    return Mesh(np.array(devs[:n]).reshape(shape), names)
+
+
+def _spanning(in_sh, exported, jax, np):  # noqa: ANN001, ANN202 - jax and numpy passed in
+    """``in_sh`` for a run: an unspecified input sharding replicated on the export's mesh, so
+    that the call spans the devices the blob was exported for."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = _mesh(exported, jax, np)
+    whole = NamedSharding(mesh, PartitionSpec())
+    return tuple(whole if s is None else s for s in in_sh)
 
 
 def _init_kernels(jax, np) -> None:  # noqa: ANN001 - jax and numpy passed in
@@ -184,6 +222,7 @@ def blob_main(mode: str, blob: str, out_dir: str) -> int:
                 r if str(r.dtype) == d else r.view(jax.numpy.dtype(d))
                 for r, d in zip(raw, dtypes, strict=True)
             ]
+            in_sh = _spanning(in_sh, exported, jax, np) if int(exported.nr_devices) > 1 else in_sh
             leaves = [
                 x if s is None else jax.device_put(x, s) for x, s in zip(leaves, in_sh, strict=True)
             ]

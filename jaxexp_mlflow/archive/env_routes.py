@@ -22,6 +22,8 @@ import numpy as np
 from jaxexp_mlflow.archive import jax_envs
 from jaxexp_mlflow.archive.recorded_env import RUNNER, RecordedEnvError, read_child_result
 
+#: The ``jax_version`` that stands for this Python's own jax (the virtual-devices route).
+HERE = "this python"
 #: How long a child may run (environment already built): compile + run of a model.
 TIMEOUT = 900
 
@@ -42,8 +44,9 @@ def _invoke(
     out: Path,
     *,
     nr_devices: int,
+    python: Path | None = None,
 ) -> dict[str, Any]:
-    python = jax_envs.ensure(jax_version)
+    python = python or jax_envs.ensure(jax_version)
     blob = out / "source.bin"
     blob.write_bytes(bytes(data))
     cmd = [str(python), "-I", str(RUNNER), "--blob", mode, str(blob), str(out)]
@@ -65,7 +68,11 @@ def _invoke(
         out,
         proc,
         who=f"The jax {jax_version} child ({mode})",
-        advice=f" Rebuild its environment by deleting {jax_envs.env_path(jax_version)}.",
+        advice=(
+            f" Rebuild its environment by deleting {jax_envs.env_path(jax_version)}."
+            if jax_version != HERE
+            else " Run it again with --debug."
+        ),
     )
     if result.get("error"):
         raise RecordedEnvError(
@@ -83,11 +90,27 @@ def reexport_in(jax_version: str, data: bytes, *, nr_devices: int = 1) -> tuple[
         return Path(tmp, "exported.bin").read_bytes(), result
 
 
-def run_in(
-    jax_version: str, data: bytes, leaves: list[Any], *, nr_devices: int = 1
+def run_virtual(
+    data: bytes, leaves: list[Any], *, nr_devices: int
 ) -> tuple[list[np.ndarray], dict]:
-    """(the blob's flat outputs on the flat input ``leaves``, run by jax ``jax_version``; the
-    child's report). Dtypes numpy lacks (bfloat16) travel as raw bits."""
+    """The ``virtual-devices`` route: (the blob's flat outputs on ``leaves``, run unchanged by
+    this Python's jax on ``nr_devices`` simulated CPU devices in a child process; its report)."""
+    import sys
+
+    return run_in(HERE, data, leaves, nr_devices=nr_devices, python=Path(sys.executable))
+
+
+def run_in(
+    jax_version: str,
+    data: bytes,
+    leaves: list[Any],
+    *,
+    nr_devices: int = 1,
+    python: Path | None = None,
+) -> tuple[list[np.ndarray], dict]:
+    """(the blob's flat outputs on the flat input ``leaves``, run by jax ``jax_version``, in
+    its cached venv or by ``python``; the child's report). Dtypes numpy lacks (bfloat16)
+    travel as raw bits."""
     from jaxexp_mlflow.archive.reproduce import decode_outputs
 
     with tempfile.TemporaryDirectory(prefix="jaxexp-era-") as tmp:
@@ -100,7 +123,7 @@ def run_in(
         }
         np.savez(Path(tmp, "inputs.npz"), **raw)
         Path(tmp, "inputs.json").write_text(json.dumps([str(a.dtype) for a in arrays]))
-        result = _invoke(jax_version, "run", data, Path(tmp), nr_devices=nr_devices)
+        result = _invoke(jax_version, "run", data, Path(tmp), nr_devices=nr_devices, python=python)
         with np.load(Path(tmp, "outputs.npz"), allow_pickle=False) as npz:
             got = [npz[f"out_{i}"] for i in range(len(result["output_dtypes"]))]
         return decode_outputs(got, result["output_dtypes"]), result

@@ -143,6 +143,20 @@ def python_line(found: dict[str, Any]) -> str:
     )
 
 
+def device_routes(target: Target, verdict: Any) -> list[Any]:
+    """The routes (``runtime.routes.plan``) of a model exported for more devices than are
+    visible here (``remesh``, ``virtual-devices``); [] otherwise."""
+    codes = {getattr(r, "code", None) for r in verdict.reasons if r.severity == "incompatible"}
+    if codes != {"devices"}:
+        return []
+    from jaxexp_mlflow.runtime import routes
+
+    desc = target.description
+    meta = target.flavor or blob_meta(desc)
+    device_routes = (routes.REMESH, routes.VIRTUAL_DEVICES)
+    return [r for r in routes.plan(verdict, meta, desc, uri=target.uri) if r.name in device_routes]
+
+
 def verdict_dict(verdict: Any) -> dict[str, Any]:
     """``Verdict.to_dict()``, or the same shape built from status and reasons."""
     if hasattr(verdict, "to_dict"):
@@ -203,8 +217,11 @@ def check(uri: str, allow_other_platform: bool, as_json: bool, debug: bool) -> N
 
     env = environment()
     carried = model_python(target)
+    routes = device_routes(target, verdict)
     if as_json:
         extra = {} if carried is None else {"model_python": carried}
+        if routes:
+            extra["routes"] = [r.to_dict() for r in routes]
         emit_json({"uri": uri, "environment": env, **payload, **extra})
     else:
         click.echo(f"Model        {uri}")
@@ -225,5 +242,11 @@ def check(uri: str, allow_other_platform: bool, as_json: bool, debug: bool) -> N
             )
         if not verdict.reasons:
             click.echo("  (no findings: the model should load and run here)")
+        if verdict.status == "incompatible" and routes:
+            click.echo("Routes       that run it here, taken only when asked (--route NAME):")
+            for r in routes:
+                click.echo(
+                    textwrap.fill(str(r), 100, initial_indent="  - ", subsequent_indent="    ")
+                )
     if verdict.status == "incompatible":
         click.get_current_context().exit(1)

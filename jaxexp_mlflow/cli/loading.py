@@ -86,9 +86,16 @@ def load(
                 exported = deserialize_checked(data, source=source, description=desc)
             if route == routes.EXPIRED_FLAG:
                 exported = routes.with_scoped_vjp(exported)
+            remeshed = None
+            if route == routes.REMESH:
+                from jaxexp_mlflow.runtime.remesh import remesh_for_load
+
+                remeshed, options = remesh_for_load(exported, options)
+                exported = remeshed.exported
             placement = devices.plan(exported, **options)
         model = JaxExpModel(placement.exported, None, {}, placement=placement)
         model.route = route or routes.DIRECT
+        model.remeshed = None if remeshed is None else remeshed.change
         return model
     from jaxexp_mlflow.runtime.loader import load_directory
 
@@ -172,7 +179,8 @@ def pick_route(target: Target, route: str | None, **options: Any) -> Any:
             + (
                 "no route works"
                 if route == "auto"
-                else f"that route does not work here ({routes.why_not(route, verdict)})"
+                else "that route does not work here "
+                f"({routes.why_not(route, verdict, checked_description(target))})"
             )
             + f" for {target.uri}.\n{routes.describe(available)}"
         )
@@ -257,13 +265,28 @@ def _load_iree(target: Target, *, allow_incompatible: bool, **options: Any) -> A
         )
 
 
-ROUTE_CHOICES = ("auto", "direct", "expired-flag", "bridge", "recorded-env", "iree")
+ROUTE_CHOICES = (
+    "auto",
+    "direct",
+    "expired-flag",
+    "bridge",
+    "recorded-env",
+    "iree",
+    "remesh",
+    "virtual-devices",
+)
 
 
 def route_option(fn: Any) -> Any:
     """``--route``: take a route (``runtime/routes.py``) explicitly, never silently."""
     import click
 
+    fn = click.option(
+        "--devices",
+        type=click.IntRange(min=1),
+        default=None,
+        help="--route remesh: the device count to re-mesh onto (default: the devices visible).",
+    )(fn)
     return click.option(
         "--route",
         type=click.Choice(ROUTE_CHOICES),
@@ -271,14 +294,18 @@ def route_option(fn: Any) -> Any:
         help="Take this route to run a model this JAX refuses (see `jaxexp check`): "
         "expired-flag (JAX's flag around the deserialization), bridge (re-export with jax "
         "0.10.2 in a cached venv, run here), recorded-env (the writer's jax in a cached venv), "
-        "iree; auto takes the first that works. The output says which ran.",
+        "iree, remesh (a model for more devices than are here, its meshes resized), "
+        "virtual-devices (the blob as it is on simulated CPU devices in a child process); auto "
+        "takes the first that works. The output says which ran.",
     )(fn)
 
 
-def route_line(chosen: Any) -> str:
-    """``Route     expired-flag (jax 0.12.0.1)``: which route ran, for the text output."""
+def route_line(chosen: Any, model: Any = None) -> str:
+    """``Route     expired-flag (jax 0.12.0.1)``: which route ran, for the text output (with
+    what the remesh route changed, from the ``model`` it loaded)."""
     who = f" (jax {chosen.jax_version})" if chosen.jax_version else ""
-    return f"Route     {chosen.name}{who}"
+    change = getattr(model, "remeshed", None)
+    return f"Route     {chosen.name}{who}" + (f": {change}" if change else "")
 
 
 def exported_for_specs(data: bytes) -> Any:
@@ -305,17 +332,23 @@ def exported_for_specs(data: bytes) -> Any:
 def run_recorded_env(target: Target, chosen: Any, leaves: list[Any]) -> list[Any]:
     """The recorded-env route: the blob run by jax ``chosen.jax_version`` in a cached venv on
     the flat input ``leaves``; a model with params is refused (its params need the model's own
-    recorded environment: `jaxexp verify --env-manager uv`)."""
+    recorded environment: `jaxexp verify --env-manager uv`). The virtual-devices route: the
+    blob run unchanged by this Python's jax on its ``nr_devices`` simulated CPU devices."""
     from jaxexp_mlflow.archive import env_routes
     from jaxexp_mlflow.cli._common import Failure
 
     if target.kind != "blob" and target.flavor.get("params"):
         raise Failure(
-            f"--route recorded-env runs bare blobs; {target.uri} has params, which need the "
+            f"--route {chosen.name} runs bare blobs; {target.uri} has params, which need the "
             f"model's recorded requirements: run `jaxexp verify {target.uri} --env-manager uv`"
         )
     data = blob_bytes(target)
     desc = checked_description(target)
+    if chosen.name == "virtual-devices":
+        n = int(desc.nr_devices)
+        with step(f"Running it unchanged on {n} simulated CPU devices (child process)"):
+            outs, _ = env_routes.run_virtual(data, leaves, nr_devices=n)
+        return outs
     with step(f"Running it with jax {chosen.jax_version} (recorded-env venv)"):
         outs, _ = env_routes.run_in(
             chosen.jax_version, data, leaves, nr_devices=int(desc.nr_devices)

@@ -70,11 +70,12 @@ Examples:
 @click.option("--register", "register", help="Also register it under this model name.")
 @click.option(
     "--route",
-    type=click.Choice(("auto", "direct", "expired-flag", "bridge", "recorded-env")),
+    type=click.Choice(("auto", "direct", "expired-flag", "bridge", "recorded-env", "remesh")),
     default=None,
     help="For a blob this JAX refuses: the route that loads it here, recorded in MLmodel "
     "(default: direct, else expired-flag where it applies; bridge and recorded-env build a "
-    "cached venv and are taken when asked; auto: the first that works). The output names it.",
+    "cached venv and are taken when asked; remesh: a blob for more devices than are here, "
+    "stored as it is and run re-meshed; auto: the first that works). The output names it.",
 )
 @common_options
 def log(

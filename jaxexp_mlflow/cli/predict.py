@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -67,6 +68,7 @@ def predict(
     input_file: Path,
     output_file: Path | None,
     route: str | None,
+    devices: int | None,
     allow_incompatible: bool,
     allow_other_platform: bool,
     backend: str,
@@ -102,13 +104,16 @@ def predict(
         backend = "iree"
 
     flavor = target.flavor if target.kind != "blob" else None
-    if name == "recorded-env":
+    model = None
+    if name in ("recorded-env", "virtual-devices"):
         from jaxexp_mlflow.cli.loading import blob_bytes, exported_for_specs, run_recorded_env
 
         specs = input_specs(exported_for_specs(blob_bytes(target)), False, flavor)
         leaves = run_recorded_env(target, chosen, input_leaves(payload, specs))
     else:
-        leaves = _run_here(target, payload, name, backend, allow_incompatible, allow_other_platform)
+        leaves, model = _run_here(
+            target, payload, name, backend, allow_incompatible, allow_other_platform, devices
+        )
     from jaxexp_mlflow.cli.inspect import output_labels
 
     paths = output_labels(target, len(leaves))  # the same labels as verify's
@@ -120,6 +125,7 @@ def predict(
                 "ok": True,
                 "uri": uri,
                 "route": chosen.to_dict() if chosen is not None else {"name": "direct"},
+                **({"remeshed": model.remeshed} if getattr(model, "remeshed", None) else {}),
                 "output_file": None if output_file is None else str(output_file),
                 "outputs": [
                     {
@@ -139,7 +145,7 @@ def predict(
         for p, a in zip(paths, leaves, strict=True)
     ]
     if chosen is not None:
-        click.echo(route_line(chosen))
+        click.echo(route_line(chosen, model))
     click.echo(table(["output", "shape", "dtype", "min", "max", "mean"], rows))
     if output_file is not None:
         click.echo(f"\nWrote {len(leaves)} output(s) to {output_file}")
@@ -152,8 +158,10 @@ def _run_here(
     backend: str,
     allow_incompatible: bool,
     allow_other_platform: bool,
-) -> list:
-    """The model loaded in this process (by ``route``, if given) and run on ``payload``."""
+    devices: int | None = None,
+) -> tuple[list, Any]:
+    """(outputs, model): the model loaded in this process (by ``route``, if given; ``devices``
+    for the remesh route) and run on ``payload``."""
     import numpy as np
 
     from jaxexp_mlflow.cli.arrays_io import call_args, input_leaves, input_specs
@@ -165,6 +173,7 @@ def _run_here(
         allow_other_platform=allow_other_platform,
         backend=backend,
         route=route if route not in (None, "iree") else None,
+        **({"devices": devices} if route == "remesh" and devices is not None else {}),
     )
     flavor = target.flavor if target.kind != "blob" else None
     try:
@@ -173,7 +182,7 @@ def _run_here(
 
             leaves_in = input_leaves(payload, iree_input_specs(model, flavor))
             with step("Running"):
-                return model.call_flat(leaves_in)
+                return model.call_flat(leaves_in), model
         import jax
 
         has_params = bool(model._n_param_leaves)
@@ -181,7 +190,7 @@ def _run_here(
         args, kwargs = call_args(model.exported, has_params, input_leaves(payload, specs))
         with step("Running (compile + run)"):
             out = model(*args, **kwargs)
-            return [np.asarray(x) for x in jax.tree.leaves(out)]
+            return [np.asarray(x) for x in jax.tree.leaves(out)], model
     except Exception as err:
         if "JaxExpError" in {c.__name__ for c in type(err).__mro__}:
             raise

@@ -37,13 +37,19 @@ Examples:
 @tolerance_options("the before/after check")
 @click.option(
     "--route",
-    type=click.Choice(("direct", "expired-flag", "bridge")),
+    type=click.Choice(("direct", "expired-flag", "bridge", "remesh")),
     default=None,
     help="How this jax reads the source (default: the route it was logged through where it "
     "still is needed, else direct). expired-flag: JAX's flag around the deserialization only "
     "(a blob of jax <= 0.7 under jax >= 0.11.1); bridge: jax 0.10.2 (a cached venv) reads the "
-    "blob and re-exports it first (old-style HLO shardings); checked against the stored "
-    "reference.",
+    "blob and re-exports it first (old-style HLO shardings); remesh: a model for more devices "
+    "than are here, re-exported for --devices; checked against the stored reference.",
+)
+@click.option(
+    "--devices",
+    type=click.IntRange(min=1),
+    default=None,
+    help="--route remesh: the device count of the new model (default: the devices visible).",
 )
 @common_options
 def refresh(
@@ -56,6 +62,7 @@ def refresh(
     rtol: float | None,
     atol: float | None,
     route: str | None,
+    devices: int | None,
     as_json: bool,
     debug: bool,
 ) -> None:
@@ -78,7 +85,11 @@ def refresh(
         import mlflow
 
         mlflow.set_experiment(experiment)
-    options = {"allow_other_platform": True} if allow_other_platform else {}
+    options: dict = {"allow_other_platform": True} if allow_other_platform else {}
+    if devices is not None:
+        if route != "remesh":
+            raise click.UsageError("--devices goes with --route remesh")
+        options["devices"] = devices
     with step(f"Refreshing {uri}"):
         info = do_refresh(
             uri,

@@ -57,6 +57,13 @@ created (like --env-manager local).
     envvar=ENV_HEADER_TIMEOUT,
     help="Seconds a connection may take to send whole request headers (then 408, closed).",
 )
+@click.option(
+    "--route",
+    type=click.Choice(("direct", "expired-flag", "remesh")),
+    default=None,
+    help="Load the model by this route (as model_config's route): remesh for a model exported "
+    "for more devices than are here (see `jaxexp check`).",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks of load errors.")
 def serve(
     model_uri: str,
@@ -66,6 +73,7 @@ def serve(
     model_config: str | None,
     max_connections: int,
     header_timeout: float,
+    route: str | None,
     debug: bool,
 ) -> None:
     """Serve a jaxexp model over HTTP (MLflow's scoring protocol, with request limits)."""
@@ -86,6 +94,14 @@ def serve(
             f"expected a JSON object, found a JSON {type(config).__name__}",
             param_hint="--model-config",
         )
+    if route is not None:
+        if config.get("route", route) != route:
+            raise click.BadParameter(
+                f"expected one route, found --route {route} and model_config route "
+                f"{config['route']!r}",
+                param_hint="--route",
+            )
+        config["route"] = route
     from jaxexp_mlflow.serving.model_config import PYFUNC_CONFIG_KEYS
 
     unknown = sorted(set(config) - set(PYFUNC_CONFIG_KEYS))

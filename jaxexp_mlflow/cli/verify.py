@@ -53,6 +53,7 @@ def verify(
     atol: float | None,
     env_manager: str | None,
     route: str | None,
+    devices: int | None,
     allow_incompatible: bool,
     allow_other_platform: bool,
     backend: str,
@@ -107,7 +108,7 @@ def verify(
     if name == "iree":
         backend = "iree"
     model = checks = None
-    if name == "recorded-env":
+    if name in ("recorded-env", "virtual-devices"):
         checks, env = _verify_recorded_env(target, chosen, rtol=rtol, atol=atol)
     else:
         model = load_judged(
@@ -117,6 +118,7 @@ def verify(
             isolate=True,  # a blob that crashes JAX's deserializer is refused, not fatal
             backend=backend,
             route=name if name not in (None, "iree") else None,
+            **({"devices": devices} if name == "remesh" and devices is not None else {}),
         )
         env = environment(backend)
     try:
@@ -152,6 +154,7 @@ def verify(
                 "ok": passed,
                 "uri": uri,
                 "route": chosen.to_dict() if chosen is not None else {"name": "direct"},
+                **({"remeshed": model.remeshed} if getattr(model, "remeshed", None) else {}),
                 "reference": {
                     "synthetic": bool(synthetic),
                     "platform": ref_platform,
@@ -174,7 +177,7 @@ def verify(
         )
         click.echo(f"Running   {environment_line(env)}")
         if chosen is not None:
-            click.echo(route_line(chosen))
+            click.echo(route_line(chosen, model))
         click.echo(f"Reference {reference}")
         click.echo("")
         rows = [
@@ -228,7 +231,9 @@ def _verify_recorded_env(
         "jax_version": chosen.jax_version,
         "jaxlib_version": chosen.jax_version,
         "backend": "cpu",
-        "device_kind": "cpu (cached venv)",
+        "device_kind": "cpu (simulated, child process)"
+        if chosen.name == "virtual-devices"
+        else "cpu (cached venv)",
         "device_count": int(target.flavor.get("nr_devices") or 1),
     }
     return compare_outputs(outs, outputs, rtol=rtol, atol=atol), env

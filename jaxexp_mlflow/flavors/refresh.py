@@ -81,7 +81,13 @@ def reexport(exported: Any, placement: Any = None) -> Any:
 
 
 def _judge(
-    meta: dict, description: Any, model_uri: str, options: dict, *, flag: bool = False
+    meta: dict,
+    description: Any,
+    model_uri: str,
+    options: dict,
+    *,
+    flag: bool = False,
+    remesh: bool = False,
 ) -> compat.Verdict:
     from jaxexp_mlflow.runtime import routes
 
@@ -90,6 +96,13 @@ def _judge(
         verdict = routes.judged_with_flag(meta, description, allow_other_platform=other)
     else:
         verdict = compat.assess(meta, description=description, allow_other_platform=other)
+    if remesh:  # judged as the re-meshed blob runs: on the devices here
+        from jaxexp_mlflow.runtime.device_routes import judged_for_remesh
+
+        try:
+            verdict = judged_for_remesh(verdict, meta, description, "")
+        except IncompatibleError as err:
+            raise RefreshError(f"Cannot refresh {model_uri} by remesh: {err}") from err
     blocking = [
         r
         for r in verdict.reasons
@@ -209,10 +222,11 @@ def _route(route: str | None, bridge: bool, meta: dict, description: Any, option
         other = bool(options.get("allow_other_platform", False))
         recorded = recorded_route_here(meta, description, allow_other_platform=other)
         return recorded.name if recorded is not None else routes.DIRECT
-    if route not in (routes.DIRECT, routes.EXPIRED_FLAG, routes.BRIDGE):
+    if route not in (routes.DIRECT, routes.EXPIRED_FLAG, routes.BRIDGE, routes.REMESH):
         raise RefreshError(
             f"route={route!r}: expected one of {routes.DIRECT}, {routes.EXPIRED_FLAG}, "
-            f"{routes.BRIDGE} (a refresh re-exports the blob here, so it reads it here)."
+            f"{routes.BRIDGE}, {routes.REMESH} (a refresh re-exports the blob here, so it reads "
+            "it here)."
         )
     return route
 
@@ -232,7 +246,10 @@ def refresh(
     """Re-export the jaxexp model at ``model_uri`` with the running JAX; log it as a new model.
 
     ``route``: ``direct``, ``expired-flag`` (JAX's flag set around the deserialization only, for
-    a blob of schema < 5 under jax >= 0.11.1) or ``bridge`` (as ``bridge=True``); None takes the
+    a blob of schema < 5 under jax >= 0.11.1), ``bridge`` (as ``bridge=True``) or ``remesh`` (a
+    model for more devices than are here, its meshes resized onto ``devices=M``, default the
+    devices visible; proved against the stored reference within ``remesh.RTOL``/``ATOL``
+    unless ``rtol``/``atol`` are given, and tagged ``jaxexp.refresh.route``); None takes the
     route the model was logged through (MLmodel ``jaxexp.route``, ``flavors.save_route``) where
     this jax still refuses it as it is, else ``direct``.
 
@@ -319,7 +336,14 @@ def _refresh(
     if route == routes.BRIDGE:
         data, source, description, bridged_from = _bridge(data, description, model_uri, synthetic)
     flag = route == routes.EXPIRED_FLAG
-    verdict = _judge(meta, description, model_uri, options, flag=flag)
+    by_remesh = route == routes.REMESH
+    if by_remesh and synthetic:
+        raise RefreshError(
+            f"{model_uri} has no stored reference, which a refresh by remesh is proved against "
+            f"(the {meta.get('nr_devices')}-device blob cannot run here to make probe outputs). "
+            "Log it with an input example on a machine with its devices first."
+        )
+    verdict = _judge(meta, description, model_uri, options, flag=flag, remesh=by_remesh)
 
     with routes.expired_flag() if flag else contextlib.nullcontext():
         exported = blob.deserialize_checked(
@@ -328,6 +352,17 @@ def _refresh(
     if flag:  # its VJP is read lazily, at the new export's serialization: with the flag too
         exported = routes.with_scoped_vjp(exported)
     plan_opts = {k: options[k] for k in ("allow_other_platform", "devices") if k in options}
+    remeshed = None
+    if by_remesh:
+        from jaxexp_mlflow.runtime.remesh import ATOL, RTOL, remesh_for_load
+
+        try:
+            remeshed, plan_opts = remesh_for_load(exported, plan_opts)
+        except IncompatibleError as err:
+            raise RefreshError(f"Cannot refresh {model_uri} by remesh: {err}") from err
+        exported = remeshed.exported
+        # proved against the reference stored from the N-device run: a cross-device tolerance
+        rtol, atol = (RTOL if rtol is None else rtol), (ATOL if atol is None else atol)
     placement = devices.plan(exported, **plan_opts)
     try:
         new_exp = reexport(exported, placement)
@@ -393,6 +428,9 @@ def _refresh(
         tags[TAG_PREFIX + "route"] = f"bridge (jax {bridged_from})"
     elif flag:
         tags[TAG_PREFIX + "route"] = f"{routes.EXPIRED_FLAG} (jax {jax.__version__})"
+    elif remeshed is not None:
+        tags[TAG_PREFIX + "route"] = f"{routes.REMESH}: {remeshed.change}"
+        tags[TAG_PREFIX + "tolerance"] = f"cross-device: rtol {rtol:g}, atol {atol:g}"
     if getattr(source_model, "model_id", None):
         tags[TAG_PREFIX + "source_model_id"] = source_model.model_id
     metadata = dict(source_model.metadata or {})

@@ -31,7 +31,14 @@ from jaxexp_mlflow.runtime import compat, routes
 _logger = logging.getLogger(__name__)
 
 #: What ``route=`` accepts at save time.
-CHOICES = ("auto", routes.DIRECT, routes.EXPIRED_FLAG, routes.BRIDGE, routes.RECORDED_ENV)
+CHOICES = (
+    "auto",
+    routes.DIRECT,
+    routes.EXPIRED_FLAG,
+    routes.BRIDGE,
+    routes.RECORDED_ENV,
+    routes.REMESH,
+)
 #: Verdict codes meaning this JAX cannot deserialize the blob at all.
 _UNREADABLE = {"expired", "hlo_sharding", "schema"}
 #: The bridge's re-export of the last blob bridged (sha256 -> bytes): a save bridges once, and
@@ -199,6 +206,8 @@ def _enter(chosen: routes.Route, data: bytes, description: Any) -> Taken:
         with routes.expired_flag():
             exp = blob_codec.deserialize_checked(data, source="the given blob")
         return Taken(chosen, routes.with_scoped_vjp(exp))
+    if chosen.name == routes.REMESH:  # stored for its own devices; read back re-meshed
+        return Taken(chosen, blob_codec.deserialize_checked(data, source="the given blob"))
     if chosen.name == routes.BRIDGE:
         new = bridged(data, int(description.nr_devices))
         source = f"the given blob (re-exported by jax {routes.BRIDGE_JAX})"
@@ -347,6 +356,8 @@ def check_runs(taken: Taken, conf: dict[str, Any], description: Any) -> None:
             verdict = compat.assess({}, description=bridged_desc)
         else:
             return
+    elif taken.name == routes.REMESH:
+        verdict = verdict_for(conf, description)
     else:
         verdict = routes.judged_with_flag(conf, description)
     if verdict.status == compat.INCOMPATIBLE:
@@ -362,6 +373,11 @@ def verdict_for(conf: dict[str, Any], description: Any = None) -> compat.Verdict
     route is ``expired-flag``, else as it is."""
     if recorded_name(conf) == routes.EXPIRED_FLAG:
         return routes.judged_with_flag(conf, description)
+    if recorded_name(conf) == routes.REMESH:  # run re-meshed onto the devices here
+        from jaxexp_mlflow.runtime.device_routes import judged_for_remesh
+
+        verdict = compat.assess(conf, description=description)
+        return judged_for_remesh(verdict, conf, description, "")
     return compat.assess(conf, description=description)
 
 

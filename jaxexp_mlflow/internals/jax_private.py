@@ -74,6 +74,16 @@ PRIVATE_NAMES: dict[str, tuple[str, str, str]] = {
         "the newest StableHLO version this jaxlib reads (a module using a newer VHLO op fails)",
         "None: the stablehlo check is skipped (the first call fails instead)",
     ),
+    "_export._module_to_bytecode": (
+        "jax._src.export._export",
+        "remesh: serialize a rewritten module with jax.export's own StableHLO target and Shardy",
+        "the remesh route is closed, saying which name moved",
+    ),
+    "passmanager.PassManager": (
+        "jax._src.lib.mlir",
+        "remesh: run Shardy's import passes (lift inlined meshes) as Exported.call does",
+        "the remesh route is closed, saying which name moved",
+    ),
 }
 
 
@@ -259,3 +269,76 @@ def stablehlo_version() -> str | None:
     except Exception:  # a binding that changed its signature: unknown, the check is skipped
         return None
     return version if isinstance(version, str) and version.count(".") == 2 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleTools:
+    """What the remesh route needs from jax to read, rewrite and write an exported module."""
+
+    make_ir_context: Callable[[], Any]
+    ir: Any
+    pass_manager: Any
+    deserialize: Callable[[bytes], Any]
+    to_bytecode: Callable[[Any], bytes]
+
+
+def module_tools() -> tuple[ModuleTools | None, str]:
+    """(the tools, "") or (None, why not): the private names the module rewrite needs, looked
+    up in this jax; a release that moves one closes the remesh route, naming it."""
+    found = portable_artifact_api()
+    if found is None:
+        return None, "this jaxlib has no mlir.(de)serialize_portable_artifact"
+    make_ir_context, ir, api = found
+    try:
+        from jax._src.lib.mlir import passmanager
+    except ImportError:
+        return None, "this jax has no jax._src.lib.mlir.passmanager"
+    try:
+        from jax._src.export import _export
+    except ImportError:
+        return None, "this jax has no jax._src.export._export"
+    to_bytecode = getattr(_export, "_module_to_bytecode", None)
+    if to_bytecode is None or not hasattr(passmanager, "PassManager"):
+        return None, (
+            "this jax has no _export._module_to_bytecode (the serializer of jax.export)"
+            if to_bytecode is None
+            else "this jax has no passmanager.PassManager"
+        )
+    return (
+        ModuleTools(
+            make_ir_context,
+            ir,
+            passmanager.PassManager,
+            api.deserialize_portable_artifact,
+            to_bytecode,
+        ),
+        "",
+    )
+
+
+def exported_fields(exported: Any) -> set[str]:
+    """The dataclass field names of an ``Exported`` (they differ between jax releases)."""
+    return set(getattr(exported, "__dataclass_fields__", {}))
+
+
+#: the ``Exported`` fields :func:`replace_exported` maps to this jax's private names
+_PRIVATE_FIELDS = {
+    "in_named_shardings": "_in_named_shardings",
+    "out_named_shardings": "_out_named_shardings",
+    "has_named_shardings": "_has_named_shardings",
+    "get_vjp": "_get_vjp",
+}
+
+
+def has_named_shardings(exported: Any) -> bool:
+    """Whether ``exported`` carries NamedShardings (jax 0.9-0.11 say so; jax 0.12 always)."""
+    return bool(getattr(exported, "_has_named_shardings", True))
+
+
+def replace_exported(exported: Any, **changes: Any) -> Any:
+    """A copy of ``exported`` with ``changes``, the private fields named without their
+    underscore (``in_named_shardings``, ``has_named_shardings``, ``get_vjp``...); a change to a
+    field this jax does not have is dropped."""
+    fields = exported_fields(exported)
+    mapped = {_PRIVATE_FIELDS.get(k, k): v for k, v in changes.items()}
+    return dataclasses.replace(exported, **{k: v for k, v in mapped.items() if k in fields})

@@ -84,6 +84,12 @@ def load_directory(
         )
     if route == routes.EXPIRED_FLAG:
         exported = routes.with_scoped_vjp(exported)
+    remeshed = None
+    if route == routes.REMESH:
+        from jaxexp_mlflow.runtime.remesh import remesh_for_load
+
+        remeshed, options = remesh_for_load(exported, options)
+        exported = remeshed.exported
     placement = devices.plan(exported, **options)
     params = None
     ckpt = artifact.params_dir(path, meta)
@@ -105,6 +111,7 @@ def load_directory(
     model = JaxExpModel(placement.exported, params, meta, placement=placement)
     model.verdict = verdict
     model.route = route or routes.DIRECT
+    model.remeshed = None if remeshed is None else remeshed.change
     model.custom_call_targets = description.custom_call_targets  # read from the blob itself
     return model
 

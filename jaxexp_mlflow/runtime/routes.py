@@ -15,6 +15,10 @@ and the model's recorded facts, :func:`plan` names the routes that work here, ea
 ``recorded-env``  the whole model run by the writer's JAX: the recorded ``jax_version``, else the
                   era inferred from the blob (:func:`era`), in a cached venv
 ``iree``          the IREE backend, when its own verdict says it compiles the module
+``remesh``        fewer devices than the blob's ``nr_devices``: its meshes resized to the devices
+                  here, in this process (``runtime.remesh``); taken only when asked
+``virtual-devices`` fewer devices, a module that cannot be re-meshed: the blob as it is, on
+                  ``nr_devices`` simulated CPU devices in a child process of this Python
 
 The closing dates come from JAX itself: its 6-month backward window (a promise, not enforced),
 the TODOs of ``jax/_src/export/serialization.py`` in jax 0.12 (the per-argument layout of schema
@@ -47,7 +51,8 @@ DIRECT, EXPIRED_FLAG, BRIDGE, RECORDED_ENV, IREE = (
     "recorded-env",
     "iree",
 )
-ROUTES = (DIRECT, EXPIRED_FLAG, BRIDGE, RECORDED_ENV, IREE)
+REMESH, VIRTUAL_DEVICES = "remesh", "virtual-devices"
+ROUTES = (DIRECT, EXPIRED_FLAG, BRIDGE, RECORDED_ENV, IREE, REMESH, VIRTUAL_DEVICES)
 #: The bridge: deserializes every blob of the shared corpus (jax 0.4.35 to 0.10.2, HLO shardings
 #: included) and has wheels for Python 3.11 to 3.13 (measured 2026-11-25).
 BRIDGE_JAX = "0.10.2"
@@ -290,6 +295,10 @@ def plan(
                 None,
             )
         )
+    if machine == ["devices"] and not blocking:  # fewer devices here than the blob's
+        from jaxexp_mlflow.runtime.device_routes import device_routes
+
+        routes.extend(device_routes(meta, description, env, Route))
     return routes
 
 
@@ -305,14 +314,19 @@ def describe(routes: list[Route]) -> str:
     )
 
 
-def why_not(name: str, verdict: compat.Verdict) -> str:
-    """Why the route ``name`` is not among those that work here, for a refusal's message."""
+def why_not(name: str, verdict: compat.Verdict, description: Any = None) -> str:
+    """Why the route ``name`` is not among those that work here, for a refusal's message
+    (``description``, the blob's, names what in its module keeps it from ``remesh``)."""
     blocking = sorted(_blocking(verdict))
     machine = sorted(
         r.code for r in verdict.reasons if r.severity == compat.INCOMPATIBLE and r.code in _MACHINE
     )
     if name == IREE:
         return "the IREE backend is asked for with --backend iree, not --route"
+    if name in (REMESH, VIRTUAL_DEVICES):
+        from jaxexp_mlflow.runtime.device_routes import why_not_devices
+
+        return why_not_devices(name, blocking, machine, description)
     if machine:
         return f"this machine does not fit the model ({', '.join(machine)}: see `jaxexp check`)"
     if not blocking:
@@ -393,9 +407,11 @@ def judged_with_flag(meta: Mapping[str, Any], description: Any, **options: Any) 
 # -- taking a route in this process ---------------------------------------------------------------
 
 IN_PROCESS = (DIRECT, EXPIRED_FLAG)
+#: The routes a load in this process takes when asked (``remesh`` rewrites the blob here).
+TAKEN_HERE = (*IN_PROCESS, REMESH)
 
 
-def check_name(route: str | None, *, allowed: tuple[str, ...] = IN_PROCESS) -> str | None:
+def check_name(route: str | None, *, allowed: tuple[str, ...] = TAKEN_HERE) -> str | None:
     """``route`` if it is one this caller takes, else :class:`IncompatibleError` naming them."""
     from jaxexp_mlflow.errors import IncompatibleError
 
@@ -406,6 +422,7 @@ def check_name(route: str | None, *, allowed: tuple[str, ...] = IN_PROCESS) -> s
         "re-export as a new version",
         RECORDED_ENV: "`jaxexp predict/verify --route recorded-env`",
         IREE: "load_model(uri, backend='iree') or --backend iree",
+        VIRTUAL_DEVICES: "`jaxexp predict/verify --route virtual-devices`",
     }.get(route)
     raise IncompatibleError(
         f"route={route!r}: expected one of {', '.join(allowed)} here"
@@ -437,6 +454,13 @@ def judge(
     hint = ""
     if verdict.status == compat.INCOMPATIBLE:
         hint = describe(plan(verdict, meta, description, uri=uri))
+    if route == REMESH:
+        from jaxexp_mlflow.runtime.device_routes import judged_for_remesh
+
+        available = describe(plan(verdict, meta, description, uri=uri))
+        judged = judged_for_remesh(verdict, meta, description, available)
+        enforce(judged, allow_incompatible=allow_incompatible, hint=hint)
+        return judged, contextlib.nullcontext
     if route == EXPIRED_FLAG:
         available = plan(verdict, meta, description, uri=uri)
         if find(available, EXPIRED_FLAG) is None:
