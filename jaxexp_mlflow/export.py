@@ -52,7 +52,10 @@ def looks_like_key(x: Any) -> bool:
     if np.ndim(x) != 1 or np.shape(x)[0] not in (2, 4):
         return False
     dtype = getattr(x, "dtype", None)
-    return (np.asarray(x).dtype if dtype is None else np.dtype(dtype)) == np.uint32
+    try:
+        return (np.asarray(x).dtype if dtype is None else np.dtype(dtype)) == np.uint32
+    except TypeError:  # a typed key array (key<fry>): refused later, with what to pass instead
+        return False
 
 
 def unbatched_leaves(args: tuple) -> list[bool]:
