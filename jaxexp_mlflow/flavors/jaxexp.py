@@ -422,7 +422,7 @@ def log_model(
     info = Model.log(
         artifact_path=artifact_path,
         name=name,
-        flavor=sys.modules[__name__] if validate else StagedFlavor,
+        flavor=sys.modules[__name__] if validate else StagedFlavor(save_model, __name__),
         validate_serving_input=validate,
         exported=exported,
         _jax_params=params,

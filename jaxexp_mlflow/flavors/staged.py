@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +22,29 @@ class StagedFlavor:
     ``Model.log`` then uploads what is left, ``MLmodel`` last. See docs/remote.md.
     """
 
-    __name__ = "jaxexp_mlflow.flavors.jaxexp"
-
     #: Left to ``Model.log``: MLmodel (rewritten there) last; the serving example it reads.
     LEFT_TO_MLFLOW = (MLMODEL_FILE_NAME, "serving_input_example.json")
 
-    @staticmethod
-    def save_model(*, path: str, mlflow_model: Model, **kwargs: Any) -> None:
-        from jaxexp_mlflow.flavors import jaxexp
+    def __init__(self, save: Callable[..., None], name: str) -> None:
+        """Args:
+        save: the flavor's ``save_model`` (called with ``durable=False``).
+        name: the flavor module's name, as ``Model.log`` records it.
+        """
+        self._save = save
+        self.__name__ = name
+
+    def save_model(self, *, path: str, mlflow_model: Model, **kwargs: Any) -> None:
+        """Save into ``path`` and upload it as it is written (see the class docstring)."""
         from jaxexp_mlflow.store import artifact
         from jaxexp_mlflow.store.upload import EarlyUpload, stage_upload
 
         if not mlflow_model.artifact_path:
-            jaxexp.save_model(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
+            self._save(path=path, mlflow_model=mlflow_model, durable=False, **kwargs)
             return
         early = EarlyUpload(mlflow_model.artifact_path, artifact.PARAMS_DIR)
         params_dir = Path(path, artifact.PARAMS_DIR)
         try:
-            jaxexp.save_model(
+            self._save(
                 path=path,
                 mlflow_model=mlflow_model,
                 durable=False,

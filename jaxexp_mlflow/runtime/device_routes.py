@@ -18,7 +18,9 @@ from typing import Any
 
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import compat, remesh
-from jaxexp_mlflow.runtime.routes import REMESH, VIRTUAL_DEVICES
+
+#: The device routes' names (``runtime/routes.py`` lists them with the others).
+REMESH, VIRTUAL_DEVICES = "remesh", "virtual-devices"
 
 
 def meshes(meta: Mapping[str, Any], description: Any) -> list[tuple[tuple[str, int], ...]]:

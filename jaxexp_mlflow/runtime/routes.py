@@ -41,6 +41,8 @@ from typing import Any
 
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import compat
+from jaxexp_mlflow.runtime.device_routes import REMESH as REMESH
+from jaxexp_mlflow.runtime.device_routes import VIRTUAL_DEVICES as VIRTUAL_DEVICES
 
 _logger = logging.getLogger(__name__)
 
@@ -51,7 +53,6 @@ DIRECT, EXPIRED_FLAG, BRIDGE, RECORDED_ENV, IREE = (
     "recorded-env",
     "iree",
 )
-REMESH, VIRTUAL_DEVICES = "remesh", "virtual-devices"
 ROUTES = (DIRECT, EXPIRED_FLAG, BRIDGE, RECORDED_ENV, IREE, REMESH, VIRTUAL_DEVICES)
 #: The bridge: deserializes every blob of the shared corpus (jax 0.4.35 to 0.10.2, HLO shardings
 #: included) and has wheels for Python 3.11 to 3.13 (measured 2026-11-25).
