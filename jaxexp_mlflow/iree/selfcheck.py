@@ -38,7 +38,7 @@ def check_reference(model: Any, path: str | os.PathLike, meta: dict[str, Any]) -
             IREE runtime failed running the reference inputs.
         ArtifactError: the reference files are damaged or do not fit the model.
     """
-    from jaxexp_mlflow.archive.reproduce import compare_outputs, reference_platform
+    from jaxexp_mlflow.runtime.tolerance import compare_outputs, reference_platform
 
     ref = files.read_reference(path, meta)
     if ref is None:
