@@ -55,7 +55,7 @@ DIRECT, EXPIRED_FLAG, BRIDGE, RECORDED_ENV, IREE = (
 )
 ROUTES = (DIRECT, EXPIRED_FLAG, BRIDGE, RECORDED_ENV, IREE, REMESH, VIRTUAL_DEVICES)
 #: The bridge: deserializes every blob of the shared corpus (jax 0.4.35 to 0.10.2, HLO shardings
-#: included) and has wheels for Python 3.11 to 3.13 (measured 2026-11-25).
+#: included) and has wheels for Python 3.11 to 3.13.
 BRIDGE_JAX = "0.10.2"
 #: The first jax without wheels for Python 3.11 (jax 0.11 and later need Python >= 3.12).
 NEEDS_PYTHON_312 = (0, 11)
