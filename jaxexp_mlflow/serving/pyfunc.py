@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import executables as executables_mod
@@ -27,7 +28,6 @@ from jaxexp_mlflow.runtime import rows as rows_mod
 from jaxexp_mlflow.runtime.backend import backend_of
 from jaxexp_mlflow.serving import background, lite_pyfunc, serving_guard
 from jaxexp_mlflow.serving.inputs import (
-    ENV_ALLOW_NAN,
     InputContract,
     convert,
     from_records,
@@ -76,16 +76,15 @@ class JaxExpPyfunc:
         self.outputs = outputs
         self._names = [s.name for s in inputs]
         allow = self.model_config.get(
-            "allow_nan", os.environ.get(ENV_ALLOW_NAN, saved.get("allow_nan"))
+            "allow_nan", settings.JAXEXP_ALLOW_NAN.get(saved.get("allow_nan"))
         )
         self.allow_nan = str(allow).lower() in ("1", "true", "on", "yes")
         self.contract = InputContract(inputs, allow_nan=self.allow_nan)
         self.max_request_bytes = int(
-            self.model_config.get(
-                "max_request_bytes",
-                os.environ.get(
-                    ENV_MAX_REQUEST_BYTES, saved.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
-                ),
+            self.model_config["max_request_bytes"]
+            if "max_request_bytes" in self.model_config
+            else settings.JAXEXP_MAX_REQUEST_BYTES.get(
+                saved.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
             )
         )
         self.policy = buckets_mod.resolve(self.model_config, saved, serving=serving)
@@ -486,7 +485,7 @@ def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = N
     model_dir = Path(path)
     if model_dir.is_file():
         model_dir = model_dir.parent
-    if os.environ.get(ENV_PYFUNC_CACHE, "1").lower() in ("0", "off", "false", "no"):
+    if not settings.JAXEXP_PYFUNC_CACHE.get():
         return _load_uncached(model_dir, config)
     key, model_files = _identity(model_dir, config)
     with _CACHE_LOCK:
