@@ -25,6 +25,8 @@ from mlflow.protos.databricks_pb2 import (
     RESOURCE_EXHAUSTED,
 )
 
+from jaxexp_mlflow.settings import BadEnvVarError
+
 
 class JaxExpError(MlflowException):
     """Base class of every error this package raises on purpose.
@@ -110,3 +112,19 @@ class UnsupportedTransformError(JaxExpError):
     """
 
     default_code = INVALID_PARAMETER_VALUE
+
+
+class EnvVarError(JaxExpError, BadEnvVarError):
+    """A ``JAXEXP_*`` environment variable holds a value its type cannot take (400).
+
+    Raised by ``jaxexp_mlflow.settings.EnvVar.get``; also a ``ValueError`` (its
+    ``settings.BadEnvVarError`` base), with ``name``, ``value`` and ``expected`` set.
+    """
+
+    default_code = INVALID_PARAMETER_VALUE
+
+    def __init__(self, message: str, *, name: str, value: str, expected: str) -> None:
+        JaxExpError.__init__(self, message)
+        self.name = name
+        self.value = value
+        self.expected = expected

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.archive import jax_envs
 from jaxexp_mlflow.archive.recorded_env import RUNNER, RecordedEnvError, read_child_result
 
@@ -78,7 +79,7 @@ def _invoke(
         raise RecordedEnvError(
             f"jax {result.get('jax_version', jax_version)} (python {result.get('python')}) could "
             f"not {'re-export' if mode == 'reexport' else 'run'} the blob: {result['error']}"
-            + (f"\n{result.get('traceback')}" if os.environ.get("JAXEXP_DEBUG") else "")
+            + (f"\n{result.get('traceback')}" if settings.JAXEXP_DEBUG.get() else "")
         )
     return result
 

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import JaxExpError
 
 MARKER = "jaxexp-env.json"
@@ -39,9 +40,9 @@ class JaxEnvError(JaxExpError):
 
 def cache_dir() -> Path:
     """Where the environments live (``$JAXEXP_ENVS_DIR`` or the user cache)."""
-    explicit = os.environ.get("JAXEXP_ENVS_DIR")
+    explicit = settings.JAXEXP_ENVS_DIR.get()
     if explicit:
-        return Path(explicit).expanduser()
+        return explicit
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base, "jaxexp", "envs")
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from jaxexp_mlflow import settings
 
 
 def environment(backend: str = "jax") -> dict[str, Any]:
     """The environment running the model here (JAX's, or IREE's for ``backend="iree"``)."""
     if backend == "iree":
         from jaxexp_mlflow.iree.compiler import TARGET, versions
-        from jaxexp_mlflow.iree.model import DEFAULT_DRIVER, ENV_DRIVER
+        from jaxexp_mlflow.iree.model import DEFAULT_DRIVER
 
         v = versions()
         return {
@@ -19,7 +20,7 @@ def environment(backend: str = "jax") -> dict[str, Any]:
             "iree_compiler_version": v["iree-base-compiler"],
             "iree_runtime_version": v["iree-base-runtime"],
             "backend": f"iree/{TARGET}",
-            "device_kind": os.environ.get(ENV_DRIVER) or DEFAULT_DRIVER,
+            "device_kind": settings.JAXEXP_IREE_DRIVER.get() or DEFAULT_DRIVER,
             "device_count": 1,
         }
     import jax

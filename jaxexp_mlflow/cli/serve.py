@@ -7,6 +7,7 @@ import os
 
 import click
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.cli._common import Command
 from jaxexp_mlflow.serving.connections import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -121,11 +122,11 @@ def serve(
     from jaxexp_mlflow.serving import server
     from jaxexp_mlflow.serving.guarded_h11 import GuardedH11Protocol
 
-    os.environ[server.ENV_MODEL_URI] = model_uri
-    os.environ[server.ENV_MODEL_CONFIG] = json.dumps(config)
+    os.environ[settings.JAXEXP_SERVE_MODEL_URI.name] = model_uri
+    os.environ[settings.JAXEXP_SERVE_MODEL_CONFIG.name] = json.dumps(config)
     # read by each worker's connections (serving/connections.py)
-    os.environ[ENV_MAX_CONNECTIONS] = str(max_connections)
-    os.environ[ENV_HEADER_TIMEOUT] = str(header_timeout)
+    os.environ[settings.JAXEXP_MAX_CONNECTIONS.name] = str(max_connections)
+    os.environ[settings.JAXEXP_HEADER_TIMEOUT_S.name] = str(header_timeout)
     limits = {
         "http": GuardedH11Protocol,
         "limit_concurrency": max_connections,

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow import settings
+
 _NATIVE_KINDS = "biufcU"
 
 
@@ -54,7 +56,7 @@ def save_arrays(path: str | os.PathLike, leaves: Sequence[Any], prefix: str) -> 
 
 
 #: Largest reference npz read, and the largest expansion of its compressed members.
-MAX_REFERENCE_BYTES = int(os.environ.get("JAXEXP_MAX_REFERENCE_BYTES", 1 << 30))
+MAX_REFERENCE_BYTES = settings.JAXEXP_MAX_REFERENCE_BYTES.get()
 MAX_EXPANSION = 64
 _MAX_MEMBERS = 100_000
 

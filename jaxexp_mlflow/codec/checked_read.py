@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxexp_mlflow import settings
+
 __all__ = ["BLOCK", "read_checked", "run_spread", "threads"]
 
 #: Bytes read and then checksummed at a time: they stay in the core's L2 cache between the two.
@@ -32,9 +34,9 @@ _pool_key = (0, 0)  # (process id, threads): a forked child starts a pool of its
 def threads() -> int:
     """Threads one file is read on (env ``JAXEXP_READ_THREADS``; default: the usable cores,
     at most 4)."""
-    env = os.environ.get("JAXEXP_READ_THREADS")
-    if env:
-        return max(1, int(env))
+    env = settings.JAXEXP_READ_THREADS.get()
+    if env is not None:
+        return max(1, env)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

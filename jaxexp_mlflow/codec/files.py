@@ -22,6 +22,8 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
+from jaxexp_mlflow import settings
+
 __all__ = [
     "MAX_BLOB_BYTES",
     "fsync_path",
@@ -37,9 +39,9 @@ __all__ = [
 ]
 
 #: MLmodel is a few kB; 1 MiB leaves room for long signatures and metadata.
-MAX_MLMODEL_BYTES = int(os.environ.get("JAXEXP_MAX_MLMODEL_BYTES", 1 << 20))
+MAX_MLMODEL_BYTES = settings.JAXEXP_MAX_MLMODEL_BYTES.get()
 #: The serialized function (StableHLO + metadata); weights live in params/, not in the blob.
-MAX_BLOB_BYTES = int(os.environ.get("JAXEXP_MAX_BLOB_BYTES", 2 << 30))
+MAX_BLOB_BYTES = settings.JAXEXP_MAX_BLOB_BYTES.get()
 #: JSON metadata files (manifest, Orbax ``_METADATA``, ``zarr.json``).
 MAX_SMALL_FILE_BYTES = 64 << 20
 

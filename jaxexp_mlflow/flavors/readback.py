@@ -40,6 +40,7 @@ from mlflow.models import Model
 from mlflow.models.model import MLMODEL_FILE_NAME
 from mlflow.utils.file_utils import get_total_file_size
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import ArtifactError, JaxExpError
 from jaxexp_mlflow.store.section import FLAVOR_NAME, FlavorSection
 
@@ -139,7 +140,7 @@ def binds(params: Any, proven: bool = False) -> bool:
         return False
     if proven:
         return True
-    limit = int(os.environ.get("JAXEXP_READBACK_RESTORE_MAX_BYTES", RESTORE_MAX_BYTES))
+    limit = settings.JAXEXP_READBACK_RESTORE_MAX_BYTES.get(RESTORE_MAX_BYTES)
     return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(params)) > limit
 
 

@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from jaxexp_mlflow import settings
+
 __all__ = ["PRIVATE_NAMES", "extend", "native"]
 
 #: name -> (what we use it for, what happens without it)
@@ -92,7 +94,7 @@ def _choose() -> Callable[[int, Any], int]:
     with _LOCK:
         if not _CHOSEN:
             fn = None
-            if os.environ.get("JAXEXP_CRC32C_NATIVE", "1") != "0":
+            if settings.JAXEXP_CRC32C_NATIVE.get():
                 try:
                     fn = _load_native()
                 except Exception:  # noqa: BLE001 - any surprise: the public API

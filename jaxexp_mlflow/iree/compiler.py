@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.iree import roundings, specialize
 from jaxexp_mlflow.runtime import cache as cache_settings
@@ -92,12 +93,12 @@ class EntryError(Exception):
 
 
 def _extra_flags() -> tuple[str, ...]:
-    return tuple(os.environ.get(ENV_FLAGS, "").split())
+    return tuple(settings.JAXEXP_IREE_FLAGS.get().split())
 
 
 def speed_on() -> bool:
     """Whether the speed flags and the batch-1 entry are tried (``JAXEXP_IREE_SPEED``)."""
-    return os.environ.get(ENV_SPEED, "").strip().lower() not in ("0", "off", "false", "no")
+    return settings.JAXEXP_IREE_SPEED.get()
 
 
 def active_flags() -> tuple[str, ...]:

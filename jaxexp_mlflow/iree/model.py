@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, InputError
 from jaxexp_mlflow.iree import failures, shapes, trees
 from jaxexp_mlflow.iree.entries import BATCH1, _resolve, _static, batch1_shapes
@@ -103,7 +104,7 @@ class IreeModel:
         self.verdict: Any = None
         self._rt = rt
         #: the driver asked for (argument or environment); None: ours to choose
-        self.driver_chosen = driver or os.environ.get(ENV_DRIVER) or None
+        self.driver_chosen = driver or settings.JAXEXP_IREE_DRIVER.get() or None
         if TASK_DRIVER in (self.driver_chosen or ""):
             if not task_driver_usable():
                 raise IncompatibleError(

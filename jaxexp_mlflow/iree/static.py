@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.iree import shapes
 from jaxexp_mlflow.iree.model import (
     DEFAULT_DRIVER,
@@ -84,7 +85,7 @@ ENV_CHUNK = "JAXEXP_IREE_CHUNK_ROWS"
 def chunk_rows() -> int:
     """The chunk size of big batches: ``JAXEXP_IREE_CHUNK_ROWS`` (``0``: none), else
     :data:`CHUNK_ROWS`."""
-    text = os.environ.get(ENV_CHUNK, "").strip()
+    text = settings.JAXEXP_IREE_CHUNK_ROWS.get().strip()
     if not text:
         return CHUNK_ROWS
     try:
@@ -102,7 +103,7 @@ def chunk_rows() -> int:
 def trial_ms() -> float | None:
     """The ``local-sync`` call time (ms) from which a small size is timed on both drivers
     (``JAXEXP_IREE_TRIAL_MS``; None: never)."""
-    text = os.environ.get(ENV_TRIAL, "").strip()
+    text = settings.JAXEXP_IREE_TRIAL_MS.get().strip()
     if not text:
         return TRIAL_MS
     if text.lower() in ("off", "never", "none"):
@@ -130,7 +131,7 @@ def static_wanted(meta: dict[str, Any], description: Any) -> bool:
     not off, rows proven independent, one dimension variable leading every input and output):
     static shapes and params bound into the module make IREE's code much faster (measured:
     MLP batch 1 ~3x), at one compile (seconds, cached) per power-of-two bucket on first use."""
-    if os.environ.get(ENV_STATIC, "").strip().lower() in ("0", "off", "false", "no"):
+    if not settings.JAXEXP_IREE_STATIC.get():
         return False
     if not rows_independent(meta):
         return False

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.params import layout, orbax_io
 from jaxexp_mlflow.params.tree import compare, flat, raise_mismatch
@@ -123,7 +124,7 @@ def restore_params(
     hosts: list[Any] = []  # what the fast path prepared (or read) and has not yet placed
     shardings: list[Any] = []
     placed: list[Any] = []  # the device arrays, in the order the fast path read them
-    flush_at = int(os.environ.get("JAXEXP_RESTORE_FLUSH_BYTES", FLUSH_BYTES))
+    flush_at = settings.JAXEXP_RESTORE_FLUSH_BYTES.get(FLUSH_BYTES)
     pending = [0]  # host bytes read and not yet placed
 
     def flush() -> None:

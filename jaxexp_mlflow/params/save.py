@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.codec.files import fsync_path
 from jaxexp_mlflow.params import layout, orbax_io
 
@@ -140,7 +141,7 @@ def fsync_tree(path: Path) -> None:
     for dirpath, _, names in os.walk(path):
         targets += [os.path.join(dirpath, name) for name in names]
         targets.append(dirpath)
-    workers = max(1, min(int(os.environ.get("JAXEXP_FSYNC_THREADS", FSYNC_THREADS)), len(targets)))
+    workers = max(1, min(settings.JAXEXP_FSYNC_THREADS.get(FSYNC_THREADS), len(targets)))
     if workers == 1:
         for target in targets:
             fsync_path(target)

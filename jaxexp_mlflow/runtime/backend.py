@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from jaxexp_mlflow import settings
 
 #: Backends ``load_model``/pyfunc can run a model on: JAX, or IREE without importing JAX
 #: (``pip install 'jaxexp-mlflow[iree]'``, see docs/longevity.md).
@@ -31,4 +32,4 @@ def backend_of(config: dict[str, Any], flavor_conf: dict[str, Any]) -> str:
     """The engine a pyfunc load runs on: ``model_config``'s ``backend``, else
     ``$JAXEXP_BACKEND``, else the saved serving config's, else JAX."""
     saved = flavor_conf.get("serving") or {}
-    return _check_backend(config.get("backend", os.environ.get(ENV_BACKEND, saved.get("backend"))))
+    return _check_backend(config.get("backend", settings.JAXEXP_BACKEND.get(saved.get("backend"))))

@@ -19,12 +19,13 @@ sums of a graph) gives different results on padded batches, so it is never padde
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from jaxexp_mlflow import settings
 
 ENV_BUCKETS = "JAXEXP_BUCKETS"
 ENV_MAX_BATCH = "JAXEXP_MAX_BATCH"
@@ -128,8 +129,8 @@ def resolve(
     def pick(key: str, env: str) -> Any:
         if key in config:
             return config[key]
-        if env in os.environ:
-            return os.environ[env]
+        if settings.lookup(env).is_set():
+            return settings.lookup(env).get()
         return saved.get(key)
 
     raw_max = pick("max_batch", ENV_MAX_BATCH) or DEFAULT_MAX_BATCH

@@ -37,6 +37,7 @@ from typing import Any
 
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import JaxExpError
 
 _logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def resolve(setting: Any = None, *, env_var: str = ENV_VAR, kind: str = "xla") -
     option = "iree_cache" if kind == "iree" else "compilation_cache"
     where = f"model_config {option}" if setting is not None else env_var
     if setting is None:
-        setting = os.environ.get(env_var)
+        setting = settings.lookup(env_var).get()
     if setting is None or setting is True:
         return default_cache_dir(kind)
     if setting is False:
@@ -179,7 +180,7 @@ def configure(setting: Any = None) -> str | None:
 def max_cache_bytes() -> int:
     """The size past which JAX evicts entries of the cache we set up
     (``JAXEXP_COMPILATION_CACHE_MAX_BYTES``, default 2 GiB)."""
-    return int(os.environ.get(ENV_MAX_BYTES, DEFAULT_MAX_BYTES))
+    return settings.JAXEXP_COMPILATION_CACHE_MAX_BYTES.get(DEFAULT_MAX_BYTES)
 
 
 def _max_size(jax: Any) -> int:

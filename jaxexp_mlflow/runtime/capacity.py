@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from jaxexp_mlflow import settings
 
 ENV_MAX_SHAPES = "JAXEXP_MAX_SHAPES"
 #: compiled input shapes kept per model in memory (least recently used evicted): a model with a
@@ -14,7 +15,7 @@ DEFAULT_MAX_SHAPES = 64
 def max_shapes(at_least: int = 0) -> int:
     """How many compiled shapes a model keeps in memory: ``JAXEXP_MAX_SHAPES`` (default 64),
     never fewer than ``at_least`` (its buckets)."""
-    value = int(os.environ.get(ENV_MAX_SHAPES, DEFAULT_MAX_SHAPES))
+    value = settings.JAXEXP_MAX_SHAPES.get(DEFAULT_MAX_SHAPES)
     return max(value, int(at_least), 1)
 
 

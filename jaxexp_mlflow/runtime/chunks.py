@@ -29,12 +29,13 @@ per step whatever its rows, so chunks would multiply that.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from jaxexp_mlflow import settings
 
 #: Largest temporaries (bytes) a call may allocate before its batch is cut into chunks.
 ENV_CHUNK_TEMP_BYTES = "JAXEXP_CHUNK_TEMP_BYTES"
@@ -49,7 +50,7 @@ POWERS = tuple(1 << k for k in range(31))
 
 def budget() -> int:
     """``$JAXEXP_CHUNK_TEMP_BYTES`` (bytes; ``0`` off), else :data:`DEFAULT_TEMP_BYTES`."""
-    raw = os.environ.get(ENV_CHUNK_TEMP_BYTES, "").strip()
+    raw = settings.JAXEXP_CHUNK_TEMP_BYTES.get().strip()
     if not raw:
         return DEFAULT_TEMP_BYTES
     try:

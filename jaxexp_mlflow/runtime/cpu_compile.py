@@ -34,9 +34,10 @@ turns both off.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
+
+from jaxexp_mlflow import settings as env_settings
 
 _logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ _unsupported: set[str] = set()  # options a jaxlib refused: never asked again in
 def enabled() -> bool:
     """Whether the choices are made (``JAXEXP_CPU_YNN_CHOICE``, default on; the name is the
     first choice's, kept for the environments that set it)."""
-    return os.environ.get("JAXEXP_CPU_YNN_CHOICE", "1").strip().lower() not in {"0", "off", "no"}
+    return env_settings.JAXEXP_CPU_YNN_CHOICE.get()
 
 
 def settings() -> dict[str, Any]:

@@ -15,8 +15,9 @@ in any process that has not imported jax yet, ``0`` never.
 
 from __future__ import annotations
 
-import os
 import sys
+
+from jaxexp_mlflow import settings
 
 #: ``1``: run CPU computations on the calling thread in any process whose load imports jax
 #: first; ``0``: never; unset: in scoring servers only.
@@ -31,7 +32,7 @@ def inline_cpu_dispatch(serving: bool) -> bool:
     Does nothing once jax is imported (its CPU client may exist, and its configuration is the
     process's), or on a jax without the flag.
     """
-    asked = os.environ.get(ENV_CPU_INLINE, "").strip().lower()
+    asked = settings.JAXEXP_CPU_INLINE.get().strip().lower()
     if asked not in ("", "0", "off", "false", "no", "1", "on", "true", "yes"):
         raise ValueError(
             f"{ENV_CPU_INLINE}={asked!r}: expected 1 or 0 (on or off), found something else. "

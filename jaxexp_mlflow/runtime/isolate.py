@@ -24,11 +24,12 @@ import sys
 import tempfile
 from typing import Any
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import ArtifactError
 
 #: Address-space cap of the child (JAX alone reserves about 1 GiB of virtual memory).
-DEFAULT_MEMORY_BYTES = int(os.environ.get("JAXEXP_ISOLATE_MEMORY_BYTES", 4 << 30))
-DEFAULT_TIMEOUT_S = float(os.environ.get("JAXEXP_ISOLATE_TIMEOUT_S", 120))
+DEFAULT_MEMORY_BYTES = settings.JAXEXP_ISOLATE_MEMORY_BYTES.get()
+DEFAULT_TIMEOUT_S = settings.JAXEXP_ISOLATE_TIMEOUT_S.get()
 
 _CHILD = """
 import json, os, resource, struct, sys

@@ -27,6 +27,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jaxexp_mlflow import settings
+
 LITE_SUBDIR = "jaxexp-lite"
 ENV_LITE = "JAXEXP_LITE"
 ENV_LITE_MAX_BYTES = "JAXEXP_LITE_MAX_PARAM_BYTES"
@@ -37,12 +39,12 @@ MAX_ENTRIES = 256
 
 def enabled() -> bool:
     """``JAXEXP_LITE`` is not ``0``/``off``/``false``/``no``."""
-    return os.environ.get(ENV_LITE, "1").strip().lower() not in ("0", "off", "false", "no")
+    return settings.JAXEXP_LITE.get()
 
 
 def max_param_bytes() -> int:
     """Largest params (bytes) folded into a lite executable (``JAXEXP_LITE_MAX_PARAM_BYTES``)."""
-    return int(os.environ.get(ENV_LITE_MAX_BYTES, DEFAULT_LITE_MAX_BYTES))
+    return settings.JAXEXP_LITE_MAX_PARAM_BYTES.get(DEFAULT_LITE_MAX_BYTES)
 
 
 def lite_dir(setting: Any = None) -> Path | None:

@@ -21,7 +21,7 @@ module holds their names and defaults, importable without uvicorn:
 
 from __future__ import annotations
 
-import os
+from jaxexp_mlflow import settings
 
 ENV_MAX_CONNECTIONS = "JAXEXP_MAX_CONNECTIONS"
 ENV_HEADER_TIMEOUT = "JAXEXP_HEADER_TIMEOUT_S"
@@ -31,9 +31,9 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 def max_connections() -> int:
     """Sockets one server process holds at once (``JAXEXP_MAX_CONNECTIONS``, at least 2)."""
-    return max(2, int(os.environ.get(ENV_MAX_CONNECTIONS) or DEFAULT_MAX_CONNECTIONS))
+    return max(2, settings.JAXEXP_MAX_CONNECTIONS.get(DEFAULT_MAX_CONNECTIONS))
 
 
 def header_timeout() -> float:
     """Seconds a connection may take to send whole request headers (``JAXEXP_HEADER_TIMEOUT_S``)."""
-    return float(os.environ.get(ENV_HEADER_TIMEOUT) or DEFAULT_HEADER_TIMEOUT_S)
+    return settings.JAXEXP_HEADER_TIMEOUT_S.get(DEFAULT_HEADER_TIMEOUT_S)

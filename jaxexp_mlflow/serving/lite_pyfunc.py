@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.internals.jaxlib_private import LiteUnavailable
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import lite
@@ -65,11 +66,10 @@ def shape_of(flavor: dict[str, Any], config: dict[str, Any], serving: bool) -> A
     """``(input spec, output spec, bucket policy)`` when the model takes the lite path's one
     case (one batched array in, one out, rows proven independent, one CPU device, the JAX
     backend, no classifier); else None."""
-    from jaxexp_mlflow.runtime.backend import ENV_BACKEND
     from jaxexp_mlflow.serving import signature as sig
 
     saved = dict(flavor.get("serving") or {})
-    backend = config.get("backend", os.environ.get(ENV_BACKEND, saved.get("backend")))
+    backend = config.get("backend", settings.JAXEXP_BACKEND.get(saved.get("backend")))
     if str(backend or "jax").lower() != "jax" or flavor.get("classifier") is not None:
         return None
     if int(flavor.get("nr_devices") or 1) != 1 or "cpu" not in (flavor.get("platforms") or []):
@@ -304,10 +304,10 @@ def try_lite(
         return None
     allow = config.get(
         "allow_nan",
-        os.environ.get("JAXEXP_ALLOW_NAN", (flavor.get("serving") or {}).get("allow_nan")),
+        settings.JAXEXP_ALLOW_NAN.get((flavor.get("serving") or {}).get("allow_nan")),
     )
     allow_nan = str(allow).lower() in ("1", "true", "on", "yes")
-    later = serving and os.environ.get(ENV_LITE_SERVER_UPGRADE, "1") != "0"
+    later = serving and settings.JAXEXP_LITE_SERVER_UPGRADE.get()
     _logger.info("jaxexp: buckets %s run without jax (the lite store)", sorted(found))
     return LitePyfunc(spec, out, policy, found, full, allow_nan=allow_nan, upgrade_later=later)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import IncompatibleError, InputError
 from jaxexp_mlflow.runtime import rows as rows_mod
 from jaxexp_mlflow.runtime.backend import backend_of
@@ -104,7 +105,7 @@ def load_pyfunc(path: str | os.PathLike, model_config: dict[str, Any] | None = N
     model_dir = Path(path)
     if model_dir.is_file():
         model_dir = model_dir.parent
-    if os.environ.get(ENV_PYFUNC_CACHE, "1").lower() in ("0", "off", "false", "no"):
+    if not settings.JAXEXP_PYFUNC_CACHE.get():
         return _load_uncached(model_dir, config)
     key, model_files = _identity(model_dir, config)
     with _CACHE_LOCK:

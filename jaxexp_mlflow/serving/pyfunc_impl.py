@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from typing import Any
 
 import numpy as np
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.runtime import buckets as buckets_mod
 from jaxexp_mlflow.runtime import executables as executables_mod
 from jaxexp_mlflow.serving import background, serving_guard
 from jaxexp_mlflow.serving.inputs import (
-    ENV_ALLOW_NAN,
     InputContract,
     convert,
     is_ml_float,
@@ -69,16 +68,15 @@ class JaxExpPyfunc:
         self.outputs = outputs
         self._names = [s.name for s in inputs]
         allow = self.model_config.get(
-            "allow_nan", os.environ.get(ENV_ALLOW_NAN, saved.get("allow_nan"))
+            "allow_nan", settings.JAXEXP_ALLOW_NAN.get(saved.get("allow_nan"))
         )
         self.allow_nan = str(allow).lower() in ("1", "true", "on", "yes")
         self.contract = InputContract(inputs, allow_nan=self.allow_nan)
         self.max_request_bytes = int(
-            self.model_config.get(
-                "max_request_bytes",
-                os.environ.get(
-                    ENV_MAX_REQUEST_BYTES, saved.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
-                ),
+            self.model_config["max_request_bytes"]
+            if "max_request_bytes" in self.model_config
+            else settings.JAXEXP_MAX_REQUEST_BYTES.get(
+                saved.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
             )
         )
         self.policy = buckets_mod.resolve(self.model_config, saved, serving=serving)

@@ -31,12 +31,12 @@ import asyncio
 import contextlib
 import io
 import logging
-import os
 import time
 from typing import Any
 
 from mlflow.exceptions import MlflowException
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import InputError, RequestLimitError, UnsupportedModelError
 from jaxexp_mlflow.serving import serving_guard
 from jaxexp_mlflow.serving.inputs import read_csv
@@ -149,7 +149,7 @@ def build_app(
 
     limit = int(impl.max_request_bytes)
     if inflight is None:
-        inflight = int(os.environ.get(serving_guard.ENV_MAX_INFLIGHT, 4 * limit))
+        inflight = settings.JAXEXP_MAX_INFLIGHT_BYTES.get(4 * limit)
     if timeout is None:
         timeout = float(MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.get())
 
@@ -196,9 +196,9 @@ def app_from_env() -> Any:
     """uvicorn's app factory: the model named by ``JAXEXP_SERVE_MODEL_URI`` (one per worker)."""
     import json
 
-    uri = os.environ.get(ENV_MODEL_URI)
+    uri = settings.JAXEXP_SERVE_MODEL_URI.get()
     if not uri:
         raise InputError(f"{ENV_MODEL_URI} is not set: expected the URI of the model to serve.")
-    config = json.loads(os.environ.get(ENV_MODEL_CONFIG) or "{}")
+    config = json.loads(settings.JAXEXP_SERVE_MODEL_CONFIG.get() or "{}")
     _, impl = load(uri, config)
     return build_app(impl)

@@ -33,13 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import InputError, RequestLimitError
 
 ENV_MAX_INFLIGHT = "JAXEXP_MAX_INFLIGHT_BYTES"
@@ -102,8 +102,7 @@ def loads(body: str | bytes, *, expected: str) -> Any:
 def decoded_limit(max_request_bytes: int) -> int:
     """The most bytes of decoded input one request may hold (``JAXEXP_MAX_DECODED_BYTES``,
     default ``DECODED_FACTOR`` x the body limit)."""
-    env = os.environ.get(ENV_MAX_DECODED)
-    return int(env) if env else DECODED_FACTOR * int(max_request_bytes)
+    return settings.JAXEXP_MAX_DECODED_BYTES.get(DECODED_FACTOR * int(max_request_bytes))
 
 
 def _paged(body: bytes, chunk: Any, expected: str) -> int:
@@ -207,7 +206,7 @@ def check_deadline() -> None:
 
 def body_timeout() -> float:
     """Seconds a request body may take to arrive whole (``JAXEXP_BODY_TIMEOUT_S``)."""
-    return float(os.environ.get(ENV_BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT_S))
+    return settings.JAXEXP_BODY_TIMEOUT_S.get(DEFAULT_BODY_TIMEOUT_S)
 
 
 class _TooLarge(Exception):

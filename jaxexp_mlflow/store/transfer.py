@@ -13,13 +13,14 @@ otherwise. See docs/remote.md.
 from __future__ import annotations
 
 import contextlib
-import os
 import posixpath
 import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
+
+from jaxexp_mlflow import settings
 
 #: Parallel transfers per model (files in flight). Override with ``JAXEXP_TRANSFER_WORKERS``.
 DEFAULT_WORKERS = 8
@@ -36,14 +37,14 @@ DEFAULT_MAX_LIST_ENTRIES = 100_000
 def workers() -> int:
     """Files transferred at once (``JAXEXP_TRANSFER_WORKERS``, default 8)."""
     try:
-        return max(1, int(os.environ.get("JAXEXP_TRANSFER_WORKERS", DEFAULT_WORKERS)))
+        return max(1, settings.JAXEXP_TRANSFER_WORKERS.get(DEFAULT_WORKERS))
     except ValueError:
         return DEFAULT_WORKERS
 
 
 def _knob(name: str, default: int) -> int:
     try:
-        return max(1, int(os.environ.get(name, default)))
+        return max(1, settings.lookup(name).get(default))
     except ValueError:
         return default
 
@@ -117,7 +118,7 @@ def progress_enabled() -> bool:
     (``MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR``); ``JAXEXP_PROGRESS=1``/``0`` forces it."""
     from mlflow.environment_variables import MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR
 
-    forced = os.environ.get("JAXEXP_PROGRESS")
+    forced = settings.JAXEXP_PROGRESS.get()
     if forced in ("0", "1"):
         return forced == "1"
     isatty = getattr(sys.stderr, "isatty", None)

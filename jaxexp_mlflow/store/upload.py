@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from jaxexp_mlflow import settings
 from jaxexp_mlflow.store.transfer import (
     MANIFEST,
     ListBounds,
@@ -88,7 +89,7 @@ class EarlyUpload:
 
         self.repo = get_artifact_repository(artifact_uri)
         self.enabled = not isinstance(self.repo, LocalArtifactRepository) and (
-            os.environ.get("JAXEXP_EARLY_UPLOAD", "1") != "0"
+            settings.JAXEXP_EARLY_UPLOAD.get()
         )
         self.subdir = subdir  # the params directory, whose manifest goes up last
         self.submitted: set[str] = set()  # paths (relative to the model) on their way up
