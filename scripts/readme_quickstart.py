@@ -49,7 +49,9 @@ def run(
         code += "\n" + INSTALLED_CHECK
     script = cwd / "readme_quickstart_run.py"
     script.write_text(code, encoding="utf-8")
-    env = dict(os.environ)
+    # as a new user runs it: no experiment or run chosen by the calling process
+    drop = ("MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{cwd.resolve() / 'mlruns.db'}")
     return subprocess.run(
         [sys.executable, script.name],
