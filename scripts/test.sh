@@ -91,7 +91,7 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
       # pytest arguments picked other tests
       if [ $# -eq 0 ] && command -v java >/dev/null; then
         PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -q -p no:cacheprovider -m slow \
-          tests/test_spark_cluster.py || rc=$?
+          tests/serving/test_spark_cluster.py || rc=$?
       fi
       # what a user installs: the built sdist and wheel, checked and run outside the checkout
       if [ $# -eq 0 ]; then
@@ -133,7 +133,7 @@ EOF
       # that it still runs the day a GPU is lent (scripts/gpu_suite.sh; docs/hardware.md)
       if [ $# -eq 0 ]; then
         JAXEXP_GPU_TESTS_ON_CPU=1 PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pytest" -q \
-          -p no:cacheprovider -m gpu tests/test_gpu.py || rc=$?
+          -p no:cacheprovider -m gpu tests/e2e/test_gpu.py || rc=$?
       fi
       exit "$rc"
       ;;
@@ -144,7 +144,8 @@ EOF
       versions .venv-oldest || return $?
       rc=0
       PATH="$PWD/.venv-oldest/bin:$PATH" .venv-oldest/bin/pytest -q -p no:cacheprovider \
-        tests/test_flavor.py tests/test_params.py tests/test_jax_private.py || rc=$?
+        tests/flavors/test_flavor.py tests/params/test_params.py \
+        tests/internals/test_jax_private.py || rc=$?
       return "$rc"
       ;;
     *) echo "unknown stage $s" >&2; return 2 ;;

@@ -19,7 +19,7 @@ from jaxexp_mlflow.archive.recorded_env import RecordedEnvError, requirements, r
 from jaxexp_mlflow.cli import main
 from tests.conftest import result_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 UV = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
 
 LOG_UNDER_OLD_JAX = textwrap.dedent(

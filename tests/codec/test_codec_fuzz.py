@@ -2,7 +2,7 @@
 description, never anything else, and its work stays linear in the blob size.
 
 Default run: a few hundred hypothesis examples per property (seconds). Longer run:
-``HYPOTHESIS_PROFILE=long pytest tests/test_codec_fuzz.py`` (20k examples per property), or
+``HYPOTHESIS_PROFILE=long pytest tests/codec/test_codec_fuzz.py`` (20k examples per property), or
 ``JAXEXP_FUZZ_EXAMPLES=N``. A coverage-guided target for atheris is in
 ``benchmarks/fuzz_codec_atheris.py`` (see docs/codec.md).
 """
@@ -22,7 +22,7 @@ from jaxexp_mlflow.codec.mlir_bytecode import MlirModuleInfo, scan_module
 from jaxexp_mlflow.codec.reader import BlobDescription, BlobFormatError, read_blob
 from jaxexp_mlflow.codec.schema import Budget, ExportedSlots, PyTreeDefSlots, root_table
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CORPUS = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))
 
 _LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"

@@ -24,7 +24,7 @@ from jaxexp_mlflow.codec.reader import (
 )
 from jaxexp_mlflow.codec.shardings import hlo_sharding_str
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CORPUS = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))
 from tests.conftest import corpus_refusals  # noqa: E402
 
@@ -568,7 +568,7 @@ def test_schema_history_is_one_table() -> None:
     assert compat.BREAKING_SCHEMAS == (5, 10) and compat.ENFORCING_JAX is schema.ENFORCING_JAX
     evidence = {v for k, v in vars(schema).items() if k.startswith("SCHEMA_") and type(v) is int}
     assert evidence <= set(numbers) and schema.OLDEST_SCHEMA_READ_BY_ENFORCING_JAX in numbers
-    doc = (Path(__file__).parents[1] / "docs" / "codec.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "codec.md").read_text()
     section = doc.split("### Schema generations", 1)[1].split("###", 1)[0]
     rows = re.findall(r"^\| (\d+) \| [^|]*\((\w{3})\w* (\d{4})", section, flags=re.M)
     assert [int(n) for n, _, _ in rows] == numbers

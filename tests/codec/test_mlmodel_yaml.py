@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jaxexp_mlflow.codec import mlmodel
 from jaxexp_mlflow.errors import ArtifactError
 
-DATA = Path(__file__).parent / "data" / "models"
+DATA = Path(__file__).parents[1] / "data" / "models"
 
 pytestmark = pytest.mark.skipif(
     not getattr(yaml, "__with_libyaml__", False), reason="PyYAML without libyaml"

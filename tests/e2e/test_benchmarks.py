@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICK = ["codec", "call", "params"]  # the slower suites (REST, cold start) run with -m slow
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from jaxexp_mlflow.store import section
 
-HOOK = Path(__file__).resolve().parent.parent / "docs" / "hooks" / "mlmodel_reference.py"
+HOOK = Path(__file__).resolve().parents[2] / "docs" / "hooks" / "mlmodel_reference.py"
 _spec = importlib.util.spec_from_file_location("mlmodel_reference", HOOK)
 hook = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hook)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jaxexp_mlflow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 HOME = "https://github.com/jaxexp-mlflow/jaxexp-mlflow"
 

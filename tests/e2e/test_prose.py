@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_prose.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_prose.py"
 _spec = importlib.util.spec_from_file_location("check_prose", SCRIPT)
 check_prose = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_prose)

@@ -19,9 +19,9 @@ import requests
 
 from scripts import readme_quickstart
 from tests.conftest import free_port
-from tests.test_serving import VENV_BIN, server_env, stop_server, wait_for_ping
+from tests.serving.test_serving import VENV_BIN, server_env, stop_server, wait_for_ping
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text(encoding="utf-8")
 URI_LINE = re.compile(r"^models:/m-[0-9a-f]+$", re.MULTILINE)
 

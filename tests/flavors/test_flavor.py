@@ -400,7 +400,7 @@ def test_mlflow_jaxexp_in_fresh_interpreter_without_jax():
 
 
 def test_a_blob_that_cannot_run_here_is_refused_before_xla(tmp_path):
-    case = Path(__file__).resolve().parents[2] / "shared/corpus/jax-0.4.35/linalg"
+    case = Path(__file__).resolve().parents[3] / "shared/corpus/jax-0.4.35/linalg"
     if not case.is_dir() or jax.__version__ != "0.10.2":
         pytest.skip("needs the corpus and jax 0.10.2 (whose jaxlib lacks the 0.4.35 kernels)")
     _, inputs, _ = load_case(case)
@@ -413,7 +413,7 @@ def test_a_blob_that_cannot_run_here_is_refused_before_xla(tmp_path):
     assert (tmp_path / "n" / "exported.bin").read_bytes() == (case / "exported.bin").read_bytes()
 
 
-OLD_MODEL = Path(__file__).parent / "data" / "models" / "jaxexp-0.1.0-mlp"
+OLD_MODEL = Path(__file__).parents[1] / "data" / "models" / "jaxexp-0.1.0-mlp"
 
 
 def _old_model_inputs() -> tuple[dict, np.ndarray]:

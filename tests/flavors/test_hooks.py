@@ -22,7 +22,7 @@ import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.hooks import TrainingHook
 from tests.conftest import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

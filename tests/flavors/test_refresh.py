@@ -36,7 +36,7 @@ from tests.conftest import (
 )
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOT_REPRODUCIBLE = {("jax-0.4.35", "linalg")}
 CASES = [
     c

@@ -25,7 +25,7 @@ from jaxexp_mlflow.store import artifact
 from tests.conftest import llm_example
 from tests.models import batch, mlp_apply, mlp_params
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _llm() -> object:

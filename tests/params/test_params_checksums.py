@@ -108,7 +108,7 @@ def test_save_model_refuses_params_files_that_differ_from_the_params(tmp_path, m
     write and the read-back: the fault is injected there) is refused by the read-back, which
     binds the given params (their checksums were taken from memory; or over the restore limit)
     rather than restore a second copy: nothing is left at the path. The compressed path, which
-    restores, is in tests/test_save_runs.py."""
+    restores, is in tests/flavors/test_save_runs.py."""
     if bind:
         monkeypatch.setenv("JAXEXP_READBACK_RESTORE_MAX_BYTES", "0")
     real_save = orbax_io.save

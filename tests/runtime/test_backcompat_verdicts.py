@@ -33,7 +33,7 @@ def truth() -> dict:
         return found
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     try:
         import backcompat_truth
     finally:
@@ -132,7 +132,7 @@ def test_kernel_table_and_its_script(tmp_path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "update_kernel_abi", Path(__file__).parents[1] / "scripts" / "update_kernel_abi.py"
+        "update_kernel_abi", Path(__file__).parents[2] / "scripts" / "update_kernel_abi.py"
     )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -28,7 +28,7 @@ from tests.conftest import (
     load_case,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 needs_corpus = pytest.mark.skipif(not corpus_cases(), reason="corpus not available")
 
 
@@ -200,7 +200,7 @@ def test_calling_convention_schema_platform_devices(env):
     assert v.codes() == ["schema"] and v.status == "incompatible"
     assert "schema 10 moved" in v.reasons[0].message and "0.12.0.1" in v.reasons[0].action
     # schema 12 only adds the writer's version: jax 0.10.2 (schema 11) reads it (measured,
-    # tests/test_stablehlo_ops.py), so a warning
+    # tests/runtime/test_stablehlo_ops.py), so a warning
     v = compat.assess(meta, description=Desc(), env=env.replace(max_schema=11))
     assert v.codes() == ["schema"] and v.status == "warn"
 

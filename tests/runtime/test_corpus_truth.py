@@ -22,7 +22,7 @@ from jaxexp_mlflow.codec.reader import read_blob_file
 from jaxexp_mlflow.runtime import compat
 from tests.conftest import case_id, corpus_cases
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
 import json, sys

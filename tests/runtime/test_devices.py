@@ -22,7 +22,7 @@ from jaxexp_mlflow.runtime import devices
 from tests.conftest import CORPUS, corpus_cases, corpus_refusals, run_on_devices
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VERSIONS = sorted(
     {c.parent.name.removeprefix("jax-") for c in corpus_cases()},
     key=lambda v: tuple(int(x) for x in v.split(".")),

@@ -268,13 +268,13 @@ def test_mlflow_models_serve_answers_what_load_model_computes(tmp_path):
     import os
     from pathlib import Path
 
-    from tests.test_serving import post, start_server, stop_server
+    from tests.serving.test_serving import post, start_server, stop_server
 
     params = gnn_params()
     path = tmp_path / "gnn"
     mlflow.jaxexp.save_model(jax.jit(gnn), path, params=params, input_example=graph(4))
     model = mlflow.jaxexp.load_model(str(path))
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),

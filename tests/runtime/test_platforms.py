@@ -2,7 +2,7 @@
 
 Lowering for ``cuda`` or ``tpu`` needs no device, so the naming, the verdict, the save of a model
 for a platform this machine lacks and the cross-platform tolerances are all checked here; the GPU
-suite (tests/test_gpu.py) checks the rest where an accelerator is visible.
+suite (tests/e2e/test_gpu.py) checks the rest where an accelerator is visible.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from jaxexp_mlflow.internals import jax_private
 from jaxexp_mlflow.runtime import compat, stablehlo_ops
 from tests.conftest import case_id, corpus_cases
 
-BLOBS = Path(__file__).parent / "data" / "blobs"
+BLOBS = Path(__file__).parents[1] / "data" / "blobs"
 POLY, CONCRETE = "jax-0.12.0.1-mlp_poly", "jax-0.12.0.1-mlp"
 OLD_JAXLIB = {"stablehlo_version": "1.17.0", "jax_version": "0.10.2", "jaxlib_version": "0.10.2"}
 
@@ -148,7 +148,7 @@ def test_op_table_is_what_the_script_parses():
     assert all(_vkey(v) <= _vkey(table["stablehlo_version"]) for v in ops.values())
     import importlib.util
 
-    path = Path(__file__).parents[1] / "scripts" / "update_vhlo_ops.py"
+    path = Path(__file__).parents[2] / "scripts" / "update_vhlo_ops.py"
     spec = importlib.util.spec_from_file_location("update_vhlo_ops", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -17,7 +17,7 @@ import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.params import manifest as M
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The downloads of ``jaxexp inspect``, ``check`` (and ``audit``, which fetches the
 same way) and ``refresh`` stop at the listed size, refuse a listed size past the file's limit
 before fetching, and leave nothing behind. The store is the hostile fake ``mlflow server`` of
-tests/test_transfer_safety.py (a real HTTP server on 127.0.0.1)."""
+tests/security/test_transfer_safety.py (a real HTTP server on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
 from tests.models import batch, export_mlp, mlp_params
-from tests.test_transfer_safety import store  # noqa: F401  (the fixture)
+from tests.security.test_transfer_safety import store  # noqa: F401  (the fixture)
 
 
 def _cli(*args: str):

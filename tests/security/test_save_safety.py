@@ -22,7 +22,7 @@ from jaxexp_mlflow.flavors import readback
 from jaxexp_mlflow.store.atomic import TMP_MARKER
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _debris(parent: Path) -> list[str]:
@@ -186,7 +186,8 @@ def test_failed_log_model_registers_no_version(tracking_uri):
 def test_big_params_are_checked_on_disk_not_restored_twice(tmp_path, monkeypatch):
     """Above the read-back's restore limit the checkpoint is verified whole, not re-read; below
     it too when every array file's checksum was taken from the params in memory (the default
-    save: the verified files are the params given, tests/test_save_runs.py has the other)."""
+    save: the verified files are the params given, tests/flavors/test_save_runs.py has the
+    other)."""
     from jaxexp_mlflow.params import restore as params_codec
 
     calls = {"restore": 0, "verify": 0}

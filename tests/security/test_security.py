@@ -402,7 +402,7 @@ CRASHERS = (117, 141)
 def _crasher(tmp_path: Path, index: int) -> Path:
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import fuzz_module
 
     path = tmp_path / f"m{index}.bin"

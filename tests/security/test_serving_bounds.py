@@ -29,7 +29,7 @@ import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.serving import serving_guard
 from tests.models import batch, export_mlp, mlp_params
 from tests.servers import http_status
-from tests.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
+from tests.serving.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
 
 MAX_BODY = 256 * 1024
 RSS_BOUND_MB = 64

@@ -37,9 +37,9 @@ import yaml
 
 import jaxexp_mlflow  # noqa: F401
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
-from tests.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
+from tests.serving.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RSS_BOUND_MB = 100
 ANSWER_WITHIN_S = 5.0
 
@@ -246,8 +246,8 @@ def test_valid_model_config_and_user_config_still_load(config_outcomes, case):
 
 @pytest.fixture(scope="module")
 def mlserver_url(tmp_path_factory):
-    from tests.test_mlserver import OURS, start_mlserver
-    from tests.test_pyfunc import two_input_example, two_input_fn
+    from tests.serving.test_mlserver import OURS, start_mlserver
+    from tests.serving.test_pyfunc import two_input_example, two_input_fn
 
     tmp = tmp_path_factory.mktemp("mlserver-safety")
     model_dir = tmp / "model"
@@ -314,7 +314,7 @@ MLSERVER_CASES = {
 
 @pytest.mark.parametrize("case", list(MLSERVER_CASES))
 def test_mlserver_client_errors_are_short_4xx(mlserver_url, case):
-    from tests.test_mlserver import MODEL_NAME
+    from tests.serving.test_mlserver import MODEL_NAME
 
     infer = f"{mlserver_url}/v2/models/{MODEL_NAME}/infer"
     r = requests.post(infer, json=MLSERVER_CASES[case], timeout=60)

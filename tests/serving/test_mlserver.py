@@ -25,12 +25,12 @@ import requests
 
 import jaxexp_mlflow  # noqa: F401
 from tests.models import mlp_params
-from tests.test_pyfunc import two_input_example, two_input_fn
-from tests.test_serving import stop_server
+from tests.serving.test_pyfunc import two_input_example, two_input_fn
+from tests.serving.test_serving import stop_server
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_mlserver  # noqa: E402
 

@@ -3,7 +3,7 @@
 ``jaxexp serve`` (MLflow's scoring protocol with the request limits: ``serving/server.py``) is
 the guarded server; ``mlflow models serve`` runs as MLflow made it (nothing patched), with the
 input contract applied by ``predict`` on the arrays MLflow hands over (every format of it:
-tests/test_mlflow_serve.py).
+tests/serving/test_mlflow_serve.py).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import jaxexp_mlflow  # noqa: F401
 from tests.conftest import free_port
 from tests.models import mlp_params
 from tests.servers import http_status
-from tests.test_pyfunc import two_input_example, two_input_fn
+from tests.serving.test_pyfunc import two_input_example, two_input_fn
 
 VENV_BIN = str(Path(sys.executable).parent)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAX_BODY = 256 * 1024  # the model's max_request_bytes, to test the 413 cheaply
 RSS_GROWTH_BOUND_MB = 64
 SERVE_CONFIG = {"buckets": [1, 2, 4, 8, 16, 32, 64], "max_request_bytes": MAX_BODY}

@@ -27,7 +27,7 @@ import pytest
 import jaxexp_mlflow  # noqa: F401
 from tests.models import batch, mlp_apply, mlp_params
 from tests.servers import free_port
-from tests.test_pyfunc import two_input_example, two_input_fn
+from tests.serving.test_pyfunc import two_input_example, two_input_fn
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from tests.models import batch, export_mlp, mlp_apply, mlp_params
 from tests.servers import mlflow_server
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _as_postgres(*cmd: str) -> list[str]:

@@ -128,7 +128,7 @@ def test_progress_on_a_terminal_and_silence_elsewhere(server, blob_and_params):
 _CHILD = """
 import mlflow, numpy as np
 from tests.models import log_registered
-from tests.test_remote_transfer import apply, make_params
+from tests.store.test_remote_transfer import apply, make_params
 mlflow.set_experiment("retry")
 log_registered(apply, make_params(128 * 2**20, 16), np.ones((2, 4), np.float32), "retry")
 """
