@@ -168,13 +168,71 @@ def sqlite_store(root: Path, experiment: str = "tests", artifacts: str = "artifa
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mlflow.set_tracking_uri(uri)
         exp_id = mlflow.create_experiment(experiment, artifact_location=(root / artifacts).as_uri())
-        mp.setenv("MLFLOW_EXPERIMENT_ID", exp_id)  # set_experiment sets it; undone at the end
-        mlflow.set_experiment(experiment_id=exp_id)
+    with active_store(uri, exp_id):
+        yield uri, exp_id
+
+
+@contextlib.contextmanager
+def active_store(uri: str, experiment_id: str):
+    """Make an existing store and experiment this process' tracking URI and active experiment
+    (also through the environment, for the child processes a test starts) until the block ends.
+    """
+    import mlflow
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        mp.setenv("MLFLOW_EXPERIMENT_ID", experiment_id)  # set_experiment sets it; undone
+        mlflow.set_experiment(experiment_id=experiment_id)
         try:
-            yield uri, exp_id
+            yield
         finally:
             mlflow.end_run()
             mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture(scope="session")
+def registered_mlp(tmp_path_factory) -> dict[str, Any]:
+    """The tests' MLP logged once per session into a real sqlite store with file artifacts,
+    registered as ``mlp`` with the alias ``best``. Read-only: a module that reads it makes it its
+    store with ``active_store(d["uri"], d["experiment_id"])``; a test that alters the model
+    copies ``d["local"]`` first. Keys: ``uri``, ``experiment_id``, ``root``, ``store`` (the
+    artifact root), ``run_id``, ``model_id``, ``runs_uri``, ``models_uri``, ``local`` (a
+    download), ``x``, ``want`` (the MLP's answer for ``x``), ``params``."""
+    import mlflow
+
+    import jaxexp_mlflow  # noqa: F401 - installs mlflow.jaxexp
+    from tests.models import batch, export_mlp, mlp_apply, mlp_params
+
+    root = tmp_path_factory.mktemp("registered")
+    with sqlite_store(root, "registered", "art") as (uri, exp_id):
+        params, x = mlp_params(), batch()
+        with mlflow.start_run() as run:
+            info = mlflow.jaxexp.log_model(
+                export_mlp(params),
+                name="model",
+                params=params,
+                input_example=x,
+                registered_model_name="mlp",
+            )
+        client = mlflow.MlflowClient()
+        client.set_registered_model_alias("mlp", "best", info.registered_model_version)
+        runs_uri = f"runs:/{run.info.run_id}/model"
+        local = Path(mlflow.artifacts.download_artifacts(runs_uri))
+    return {
+        "uri": uri,
+        "experiment_id": exp_id,
+        "root": root,
+        "store": str(root / "art"),
+        "run_id": run.info.run_id,
+        "model_id": info.model_id,
+        "runs_uri": runs_uri,
+        "models_uri": f"models:/mlp/{info.registered_model_version}",
+        "local": local,
+        "x": x,
+        "want": np.asarray(mlp_apply(params, x)),
+        "params": params,
+    }
 
 
 @pytest.fixture

@@ -19,42 +19,25 @@ from click.testing import CliRunner
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.runtime import compat
-from tests.conftest import CORPUS, corpus_refusals, load_case, reseal_reference, sqlite_store
-from tests.models import batch, export_mlp, mlp_apply, mlp_params
+from tests.conftest import (
+    CORPUS,
+    active_store,
+    corpus_refusals,
+    load_case,
+    reseal_reference,
+)
+from tests.models import export_mlp, mlp_apply, mlp_params
 
 JAXEXP = Path(sys.executable).with_name("jaxexp")
 COMMANDS = ["inspect", "check", "predict", "verify", "log", "refresh", "audit"]
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One sqlite MLflow store for the module, with an MLP logged, registered and aliased."""
-    root = tmp_path_factory.mktemp("cli")
-    with sqlite_store(root, "cli", "art") as (uri, _):
-        params = mlp_params()
-        x = batch()
-        with mlflow.start_run() as run:
-            info = mlflow.jaxexp.log_model(
-                export_mlp(params),
-                name="model",
-                params=params,
-                input_example=x,
-                registered_model_name="mlp",
-            )
-        client = mlflow.MlflowClient()
-        client.set_registered_model_alias("mlp", "best", info.registered_model_version)
-        local = Path(mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model"))
-        yield {
-            "uri": uri,
-            "root": root,
-            "run_id": run.info.run_id,
-            "model_id": info.model_id,
-            "runs_uri": f"runs:/{run.info.run_id}/model",
-            "local": local,
-            "x": x,
-            "want": np.asarray(mlp_apply(params, x)),
-            "params": params,
-        }
+def store(registered_mlp):
+    """The session's sqlite MLflow store with an MLP logged, registered and aliased
+    (``registered_mlp``), this module's store."""
+    with active_store(registered_mlp["uri"], registered_mlp["experiment_id"]):
+        yield registered_mlp
 
 
 def run_cli(*args: str, env: dict | None = None):

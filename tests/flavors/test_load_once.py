@@ -17,7 +17,6 @@ import os
 import shutil
 import sys
 from collections import Counter
-from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -28,7 +27,7 @@ import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.codec import blob as blob_codec
 from jaxexp_mlflow.codec import reader
-from tests.conftest import sqlite_store
+from tests.conftest import active_store
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 WATCHED = ("MLmodel", "exported.bin")
@@ -132,28 +131,14 @@ def counted(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def logged(tmp_path_factory):
-    """An MLP logged and registered in a real sqlite store with file artifacts."""
-    root = tmp_path_factory.mktemp("once")
-    with sqlite_store(root, "once", "art"):
-        params, x = mlp_params(), batch()
-        with mlflow.start_run() as run:
-            info = mlflow.jaxexp.log_model(
-                export_mlp(params),
-                name="model",
-                params=params,
-                input_example=x,
-                registered_model_name="once",
-            )
-        local = Path(mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model"))
+def logged(registered_mlp):
+    """An MLP logged and registered in a real sqlite store with file artifacts (the session's
+    ``registered_mlp``), this module's store."""
+    with active_store(registered_mlp["uri"], registered_mlp["experiment_id"]):
         yield {
-            "root": root,
-            "store": str(root / "art"),
-            "runs": f"runs:/{run.info.run_id}/model",
-            "models": f"models:/once/{info.registered_model_version}",
-            "local": local,
-            "x": x,
-            "want": np.asarray(mlp_apply(params, x)),
+            **registered_mlp,
+            "runs": registered_mlp["runs_uri"],
+            "models": registered_mlp["models_uri"],
         }
 
 
