@@ -206,16 +206,17 @@ def test_predict_direct_refused_naming_the_routes(tmp_path):
 # -- load_model(route=...) and jaxexp verify --route -----------------------------------------------
 
 
-@pytest.fixture
-def expired_model(tmp_path):
+@pytest.fixture(scope="module")
+def expired_model(tmp_path_factory):
     """A model directory of the jax 0.6.2 MLP blob with its inputs and outputs as reference,
-    saved as jax 0.10.2 saved it (with the flag, under jax >= 0.11.1)."""
+    saved as jax 0.10.2 saved it (with the flag, under jax >= 0.11.1); once per module, only
+    loaded and verified."""
     import jax
     import mlflow
 
     _, inputs, _ = load_case(EXPIRED)
     data = (EXPIRED / "exported.bin").read_bytes()
-    path = tmp_path / "model"
+    path = tmp_path_factory.mktemp("expired") / "model"
     with routes.expired_flag():
         tree = jax.export.deserialize(bytearray(data)).in_tree
         args, _ = jax.tree.unflatten(tree, inputs)  # (params dict, batch)

@@ -59,9 +59,11 @@ def _hostile_csv() -> bytes:
     return (header + "\n" + "1\n" * 120_000).encode()
 
 
-@pytest.fixture
-def served_mlp(tmp_path):
-    """The single-input MLP (``x: float32[-1, 8]``) served by ``jaxexp serve``."""
+@pytest.fixture(scope="module")
+def served_mlp(tmp_path_factory):
+    """The single-input MLP (``x: float32[-1, 8]``) served by ``jaxexp serve``, one server for
+    the module's hostile bodies (each measured from the server's RSS when it is sent)."""
+    tmp_path = tmp_path_factory.mktemp("served-mlp")
     params = mlp_params()
     model_dir = tmp_path / "mlp"
     mlflow.jaxexp.save_model(
