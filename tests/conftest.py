@@ -192,6 +192,19 @@ def active_store(uri: str, experiment_id: str):
 
 
 @pytest.fixture(scope="session")
+def tracking_server(tmp_path_factory):
+    """One real ``mlflow server`` (sqlite backend, artifacts proxied into its own directory) for
+    the session's modules that log to and load from a server as a user would; yields
+    ``(url, artifacts_dir)``. Each module keeps to its own experiments and registered names; a
+    test that kills or reconfigures a server starts its own (tests/servers.py)."""
+    from tests.servers import mlflow_server
+
+    root = tmp_path_factory.mktemp("tracking-server")
+    with mlflow_server(root) as (url, _):
+        yield url, root / "artifacts"
+
+
+@pytest.fixture(scope="session")
 def registered_mlp(tmp_path_factory) -> dict[str, Any]:
     """The tests' MLP logged once per session into a real sqlite store with file artifacts,
     registered as ``mlp`` with the alias ``best``. Read-only: a module that reads it makes it its

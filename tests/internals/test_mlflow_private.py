@@ -22,7 +22,6 @@ import pytest
 
 import jaxexp_mlflow
 from jaxexp_mlflow.internals import mlflow_private as mp
-from tests.servers import mlflow_server
 
 STRICT = os.environ.get("JAXEXP_STRICT_PRIVATE") == "1"
 #: names a release removed and whose fallback was checked against that release: expected absent
@@ -364,9 +363,9 @@ def _apply(params, x):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with mlflow_server(tmp_path_factory.mktemp("server")) as (url, _):
-        yield url
+def server(tracking_server):
+    """The session's ``mlflow server`` (tests/conftest.py), its URL."""
+    return tracking_server[0]
 
 
 def test_remote_models_uri_without_private_names(server, tmp_path, monkeypatch):

@@ -28,7 +28,6 @@ import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.store import transfer
 from jaxexp_mlflow.store.download import download_model
-from tests.servers import mlflow_server
 
 ENDPOINT = "/api/2.0/mlflow-artifacts/artifacts"
 
@@ -204,10 +203,9 @@ def test_a_failed_download_removes_its_private_directory(store):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("safety-server")
-    with mlflow_server(root) as (url, _proc):
-        yield url, root / "artifacts"
+def server(tracking_server):
+    """The session's ``mlflow server`` (tests/conftest.py): its URL and artifact directory."""
+    return tracking_server
 
 
 @pytest.fixture

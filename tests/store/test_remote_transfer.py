@@ -44,9 +44,9 @@ def make_params(nbytes: int, n: int = 1) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with mlflow_server(tmp_path_factory.mktemp("server")) as (url, _):
-        yield url
+def server(tracking_server):
+    """The session's ``mlflow server`` (tests/conftest.py), its URL."""
+    return tracking_server[0]
 
 
 def _env(url: str, **extra: str) -> dict[str, str]:
