@@ -1,7 +1,7 @@
 """The downloads of ``jaxexp inspect``, ``check`` (and ``audit``, which fetches the
 same way) and ``refresh`` stop at the listed size, refuse a listed size past the file's limit
 before fetching, and leave nothing behind. The store is the hostile fake ``mlflow server`` of
-tests/security/test_transfer_safety.py (a real HTTP server on 127.0.0.1)."""
+tests/security/conftest.py (a real HTTP server on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from click.testing import CliRunner
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
 from tests.models import batch, export_mlp, mlp_params
-from tests.security.test_transfer_safety import store  # noqa: F401  (the fixture)
 
 
 def _cli(*args: str):
@@ -23,7 +22,7 @@ def _cli(*args: str):
 
 
 @pytest.mark.parametrize("command", ["inspect", "check"])
-def test_a_store_sending_more_than_it_listed_is_cut_off(store, command):  # noqa: F811
+def test_a_store_sending_more_than_it_listed_is_cut_off(store, command):
     handler, uri, tmp = store
     handler.tree = {"model": [("MLmodel", False, 2800), ("exported.bin", False, 4)]}
     handler.files = {"model/MLmodel": b"x" * (32 << 20), "model/exported.bin": b"abcd"}
@@ -34,7 +33,7 @@ def test_a_store_sending_more_than_it_listed_is_cut_off(store, command):  # noqa
     assert not any(tmp.iterdir())  # nothing left behind
 
 
-def test_a_listed_size_past_the_limit_is_refused_before_fetching(store):  # noqa: F811
+def test_a_listed_size_past_the_limit_is_refused_before_fetching(store):
     handler, uri, tmp = store
     handler.tree = {"model": [("MLmodel", False, 300 << 20)]}
     handler.files = {"model/MLmodel": b"x" * 16}
@@ -57,7 +56,7 @@ def _serve(handler, root: Path) -> None:
             handler.files[f"model/{rel}"] = path.read_bytes()
 
 
-def test_refresh_downloads_bounded_and_leaves_nothing_behind(store, tracking_uri, tmp_path):  # noqa: F811
+def test_refresh_downloads_bounded_and_leaves_nothing_behind(store, tracking_uri, tmp_path):
     handler, uri, tmp = store  # tempfile's directory is tmp: every temporary copy lands there
     params = mlp_params()
     src = tmp_path / "src"
