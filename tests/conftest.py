@@ -328,10 +328,11 @@ def as_logged_by_older_jax(model_dir: Path, blob: Path) -> None:
     (model_dir / "MLmodel").write_text(yaml.safe_dump(mlmodel))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mlp_dir(tmp_path_factory):
-    """``(path, params)``: the tests' MLP (``tests.models``) saved once per module with
-    ``mlflow.jaxexp.save_model``, a 2-row input example. ``test_iree.py`` has one of its own."""
+    """``(path, params)``: the tests' MLP (``tests.models``) saved once per session with
+    ``mlflow.jaxexp.save_model``, a 2-row input example; never altered (a test that alters it
+    copies it first). ``test_iree.py`` has one of its own."""
     import mlflow
 
     import jaxexp_mlflow  # noqa: F401 - installs mlflow.jaxexp
