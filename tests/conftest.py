@@ -156,6 +156,44 @@ def _no_leaked_cli_environment(monkeypatch):
     monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
 
 
+#: Where this session keeps its empty, migrated MLflow sqlite store (set by a session fixture).
+_DB_TEMPLATE_DIR: list[Path] = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _mlflow_db_template_dir(tmp_path_factory):
+    """A directory for the session's empty MLflow store, made on first use by :func:`sqlite_uri`."""
+    _DB_TEMPLATE_DIR.append(tmp_path_factory.mktemp("mlflow-db-template"))
+    yield
+    _DB_TEMPLATE_DIR.clear()
+
+
+def sqlite_uri(db: Path) -> str:
+    """``sqlite:///<db>`` for a new MLflow store whose file already holds MLflow's schema: a copy
+    of one empty store made once per session. A new sqlite file otherwise runs all of MLflow's
+    migrations when first opened, seconds each time, in every test that makes a store.
+
+    The copy holds no experiment: whatever opens it first (this process, a child, an
+    ``mlflow server``) makes the Default experiment with its own artifact root, as it does in a
+    new file."""
+    import shutil
+    import sqlite3
+
+    if _DB_TEMPLATE_DIR and not db.exists():
+        template = _DB_TEMPLATE_DIR[0] / "empty.db"
+        if not template.exists():
+            import mlflow
+
+            made = template.with_name("making.db")
+            mlflow.MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()
+            with contextlib.closing(sqlite3.connect(made)) as con, con:
+                con.execute("DELETE FROM experiment_tags")
+                con.execute("DELETE FROM experiments")
+            shutil.copyfile(made, template)
+        shutil.copyfile(template, db)
+    return f"sqlite:///{db}"
+
+
 @contextlib.contextmanager
 def sqlite_store(root: Path, experiment: str = "tests", artifacts: str = "artifacts"):
     """A real sqlite-backed MLflow store in ``root`` (artifacts under ``root / artifacts``), made
@@ -163,7 +201,7 @@ def sqlite_store(root: Path, experiment: str = "tests", artifacts: str = "artifa
     processes a test starts) until the block ends. Yields ``(uri, experiment_id)``."""
     import mlflow
 
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = sqlite_uri(root / "mlflow.db")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mlflow.set_tracking_uri(uri)
@@ -200,7 +238,7 @@ def tracking_server(tmp_path_factory):
     from tests.servers import mlflow_server
 
     root = tmp_path_factory.mktemp("tracking-server")
-    with mlflow_server(root) as (url, _):
+    with mlflow_server(root, backend=sqlite_uri(root / "db.sqlite")) as (url, _):
         yield url, root / "artifacts"
 
 

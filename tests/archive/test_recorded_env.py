@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from jaxexp_mlflow.archive.recorded_env import RecordedEnvError, requirements, run_recorded
 from jaxexp_mlflow.cli import main
-from tests.conftest import result_of
+from tests.conftest import result_of, sqlite_uri
 
 REPO = Path(__file__).resolve().parents[2]
 UV = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
@@ -52,7 +52,7 @@ def test_model_logged_under_jax_0_6_2_verified_in_its_recorded_env(tmp_path, mon
     subprocess.run(
         [UV, "pip", "install", "-q", "-p", str(py), *pins, str(REPO)], check=True, timeout=900
     )
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     proc = subprocess.run(
         [str(py), "-c", LOG_UNDER_OLD_JAX, uri, str(REPO)],

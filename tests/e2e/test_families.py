@@ -17,7 +17,7 @@ import yaml
 
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.errors import ArtifactError, UnsupportedModelError
-from tests.conftest import REPO
+from tests.conftest import REPO, sqlite_uri
 
 X = np.asarray(jax.random.normal(jax.random.key(3), (5, 3)), np.float32)
 
@@ -286,7 +286,7 @@ def test_family_examples_train_log_and_reload_without_flax_or_equinox(script, tm
     Flax/Equinox fails (load_model and pyfunc), comparing with the trained model."""
     pytest.importorskip("equinox" if script.startswith("equinox") else "flax")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_EXPERIMENT")}
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    env["MLFLOW_TRACKING_URI"] = sqlite_uri(tmp_path / "mlruns.db")
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / script), "--steps", "3"],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from scripts import readme_quickstart
-from tests.conftest import free_port
+from tests.conftest import free_port, sqlite_uri
 from tests.serving.test_serving import VENV_BIN, server_env, stop_server, wait_for_ping
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_the_python_blocks_run_as_pasted_and_the_model_reloads_in_another_proces
         "x = np.ones((3, 4), np.float32)\n"
         "print(np.asarray(m.predict(x)).shape)\n"
     )
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlruns.db'}"}
+    env = {**os.environ, "MLFLOW_TRACKING_URI": sqlite_uri(cwd / "mlruns.db")}
     out = subprocess.run(
         [sys.executable, "-c", code, uri], cwd=cwd, env=env, capture_output=True, text=True
     )
@@ -123,7 +123,7 @@ def _answers_curl(uri: str, cwd: Path, env: dict, extra: list[str], timeout: flo
 def test_the_curl_body_is_answered_by_mlflow_models_serve(quickstart, tmp_path):
     cwd, uri = quickstart
     env = server_env(tmp_path)
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{cwd / 'mlruns.db'}"
+    env["MLFLOW_TRACKING_URI"] = sqlite_uri(cwd / "mlruns.db")
     _answers_curl(uri, cwd, env, ["--env-manager", "local"], timeout=180)
 
 
@@ -156,7 +156,7 @@ def test_default_env_manager_serves_from_a_local_wheel(quickstart, tmp_path):
     (wheel,) = wheels.glob("jaxexp_mlflow-*.whl")
     env = server_env(tmp_path)
     env.pop("PYTHONPATH", None)  # the environment's own jaxexp_mlflow, not the checkout
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{cwd / 'mlruns.db'}"
+    env["MLFLOW_TRACKING_URI"] = sqlite_uri(cwd / "mlruns.db")
     env["MLFLOW_ENV_ROOT"] = str(tmp_path / "envs")  # a new environment, not a cached one
     env["PATH"] = os.pathsep.join([VENV_BIN, pyenv, env["PATH"]])
     links = " ".join(p for p in (str(wheels), os.environ.get("PIP_FIND_LINKS")) if p)

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.hooks import TrainingHook
-from tests.conftest import free_port
+from tests.conftest import free_port, sqlite_uri
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -249,7 +249,7 @@ WORKER = textwrap.dedent(
 
 def test_only_process_0_logs_in_a_multi_process_job(tmp_path):
     port = free_port()
-    env = clean_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mp.db'}", JAX_PLATFORMS="cpu")
+    env = clean_env(MLFLOW_TRACKING_URI=sqlite_uri(tmp_path / "mp.db"), JAX_PLATFORMS="cpu")
     args = [f"localhost:{port}", None, str(tmp_path / "ckpt")]
     procs = [
         subprocess.Popen(

@@ -26,7 +26,15 @@ from click.testing import CliRunner
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.errors import ArtifactError, IncompatibleError, UnsupportedModelError
 from jaxexp_mlflow.runtime import compat
-from tests.conftest import CORPUS, REPO, case_id, corpus_cases, jax_refuses_expired, load_case
+from tests.conftest import (
+    CORPUS,
+    REPO,
+    case_id,
+    corpus_cases,
+    jax_refuses_expired,
+    load_case,
+    sqlite_uri,
+)
 
 REFUSES = jax_refuses_expired()
 #: one blob of each era that runs in this process (no venv): grads, symbolic dims, pytrees
@@ -217,7 +225,7 @@ def test_log_an_hlo_sharded_blob_through_the_bridge(tmp_path):
     ``sharded4`` where jax >= 0.11.1 reads it at all: logged, verified by the recorded bridge,
     refreshed into a model that verifies as it is."""
     case = CORPUS / "jax-0.6.2" / "sharded4"
-    env = {**_envs(), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    env = {**_envs(), "MLFLOW_TRACKING_URI": sqlite_uri(tmp_path / "mlflow.db")}
     args = ["log", str(case / "exported.bin"), "--input-example", str(case / "inputs.npz")]
     logged = _script(env, *args, "--route", "bridge", "--json")
     if not REFUSES:  # this jax reads it: the bridge is not a route here
@@ -242,7 +250,7 @@ def test_log_a_blob_whose_kernels_are_gone_through_its_era(tmp_path):
     """``jaxexp log --route recorded-env`` of jax 0.4.35's ``linalg``: its reference computed by
     the writer's era in a cached venv, verified there (``--route recorded-env``); a refresh
     cannot help (the module keeps calling the kernels) and says so, logging nothing."""
-    env = {**_envs(), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    env = {**_envs(), "MLFLOW_TRACKING_URI": sqlite_uri(tmp_path / "mlflow.db")}
     args = ["log", str(KERNELS / "exported.bin"), "--input-example", str(KERNELS / "inputs.npz")]
     logged = _script(env, *args, "--route", "recorded-env", "--json")
     assert logged.returncode == 0, logged.stderr
@@ -265,7 +273,7 @@ def test_every_corpus_blob_is_logged_verified_and_refreshed(case, tmp_path):
     """The issue's goal, blob by blob, through the console script on 4 CPU devices: logged
     (default route, else ``--route auto`` after a refusal naming it), verified by its route,
     refreshed into a model that verifies as it is; 0.4.35's ``linalg`` cannot be refreshed."""
-    env = {**_envs(), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    env = {**_envs(), "MLFLOW_TRACKING_URI": sqlite_uri(tmp_path / "mlflow.db")}
     args = ["log", str(case / "exported.bin"), "--input-example", str(case / "inputs.npz")]
     logged = _script(env, *args, "--json")
     if logged.returncode != 0:

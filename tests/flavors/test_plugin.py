@@ -14,6 +14,8 @@ import textwrap
 
 import jax
 
+from tests.conftest import sqlite_uri
+
 TAGS = {
     "jaxexp.jax_version",
     "jaxexp.jaxlib_version",
@@ -27,7 +29,7 @@ def run_python(code: str, tmp_path, **env: str) -> dict:
     """Run ``code`` in a fresh interpreter against a fresh sqlite store; its last stdout line
     is JSON."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_EXPERIMENT")}
-    full_env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'plugin.db'}"
+    full_env["MLFLOW_TRACKING_URI"] = sqlite_uri(tmp_path / "plugin.db")
     full_env.update(env)
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],

@@ -33,6 +33,7 @@ from tests.conftest import (
     load_case,
     reseal_reference,
     run_on_devices,
+    sqlite_uri,
 )
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
@@ -49,7 +50,7 @@ CASES = [
 def shared_store(tmp_path_factory):
     """One sqlite MLflow store for the corpus cases (creating one costs seconds)."""
     tmp = tmp_path_factory.mktemp("store")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    uri = sqlite_uri(tmp / "mlflow.db")
     old = os.environ.get("MLFLOW_TRACKING_URI")
     os.environ["MLFLOW_TRACKING_URI"] = uri
     mlflow.set_tracking_uri(uri)

@@ -25,7 +25,7 @@ import pytest
 import requests
 
 import jaxexp_mlflow  # noqa: F401
-from tests.conftest import free_port
+from tests.conftest import free_port, sqlite_uri
 from tests.models import mlp_params
 from tests.servers import http_status
 from tests.serving.test_pyfunc import two_input_example, two_input_fn
@@ -100,7 +100,7 @@ def server_env(tmp: Path) -> dict:
     env = dict(os.environ)
     env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
     env["JAXEXP_COMPILATION_CACHE"] = str(tmp / "xla-cache")
-    env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp / 'mlflow.db'}"
+    env["MLFLOW_TRACKING_URI"] = sqlite_uri(tmp / "mlflow.db")
     return env
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401
+from tests.conftest import sqlite_uri
 from tests.models import batch, mlp_apply, mlp_params
 from tests.servers import free_port
 from tests.serving.test_pyfunc import two_input_example, two_input_fn
@@ -169,7 +170,7 @@ def models(tmp_path_factory):
     import mlflow
 
     tmp_path = tmp_path_factory.mktemp("mlflow")
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/m.db")
+    mlflow.set_tracking_uri(sqlite_uri(tmp_path / "m.db"))
     exp = mlflow.create_experiment("spark", artifact_location=(tmp_path / "artifacts").as_uri())
     params = mlp_params()
     try:

@@ -12,6 +12,7 @@ import pytest
 
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.params import restore as params_codec
+from tests.conftest import sqlite_uri
 from tests.models import log_registered
 from tests.servers import S3_ENV, mlflow_server, s3_server
 
@@ -50,7 +51,10 @@ def s3_proxied(s3, tmp_path_factory):
     """A real ``mlflow server`` whose artifacts live in the S3 bucket (proxied)."""
     root = tmp_path_factory.mktemp("server")
     env = {**S3_ENV, "MLFLOW_S3_ENDPOINT_URL": s3}
-    with mlflow_server(root, artifacts_destination="s3://mlflow/proxied", env=env) as (url, _):
+    backend = sqlite_uri(root / "db.sqlite")
+    with mlflow_server(
+        root, backend=backend, artifacts_destination="s3://mlflow/proxied", env=env
+    ) as (url, _):
         yield url
 
 
@@ -101,7 +105,7 @@ def test_proxied_s3_with_multipart_upload(s3, s3_proxied, monkeypatch):
 
 def test_direct_s3_artifact_location(s3, tmp_path, monkeypatch):
     """A client-side sqlite store whose experiment keeps artifacts at ``s3://`` directly."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # set_experiment sets it: undone
     mlflow.set_tracking_uri(uri)

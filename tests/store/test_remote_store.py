@@ -22,7 +22,7 @@ import pytest
 
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.codec import zarr
-from tests.conftest import free_port
+from tests.conftest import free_port, sqlite_uri
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 from tests.servers import mlflow_server
 
@@ -72,7 +72,10 @@ def server(request, tmp_path_factory):
     """A real ``mlflow server`` on 127.0.0.1 with a sqlite or PostgreSQL backend and proxied
     artifacts."""
     root = tmp_path_factory.mktemp("server")
-    backend = None if request.param == "sqlite" else request.getfixturevalue("postgres")
+    if request.param == "sqlite":
+        backend = sqlite_uri(root / "db.sqlite")
+    else:
+        backend = request.getfixturevalue("postgres")
     with mlflow_server(root, backend=backend) as (url, _):
         yield url, root / "artifacts"
 
@@ -166,7 +169,9 @@ def test_files_no_array_uses_are_refused_before_download(tmp_path):
 
     from jaxexp_mlflow.params import manifest as M
 
-    with mlflow_server(tmp_path / "server") as (url, _):
+    root = tmp_path / "server"
+    root.mkdir()
+    with mlflow_server(root, backend=sqlite_uri(root / "db.sqlite")) as (url, _):
         mlflow.set_tracking_uri(url)
         try:
             mlflow.set_experiment("hostile-store")

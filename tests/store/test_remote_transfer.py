@@ -25,7 +25,7 @@ from mlflow.exceptions import MlflowException
 
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.params import save_params
-from tests.conftest import REPO
+from tests.conftest import REPO, sqlite_uri
 from tests.models import log_registered
 from tests.servers import free_port, kill_group, mlflow_server
 
@@ -139,7 +139,9 @@ def test_upload_cut_by_a_killed_server_leaves_nothing_that_loads(tmp_path, monke
     load, nothing was registered, and logging again once the server is back succeeds."""
     monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # set_experiment sets it: undone
     root, port = tmp_path / "server", free_port()
-    with mlflow_server(root, port=port) as (url, proc):
+    root.mkdir()
+    backend = sqlite_uri(root / "db.sqlite")
+    with mlflow_server(root, backend=backend, port=port) as (url, proc):
         env = _env(
             url,
             MLFLOW_HTTP_REQUEST_MAX_RETRIES="0",
@@ -157,7 +159,7 @@ def test_upload_cut_by_a_killed_server_leaves_nothing_that_loads(tmp_path, monke
         _, err = child.communicate(timeout=300)
         assert started, err.decode()[-2000:]
         assert child.returncode != 0, "the upload finished before the server was killed"
-    with mlflow_server(root, port=port) as (url, _):
+    with mlflow_server(root, backend=backend, port=port) as (url, _):
         mlflow.set_tracking_uri(url)
         try:
             client = mlflow.MlflowClient()
@@ -189,7 +191,9 @@ def test_big_params_through_the_server_in_bounded_memory(gib, tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     from bench_remote import bench_scale
 
-    with mlflow_server(tmp_path / "server") as (url, _):
+    root = tmp_path / "server"
+    root.mkdir()
+    with mlflow_server(root, backend=sqlite_uri(root / "db.sqlite")) as (url, _):
         rows = bench_scale(url, [float(gib)])
     for row in rows:
         print(row)  # the figures, with -s
@@ -206,7 +210,9 @@ def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkey
     from jaxexp_mlflow.store import transfer
     from jaxexp_mlflow.store.download import download_model
 
-    with mlflow_server(tmp_path / "server") as (url, _):
+    root = tmp_path / "server"
+    root.mkdir()
+    with mlflow_server(root, backend=sqlite_uri(root / "db.sqlite")) as (url, _):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
         mlflow.set_tracking_uri(url)
         try:
