@@ -1,7 +1,7 @@
 """Coverage-guided fuzz target for the jax-free blob reader (atheris / libFuzzer).
 
-The invariant is the one tests/test_codec_fuzz.py checks with hypothesis: ``read_blob`` returns a
-``BlobDescription`` or raises ``BlobFormatError``; any other exception is a crash.
+The invariant is the one tests/codec/test_codec_fuzz.py checks with hypothesis: ``read_blob``
+returns a ``BlobDescription`` or raises ``BlobFormatError``; any other exception is a crash.
 
     pip install atheris
     python benchmarks/fuzz_codec_atheris.py -atheris_runs=1000000 corpus_dir/

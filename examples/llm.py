@@ -9,7 +9,7 @@ shapes, so ``jax.jit(generate)`` is all there is to export:
 
     python examples/llm.py [--size tiny|1b]      # uses ./mlruns.db and ./mlruns
 
-Imported by tests/test_llm.py (``tiny``) and benchmarks/bench_llm.py (``1b``).
+Imported by tests/e2e/test_llm.py (``tiny``) and benchmarks/bench_llm.py (``1b``).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ _EXEMPT = (
     "BENCHMARKS.md",
     "benchmarks/results/",
     "scripts/check_prose.py",
-    "tests/test_prose.py",
+    "tests/e2e/test_prose.py",
 )
 
 

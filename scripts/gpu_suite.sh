@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite (tests/test_gpu.py, marked `gpu`) and the GPU benchmark, on a machine that has
+# The GPU suite (tests/e2e/test_gpu.py, marked `gpu`) and the GPU benchmark, on a machine that has
 # jax with an accelerator plugin (CUDA, ROCm, TPU) but maybe no mlflow and no network
 # (docs/hardware.md, "The GPU suite"):
 #   here, with network:  bash scripts/gpu_suite.sh fetch [PYTHON_VERSION]
@@ -64,7 +64,7 @@ case "${1:-run}" in
   run)
     shift || true
     setup_env
-    "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/test_gpu.py "$@"
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs -s tests/e2e/test_gpu.py "$@"
     ;;
   bench)
     shift || true

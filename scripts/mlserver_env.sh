@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A venv for MLServer (V2 inference protocol, the runtime KServe/Seldon run for MLflow models).
 # mlserver / mlserver-mlflow pin older fastapi, starlette, protobuf and ml_dtypes than the project's
-# .venv, so they get their own: tests/test_mlserver.py and benchmarks/bench_mlserver.py use it.
+# .venv, so they get their own: tests/serving/test_mlserver.py and benchmarks/bench_mlserver.py use it.
 # Usage: bash scripts/mlserver_env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -7,7 +7,7 @@ run there by this interpreter (``sys.executable``), with ``MLFLOW_TRACKING_URI``
 in the current directory unless it is set. ``--installed``: the blocks must import
 ``jaxexp_mlflow`` from an installed distribution (a wheel in site-packages), not from a
 checkout. Standard library only, so that a clean environment can run it
-(scripts/test.sh checks the built wheel this way); ``tests/test_readme.py`` imports it.
+(scripts/test.sh checks the built wheel this way); ``tests/e2e/test_readme.py`` imports it.
 """
 
 from __future__ import annotations

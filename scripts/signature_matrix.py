@@ -39,8 +39,8 @@ from mlflow.types.schema import AnyType, Array, ColSpec, DataType, Schema, Tenso
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.serving.signature import specs_from_conf
 from tests.models import batch, export_mlp, mlp_params
-from tests.test_mlflow_serve import MARK, _bad_two, one_input_bodies, two_input_bodies
-from tests.test_pyfunc import two_input_example, two_input_fn
+from tests.serving.test_mlflow_serve import MARK, _bad_two, one_input_bodies, two_input_bodies
+from tests.serving.test_pyfunc import two_input_example, two_input_fn
 
 KINDS = ["none", "tensor", "tensor64", "cols", "cols64", "any"]
 COLUMN = {"float32": DataType.float, "int32": DataType.integer}

@@ -21,6 +21,10 @@ PY=${PYTHON:-python3}
 STAGES=${JAXEXP_STAGES:-main newest oldest}
 [ "${JAXEXP_SKIP_OLDEST:-0}" = 1 ] && STAGES=${STAGES//oldest/}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# every pytest call of every stage: quiet, no cache written into the checkout, and the 25
+# slowest tests listed at its end (where the time goes: CONTRIBUTING.md, "Tests"); what each
+# stage selects is stated beside the markers in pyproject.toml
+PYTEST_OPTS=(-q -p no:cacheprovider --durations=25)
 # a private jax/MLflow name that a release removed fails its test by name (internals/*_private.py)
 export JAXEXP_STRICT_PRIVATE=${JAXEXP_STRICT_PRIVATE:-1}
 
@@ -90,12 +94,12 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
       # the docs site, strict: broken links and references fail it
       bash scripts/docs.sh .venv-docs || rc=$?
       # `mlflow models serve` and `jaxexp` come from the venv
-      PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -q -p no:cacheprovider "$@" || rc=$?
+      PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest "${PYTEST_OPTS[@]}" "$@" || rc=$?
       # a real Spark standalone cluster (master + worker on 127.0.0.1; needs Java 17), unless
       # pytest arguments picked other tests
       if [ $# -eq 0 ] && command -v java >/dev/null; then
-        PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest -q -p no:cacheprovider -m slow \
-          tests/test_spark_cluster.py || rc=$?
+        PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest "${PYTEST_OPTS[@]}" -m slow \
+          tests/serving/test_spark_cluster.py || rc=$?
       fi
       # what a user installs: the built sdist and wheel, checked and run outside the checkout
       if [ $# -eq 0 ]; then
@@ -132,12 +136,13 @@ assert not names & {"jax", "jaxlib"}, f"installing jaxexp-mlflow would change {n
 print("  pip install -e . beside this stack changes no JAX version")
 EOF
       rc=0
-      PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pytest" -q -p no:cacheprovider "$@" || rc=$?
+      PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pytest" "${PYTEST_OPTS[@]}" "$@" || rc=$?
       # the GPU suite rehearsed on this CPU (its tests skip above without an accelerator), so
       # that it still runs the day a GPU is lent (scripts/gpu_suite.sh; docs/hardware.md)
       if [ $# -eq 0 ]; then
-        JAXEXP_GPU_TESTS_ON_CPU=1 PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pytest" -q \
-          -p no:cacheprovider -m gpu tests/test_gpu.py || rc=$?
+        JAXEXP_GPU_TESTS_ON_CPU=1 PATH="$PWD/$venv/bin:$PATH" \
+          "$venv/bin/pytest" "${PYTEST_OPTS[@]}" \
+          -m gpu tests/e2e/test_gpu.py || rc=$?
       fi
       exit "$rc"
       ;;
@@ -147,8 +152,9 @@ EOF
         || return $?
       versions .venv-oldest || return $?
       rc=0
-      PATH="$PWD/.venv-oldest/bin:$PATH" .venv-oldest/bin/pytest -q -p no:cacheprovider \
-        tests/test_flavor.py tests/test_params.py tests/test_jax_private.py || rc=$?
+      PATH="$PWD/.venv-oldest/bin:$PATH" .venv-oldest/bin/pytest "${PYTEST_OPTS[@]}" \
+        tests/flavors/test_flavor.py tests/params/test_params.py \
+        tests/internals/test_jax_private.py || rc=$?
       return "$rc"
       ;;
     *) echo "unknown stage $s" >&2; return 2 ;;

@@ -156,6 +156,44 @@ def _no_leaked_cli_environment(monkeypatch):
     monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
 
 
+#: Where this session keeps its empty, migrated MLflow sqlite store (set by a session fixture).
+_DB_TEMPLATE_DIR: list[Path] = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _mlflow_db_template_dir(tmp_path_factory):
+    """A directory for the session's empty MLflow store, made on first use by :func:`sqlite_uri`."""
+    _DB_TEMPLATE_DIR.append(tmp_path_factory.mktemp("mlflow-db-template"))
+    yield
+    _DB_TEMPLATE_DIR.clear()
+
+
+def sqlite_uri(db: Path) -> str:
+    """``sqlite:///<db>`` for a new MLflow store whose file already holds MLflow's schema: a copy
+    of one empty store made once per session. A new sqlite file otherwise runs all of MLflow's
+    migrations when first opened, seconds each time, in every test that makes a store.
+
+    The copy holds no experiment: whatever opens it first (this process, a child, an
+    ``mlflow server``) makes the Default experiment with its own artifact root, as it does in a
+    new file."""
+    import shutil
+    import sqlite3
+
+    if _DB_TEMPLATE_DIR and not db.exists():
+        template = _DB_TEMPLATE_DIR[0] / "empty.db"
+        if not template.exists():
+            import mlflow
+
+            made = template.with_name("making.db")
+            mlflow.MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()
+            with contextlib.closing(sqlite3.connect(made)) as con, con:
+                con.execute("DELETE FROM experiment_tags")
+                con.execute("DELETE FROM experiments")
+            shutil.copyfile(made, template)
+        shutil.copyfile(template, db)
+    return f"sqlite:///{db}"
+
+
 @contextlib.contextmanager
 def sqlite_store(root: Path, experiment: str = "tests", artifacts: str = "artifacts"):
     """A real sqlite-backed MLflow store in ``root`` (artifacts under ``root / artifacts``), made
@@ -163,18 +201,89 @@ def sqlite_store(root: Path, experiment: str = "tests", artifacts: str = "artifa
     processes a test starts) until the block ends. Yields ``(uri, experiment_id)``."""
     import mlflow
 
-    uri = f"sqlite:///{root / 'mlflow.db'}"
+    uri = sqlite_uri(root / "mlflow.db")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mlflow.set_tracking_uri(uri)
         exp_id = mlflow.create_experiment(experiment, artifact_location=(root / artifacts).as_uri())
-        mp.setenv("MLFLOW_EXPERIMENT_ID", exp_id)  # set_experiment sets it; undone at the end
-        mlflow.set_experiment(experiment_id=exp_id)
+    with active_store(uri, exp_id):
+        yield uri, exp_id
+
+
+@contextlib.contextmanager
+def active_store(uri: str, experiment_id: str):
+    """Make an existing store and experiment this process' tracking URI and active experiment
+    (also through the environment, for the child processes a test starts) until the block ends.
+    """
+    import mlflow
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        mp.setenv("MLFLOW_EXPERIMENT_ID", experiment_id)  # set_experiment sets it; undone
+        mlflow.set_experiment(experiment_id=experiment_id)
         try:
-            yield uri, exp_id
+            yield
         finally:
             mlflow.end_run()
             mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture(scope="session")
+def tracking_server(tmp_path_factory):
+    """One real ``mlflow server`` (sqlite backend, artifacts proxied into its own directory) for
+    the session's modules that log to and load from a server as a user would; yields
+    ``(url, artifacts_dir)``. Each module keeps to its own experiments and registered names; a
+    test that kills or reconfigures a server starts its own (tests/servers.py)."""
+    from tests.servers import mlflow_server
+
+    root = tmp_path_factory.mktemp("tracking-server")
+    with mlflow_server(root, backend=sqlite_uri(root / "db.sqlite")) as (url, _):
+        yield url, root / "artifacts"
+
+
+@pytest.fixture(scope="session")
+def registered_mlp(tmp_path_factory) -> dict[str, Any]:
+    """The tests' MLP logged once per session into a real sqlite store with file artifacts,
+    registered as ``mlp`` with the alias ``best``. Read-only: a module that reads it makes it its
+    store with ``active_store(d["uri"], d["experiment_id"])``; a test that alters the model
+    copies ``d["local"]`` first. Keys: ``uri``, ``experiment_id``, ``root``, ``store`` (the
+    artifact root), ``run_id``, ``model_id``, ``runs_uri``, ``models_uri``, ``local`` (a
+    download), ``x``, ``want`` (the MLP's answer for ``x``), ``params``."""
+    import mlflow
+
+    import jaxexp_mlflow  # noqa: F401 - installs mlflow.jaxexp
+    from tests.models import batch, export_mlp, mlp_apply, mlp_params
+
+    root = tmp_path_factory.mktemp("registered")
+    with sqlite_store(root, "registered", "art") as (uri, exp_id):
+        params, x = mlp_params(), batch()
+        with mlflow.start_run() as run:
+            info = mlflow.jaxexp.log_model(
+                export_mlp(params),
+                name="model",
+                params=params,
+                input_example=x,
+                registered_model_name="mlp",
+            )
+        client = mlflow.MlflowClient()
+        client.set_registered_model_alias("mlp", "best", info.registered_model_version)
+        runs_uri = f"runs:/{run.info.run_id}/model"
+        local = Path(mlflow.artifacts.download_artifacts(runs_uri))
+    return {
+        "uri": uri,
+        "experiment_id": exp_id,
+        "root": root,
+        "store": str(root / "art"),
+        "run_id": run.info.run_id,
+        "model_id": info.model_id,
+        "runs_uri": runs_uri,
+        "models_uri": f"models:/mlp/{info.registered_model_version}",
+        "local": local,
+        "x": x,
+        "want": np.asarray(mlp_apply(params, x)),
+        "params": params,
+    }
 
 
 @pytest.fixture
@@ -257,10 +366,11 @@ def as_logged_by_older_jax(model_dir: Path, blob: Path) -> None:
     (model_dir / "MLmodel").write_text(yaml.safe_dump(mlmodel))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mlp_dir(tmp_path_factory):
-    """``(path, params)``: the tests' MLP (``tests.models``) saved once per module with
-    ``mlflow.jaxexp.save_model``, a 2-row input example. ``test_iree.py`` has one of its own."""
+    """``(path, params)``: the tests' MLP (``tests.models``) saved once per session with
+    ``mlflow.jaxexp.save_model``, a 2-row input example; never altered (a test that alters it
+    copies it first). ``test_iree.py`` has one of its own."""
     import mlflow
 
     import jaxexp_mlflow  # noqa: F401 - installs mlflow.jaxexp

@@ -1,7 +1,8 @@
 """Real servers the remote tests and benchmarks start on 127.0.0.1: `mlflow server`, moto's S3.
 
 Each is a context manager that starts the process, waits until it answers (bounded in time),
-yields its URL and stops it on exit. Used by tests/test_remote_*.py and benchmarks/bench_remote.py.
+yields its URL and stops it on exit. Used by tests/store/test_remote_*.py and
+benchmarks/bench_remote.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Why a reader of our own (it is needed, not a copy for its own sake):
   this reads each chunk with one ``preadv`` into a 64-byte aligned buffer that ``jax.device_put``
   adopts without a copy, or maps it (``mapped``), checking each file's CRC-32C as it goes.
 
-``tests/test_params.py`` checks it against Orbax's own restore, dtype by dtype and layout by
+``tests/params/test_params.py`` checks it against Orbax's own restore, dtype by dtype and layout by
 layout (``test_zarr_reader_agrees_with_orbax``).
 """
 

@@ -13,7 +13,8 @@ place that relies on it.
 The public fallback: when the library is not found, does not load, or fails the self-test
 against ``google_crc32c.extend`` (a known vector and a random block), :func:`extend` is
 ``google_crc32c.extend`` itself: every answer is the same, only slower on several threads.
-``JAXEXP_CRC32C_NATIVE=0`` forces the fallback. ``tests/test_crc32c_private.py`` checks both.
+``JAXEXP_CRC32C_NATIVE=0`` forces the fallback. ``tests/internals/test_crc32c_private.py`` checks
+both.
 """
 
 from __future__ import annotations

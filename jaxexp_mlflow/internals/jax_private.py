@@ -7,7 +7,7 @@ portable artifact. Each is reached here and nowhere else, each lookup is guarded
 fallback for the release that removes it: the public path where there is one, else ``None``
 ("unknown") that the callers treat as "skip this check" (a new release costs a check or some
 speed, never a wrong answer). ``PRIVATE_NAMES`` lists them (docs/internals.md shows the table;
-``tests/test_jax_private.py`` checks each against the installed jax and names the one that
+``tests/internals/test_jax_private.py`` checks each against the installed jax and names the one that
 vanished). Versions checked: jax/jaxlib 0.6.2, 0.10.2 and 0.12.0.1.
 """
 

@@ -5,7 +5,7 @@ CPU client cost ~30 ms), more than the whole load of an ``mlflow.onnx`` model. A
 whose executable for a batch bucket is already stored (``serving/lite_pyfunc.py``) is run here
 on a CPU client of jaxlib's own: the serialized executable deserialized, the input put on the
 device, the output read back through DLPack. Each step uses a jaxlib name that jax itself
-wraps; ``PRIVATE_NAMES`` lists them (``tests/test_lite_pyfunc.py`` checks each against the
+wraps; ``PRIVATE_NAMES`` lists them (``tests/serving/test_lite_pyfunc.py`` checks each against the
 installed jaxlib). The public fallback is the ordinary path through jax: :func:`available`
 is False when a name is gone, and a step that fails raises :class:`LiteUnavailable`, on which
 the caller loads the model through jax as always (a new jaxlib costs start-up time, never a
@@ -97,8 +97,8 @@ def _handler_tail(_jax: Any) -> tuple | None:
     """The arguments after ``committed`` that make ``array_result_handler`` wrap an output
     without jax: ``(True,)`` where it takes ``_skip_checks`` (jaxlib 0.10: its checks import
     jax), ``()`` where its signature is ``(aval, sharding, committed)`` (jaxlib 0.12: nothing
-    to skip, nothing imported; ``tests/test_lite_pyfunc.py`` checks that a fresh process never
-    imports jax), None for any other signature (the lite path is then off)."""
+    to skip, nothing imported; ``tests/serving/test_lite_pyfunc.py`` checks that a fresh process
+    never imports jax), None for any other signature (the lite path is then off)."""
     doc = getattr(_jax.array_result_handler, "__doc__", None) or ""
     if "_skip_checks" in doc:
         return (True,)

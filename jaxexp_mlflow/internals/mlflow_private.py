@@ -11,8 +11,8 @@ that a release removing the name costs speed or a nicety, never correctness. Whe
 does the same job the private name is not used at all (:data:`REPLACED_BY_PUBLIC`).
 
 :data:`PRIVATE_NAMES` lists them (``"module:qualified.name"`` -> where it lives, why we use it,
-the fallback); ``tests/test_mlflow_private.py`` checks each against the installed MLflow and
-runs each fallback against the private path; docs/internals.md has the table. :func:`missing`
+the fallback); ``tests/internals/test_mlflow_private.py`` checks each against the installed MLflow
+and runs each fallback against the private path; docs/internals.md has the table. :func:`missing`
 names those the installed MLflow lacks; :func:`fallbacks_taken` those a fallback has run for.
 
 What replaced ``_add_registered_model_meta_file`` (read in MLflow 3.18.0's source):
@@ -67,7 +67,7 @@ _MODEL_UTILS = "mlflow.utils.model_utils"
 _HTTP_REPO = "mlflow.store.artifact.http_artifact_repo:HttpArtifactRepository"
 
 #: ``"module:qualified.name"`` -> :class:`PrivateName`, for every private MLflow name the package
-#: uses (all through this module). Iterated by tests/test_mlflow_private.py.
+#: uses (all through this module). Iterated by tests/internals/test_mlflow_private.py.
 PRIVATE_NAMES: dict[str, PrivateName] = {
     # --- artifact transfer (store/upload.py, store/download.py) ---
     "mlflow.store.artifact.artifact_repo:ArtifactRepository._download_file": PrivateName(

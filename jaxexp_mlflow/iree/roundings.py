@@ -17,7 +17,7 @@ removes:
   per-element distance and rounded the same way, underflow giving a signed zero;
 * NaN stays NaN (quiet, its sign kept); infinities stay infinities.
 
-The numbers are JAX's on CPU, bit for bit (``tests/test_iree_roundings.py``), including two
+The numbers are JAX's on CPU, bit for bit (``tests/iree/test_iree_roundings.py``), including two
 choices of XLA's CPU backend: float64 to float16/bfloat16 is rounded through float32 (twice),
 and a float32 subnormal result of float64 -> float32 is flushed to (signed) zero. The function
 uses elementwise StableHLO ops on tensors of the operand's shape only (constants broadcast over

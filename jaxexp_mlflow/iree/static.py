@@ -27,7 +27,7 @@ own copy of them at load either way). Rows are not work, though: one row of the 
 :data:`TRIAL_MS` is timed on both drivers at its first use (zeros of its input shapes, a warm
 call and up to three timed ones on each) and runs on the faster from then on; below that, the
 thread pool's hand-off per dispatch cannot pay. Both drivers run the same compiled code: the
-outputs are the same bytes (``tests/test_iree_static.py``).
+outputs are the same bytes (``tests/iree/test_iree_static.py``).
 
 Big batches: a padded model runs a batch of more than :data:`CHUNK_ROWS` rows as consecutive
 chunks of that many (rows are proven independent, so the answer is the same; each chunk padded

@@ -177,7 +177,7 @@ def plain_tree(
 
     Orbax's own metadata reader opens every array through TensorStore (~0.8 ms an array); this
     reads the same JSON files the fast path needs anyway, so a restore reads them once.
-    ``tests/test_params.py`` compares the two readers.
+    ``tests/params/test_params.py`` compares the two readers.
     """
     from jaxexp_mlflow.codec import zarr
 

@@ -12,7 +12,7 @@ Why a reader of our own: pyarrow exposes no page header before it reads the page
 parquet's Thrift structures. The part read here is small: a page header is a Thrift struct in
 the compact protocol, of which three integer fields and one field of a nested struct are
 needed; everything else is skipped by its wire type, bounded in depth and by the body's end.
-``tests/test_serving_bounds.py`` checks it against files pyarrow writes (plain, dictionary,
+``tests/security/test_serving_bounds.py`` checks it against files pyarrow writes (plain, dictionary,
 data page v2, several pages and row groups).
 """
 

@@ -1,0 +1,1 @@
+"""Recorded environments rebuilt and verified (jaxexp_mlflow/archive)."""

@@ -1,0 +1,1 @@
+"""The jaxexp command line (jaxexp_mlflow/cli)."""

@@ -1,0 +1,1 @@
+"""The blob, MLmodel and params-file readers (jaxexp_mlflow/codec)."""

@@ -1,0 +1,1 @@
+"""Whole-product flows: the README, real model families, examples, docs and the distribution."""

@@ -1,0 +1,1 @@
+"""Save, log, load and refresh through the MLflow flavor (jaxexp_mlflow/flavors)."""

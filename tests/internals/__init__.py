@@ -1,0 +1,1 @@
+"""Private jax, jaxlib, MLflow and google-crc32c names and their fallbacks (internals)."""

@@ -1,0 +1,1 @@
+"""The IREE backend: archived models run without JAX (jaxexp_mlflow/iree)."""

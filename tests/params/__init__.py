@@ -1,0 +1,1 @@
+"""Params trees stored as Orbax checkpoints (jaxexp_mlflow/params)."""

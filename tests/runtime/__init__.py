@@ -1,0 +1,1 @@
+"""Loading and calling exported models: verdicts, routes, buckets, devices (runtime)."""

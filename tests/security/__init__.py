@@ -1,0 +1,1 @@
+"""Hostile input: damaged model directories, hostile stores, requests and environments."""

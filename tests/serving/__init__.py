@@ -1,0 +1,1 @@
+"""pyfunc, REST servers, MLServer and Spark scoring a jaxexp model (jaxexp_mlflow/serving)."""
