@@ -156,7 +156,7 @@ def _no_leaked_cli_environment(monkeypatch):
     monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
 
 
-#: Where this session keeps its empty, migrated MLflow sqlite store (set by a session fixture).
+#: Where the test run keeps its empty, migrated MLflow sqlite store (set by a session fixture).
 _DB_TEMPLATE_DIR: list[Path] = []
 
 

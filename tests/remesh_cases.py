@@ -1,4 +1,4 @@
-"""Models exported for 8 devices, for the remesh and virtual-devices routes (tests/runtime/test_remesh.py).
+"""Models exported for 8 devices, for the remesh and virtual-devices routes.
 
 ``export_all(out)`` runs in a child that sees 8 CPU devices: it exports each case, saves it as a
 model (``mlflow.jaxexp.save_model`` of the blob) and stores the 8-device outputs and gradients
