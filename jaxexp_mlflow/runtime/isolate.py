@@ -9,8 +9,9 @@ in a fresh interpreter with an address-space cap (``resource.setrlimit(RLIMIT_AS
 timeout, so a crash, a runaway allocation or a hang becomes an ``ArtifactError`` here.
 
 ``jaxexp check`` and ``jaxexp verify`` always probe; ``load_model(..., isolate=True)`` does too
-(about one second: the child imports JAX). Without it, ``load_model`` trusts a blob that passed
-the checksum and the jax-free checks (see docs/security.md).
+(about one second: the child imports JAX, and MLflow only to register a blob's custom pytree node
+types). Without it, ``load_model`` trusts a blob that passed the checksum and the jax-free checks
+(see docs/security.md).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 data = sys.stdin.buffer.read()
 (n,) = struct.unpack(">I", data[:4])
-node_types = json.loads(data[4 : 4 + n].decode("utf-8"))
+node_types = [t for t in json.loads(data[4 : 4 + n].decode("utf-8")) if t]
 data = data[4 + n :]
 import jax
 import jax.export
-from jaxexp_mlflow.codec.pytrees import register_for_load
-register_for_load([t for t in node_types if t])
+if node_types:  # only then: the registrations import MLflow (about a second), via errors.py
+    from jaxexp_mlflow.codec.pytrees import register_for_load
+    register_for_load(node_types)
 try:
     exported = jax.export.deserialize(bytearray(data))
     exported.mlir_module()
