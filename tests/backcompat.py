@@ -289,3 +289,16 @@ def load_truth(jax_version: str | None = None) -> dict[str, Any] | None:
     """The checked-in ground truth of ``jax_version`` (default: the installed jax), or None."""
     path = truth_file(jax_version)
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def multi_mesh_blob() -> bytes:
+    """JAX's archived ``export_with_multiple_meshes`` blob (skips where the wheel lacks it)."""
+    import pytest
+
+    try:
+        from jax._src.internal_test_util.export_back_compat_test_data import (
+            export_with_multiple_meshes as archive,
+        )
+    except ImportError:
+        pytest.skip("this jax wheel has no export_with_multiple_meshes test data")
+    return bytes(archive.serializations[-1]["exported_serialized"])

@@ -420,3 +420,12 @@ def reseal_reference(model_dir: Path) -> None:
         for side in ("inputs", "outputs")
     }
     (model_dir / "MLmodel").write_text(yaml.safe_dump(doc))
+
+
+def run_cli(*args: str, env: dict | None = None):
+    """The ``jaxexp`` command in this process (click's runner); stdout and stderr kept apart."""
+    from click.testing import CliRunner
+
+    from jaxexp_mlflow.cli import main
+
+    return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)

@@ -1,13 +1,17 @@
-"""Real servers the remote tests and benchmarks start on 127.0.0.1: `mlflow server`, moto's S3.
+"""Real servers the tests and benchmarks start on 127.0.0.1.
 
-Each is a context manager that starts the process, waits until it answers (bounded in time),
-yields its URL and stops it on exit. Used by tests/store/test_remote_*.py and
-benchmarks/bench_remote.py.
+- `mlflow server` and moto's S3 (``mlflow_server``, ``s3_server``): context managers that start
+  the process, wait until it answers (bounded in time), yield its URL and stop it on exit; used by
+  tests/store/test_remote_*.py and benchmarks/bench_remote.py.
+- A model's server, ``mlflow models serve`` (``start_server``) or ``jaxexp serve``
+  (``start_jaxexp_server``), in its own process group; ``stop_server`` ends it and its workers.
+- MLServer with either runtime (``start_mlserver``), from ``.venv-mlserver``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -223,3 +227,130 @@ def http_status(sock: socket.socket) -> int:
             break
         head += part
     return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+
+
+# -- a model's server: mlflow models serve, jaxexp serve, MLServer ---------------------------
+
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+def wait_for_ping(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Wait until a model server answers ``/ping``; raise if it exits or the time runs out."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if requests.get(f"{url}/ping", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server did not answer /ping within {timeout} s")
+
+
+def start_server(model_uri: str, env_manager: str, env: dict, log: Path, timeout: float = 180):
+    """Start ``mlflow models serve`` on a free port; return (process, base url)."""
+    port = free_port()
+    cmd = [os.path.join(VENV_BIN, "mlflow"), "models", "serve", "-m", model_uri]
+    cmd += ["--env-manager", env_manager, "-h", "127.0.0.1", "-p", str(port)]
+    return _launch(cmd, port, env, log, timeout)
+
+
+def start_jaxexp_server(model_uri: str, env: dict, log: Path, *extra: str, timeout: float = 180):
+    """Start ``jaxexp serve`` on a free port; return (process, base url)."""
+    port = free_port()
+    cmd = [os.path.join(VENV_BIN, "jaxexp"), "serve", "-m", model_uri, "--host", "127.0.0.1"]
+    cmd += ["-p", str(port), *extra]
+    return _launch(cmd, port, env, log, timeout)
+
+
+def _launch(cmd: list[str], port: int, env: dict, log: Path, timeout: float):
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_ping(url, proc, timeout)
+    except Exception:
+        stop_server(proc)
+        raise RuntimeError(f"server failed to start; log:\n{log.read_text()[-3000:]}") from None
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Terminate the server and its workers (its own process group)."""
+    try:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def server_env(tmp: Path) -> dict:
+    """The environment of a server (or CLI child) of a test: this venv first on PATH, its own
+    compilation cache and a new sqlite store under ``tmp``."""
+    from tests.conftest import sqlite_uri
+
+    env = dict(os.environ)
+    env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
+    env["JAXEXP_COMPILATION_CACHE"] = str(tmp / "xla-cache")
+    env["MLFLOW_TRACKING_URI"] = sqlite_uri(tmp / "mlflow.db")
+    return env
+
+
+def post(url: str, body, *, raw: bool = False, timeout: float = 60) -> requests.Response:
+    """POST ``body`` (JSON, or bytes as they are with ``raw``) to the server's ``/invocations``."""
+    data = body if raw else json.dumps(body)
+    return requests.post(
+        f"{url}/invocations",
+        data=data,
+        headers={"Content-Type": "application/json"},
+        timeout=timeout,
+    )
+
+
+def tree_rss(pid: int) -> int:
+    """The resident memory of a process and all its children, in bytes."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    procs = [proc, *proc.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+#: The name MLServer serves the model under.
+MODEL_NAME = "jaxexp-model"
+
+
+#: MLServer's runtimes: MLflow's own (what KServe and Seldon run) and this package's.
+STOCK = "mlserver_mlflow.MLflowRuntime"
+OURS = "jaxexp_mlflow.serving.mlserver_runtime.JaxExpRuntime"
+
+
+def start_mlserver(
+    model_dir: Path, workdir: Path, runtime: str, workers: int = 0
+) -> tuple[subprocess.Popen, str]:
+    """``mlserver start`` (benchmarks/bench_mlserver.py) or skip without ``.venv-mlserver``."""
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_mlserver
+
+    if not (bench_mlserver.MLSERVER_BIN / "mlserver").exists():
+        pytest.skip("no .venv-mlserver (bash scripts/mlserver_env.sh)")
+    env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(workdir / "xla")}
+    return bench_mlserver.start_mlserver(model_dir, workdir, env, runtime, workers)

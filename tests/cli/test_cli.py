@@ -14,10 +14,8 @@ import mlflow
 import numpy as np
 import pytest
 import yaml
-from click.testing import CliRunner
 
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
-from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.runtime import compat
 from tests.conftest import (
     CORPUS,
@@ -25,6 +23,7 @@ from tests.conftest import (
     corpus_refusals,
     load_case,
     reseal_reference,
+    run_cli,
 )
 from tests.models import export_mlp, mlp_apply, mlp_params
 
@@ -38,11 +37,6 @@ def store(registered_mlp):
     (``registered_mlp``), this module's store."""
     with active_store(registered_mlp["uri"], registered_mlp["experiment_id"]):
         yield registered_mlp
-
-
-def run_cli(*args: str, env: dict | None = None):
-    """click's runner; stdout and stderr kept apart."""
-    return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
 
 
 def run_script(*args: str, env: dict | None = None, python_flags: tuple = ()):

@@ -89,7 +89,7 @@ def test_nnx_split_state_with_rng_logs_loads_and_serves(tracking_uri):
     conf = yaml.safe_load(open(f"{local}/MLmodel"))["flavors"]["jaxexp"]
     assert conf["param_keys"] == {"drop.rngs.key": "threefry2x32"}
     assert conf["pytree_node_types"] == []  # the blob holds a plain dict: no Flax to load it
-    from tests.cli.test_cli import run_cli
+    from tests.conftest import run_cli
 
     report = json.loads(run_cli("inspect", local, "--json").stdout)
     params_rows = [r["path"] for r in report["inputs"] if r["role"] == "param"]
@@ -139,7 +139,7 @@ def test_bare_export_of_nnx_state_with_rng_keys(tmp_path):
     assert flavor_conf(path)["param_names"] == [
         "drop.rngs.count", "drop.rngs.key", "l1.bias", "l1.kernel"
     ]  # fmt: skip
-    from tests.cli.test_cli import run_cli
+    from tests.conftest import run_cli
 
     # the bare blob, without MLmodel: dict-like Flax nodes read as dicts, variables transparent
     report = json.loads(run_cli("inspect", str(path / "exported.bin"), "--json").stdout)

@@ -27,8 +27,8 @@ import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.errors import ArtifactError, InputError, UnsupportedModelError
 from jaxexp_mlflow.flavors import readback
 from jaxexp_mlflow.store import section
-from tests.cli.test_cli import run_cli
-from tests.serving.test_serving import server_env, start_server, stop_server
+from tests.conftest import run_cli
+from tests.servers import server_env, start_server, stop_server
 
 PARAMS = {"w": np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(3, 4)}
 KEY = jax.random.PRNGKey(0)  # uint32[2]

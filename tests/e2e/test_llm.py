@@ -22,7 +22,7 @@ import requests
 
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from tests.conftest import llm_example
-from tests.serving.test_serving import server_env, start_server, stop_server
+from tests.servers import server_env, start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
 JAXEXP = Path(sys.executable).with_name("jaxexp")

@@ -19,7 +19,7 @@ import requests
 
 from scripts import readme_quickstart
 from tests.conftest import free_port, sqlite_uri
-from tests.serving.test_serving import VENV_BIN, server_env, stop_server, wait_for_ping
+from tests.servers import VENV_BIN, server_env, stop_server, wait_for_ping
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text(encoding="utf-8")

@@ -261,7 +261,7 @@ def test_mlflow_models_serve_with_backend_iree_maps_no_jaxlib(mlp_dir, tmp_path)
     import psutil
     import requests
 
-    from tests.serving.test_serving import server_env, start_server, stop_server
+    from tests.servers import server_env, start_server, stop_server
 
     env = server_env(tmp_path)
     env["MLFLOW_PYFUNC_INFERENCE_CONFIG"] = json.dumps({"backend": "iree"})

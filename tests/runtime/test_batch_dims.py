@@ -17,7 +17,7 @@ import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.errors import InputError, UnsupportedModelError
 from jaxexp_mlflow.export import batch_symbols
 from jaxexp_mlflow.flavors.jaxexp import _load_pyfunc
-from tests.runtime.test_padding import gnn, gnn_params
+from tests.models import gnn, gnn_params
 
 FAST = {"buckets": [1, 2, 4, 8], "compilation_cache": False}
 F = 4

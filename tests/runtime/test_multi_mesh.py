@@ -16,18 +16,8 @@ from click.testing import CliRunner
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.errors import IncompatibleError
+from tests.backcompat import multi_mesh_blob
 from tests.conftest import run_on_devices
-
-
-def _archived_blob() -> bytes:
-    try:
-        from jax._src.internal_test_util.export_back_compat_test_data import (
-            export_with_multiple_meshes as archive,
-        )
-    except ImportError:
-        pytest.skip("this jax wheel has no export_with_multiple_meshes test data")
-    return bytes(archive.serializations[-1]["exported_serialized"])
-
 
 ON_TWO_DEVICES = """
 import json, sys
@@ -59,7 +49,7 @@ print("RESULT " + json.dumps({"check": [check.exit_code, check.output],
 
 
 def test_multi_mesh_export_saves_checks_loads_and_runs_on_two_devices(tmp_path):
-    _archived_blob()
+    multi_mesh_blob()
     res = run_on_devices(ON_TWO_DEVICES, 2, str(tmp_path / "m"))
     assert res["check"][0] == 0 and "ok" in res["check"][1], res["check"][1]
     assert res["verify"][0] == 0, res["verify"][1]
@@ -69,7 +59,7 @@ def test_multi_mesh_export_saves_checks_loads_and_runs_on_two_devices(tmp_path):
 
 def test_multi_mesh_export_on_one_device_is_refused_consistently(tmp_path):
     path = tmp_path / "m"
-    mlflow.jaxexp.save_model(_archived_blob(), path)  # stored; read back without placement
+    mlflow.jaxexp.save_model(multi_mesh_blob(), path)  # stored; read back without placement
     result = CliRunner().invoke(main, ["check", "--json", str(path)])
     assert result.exit_code != 0
     assert json.loads(result.output)["status"] == "incompatible"

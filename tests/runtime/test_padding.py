@@ -18,7 +18,7 @@ import yaml
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.flavors.jaxexp import _load_pyfunc
 from jaxexp_mlflow.runtime import rows
-from tests.models import batch, export_mlp, mlp_apply, mlp_params
+from tests.models import batch, export_mlp, gnn, gnn_params, mlp_apply, mlp_params
 
 FAST = {"buckets": [1, 2, 4, 8], "compilation_cache": False}
 F = 4
@@ -34,21 +34,6 @@ def padding_record(path) -> dict | None:
 
 
 # -- a graph network: messages summed over edges into nodes ---------------------------------------
-
-
-def gnn_params(seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return {
-        "w_msg": rng.standard_normal((F, F)).astype(np.float32),
-        "w_self": rng.standard_normal((F, F)).astype(np.float32),
-    }
-
-
-def gnn(params, nodes, senders, receivers):
-    """One message-passing step: node i gets the sum over edges s->i of relu(nodes[s] @ w_msg)."""
-    messages = jax.nn.relu(nodes[senders] @ params["w_msg"])
-    summed = jax.ops.segment_sum(messages, receivers, num_segments=nodes.shape[0])
-    return nodes @ params["w_self"] + summed
 
 
 def graph(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -268,7 +253,7 @@ def test_mlflow_models_serve_answers_what_load_model_computes(tmp_path):
     import os
     from pathlib import Path
 
-    from tests.serving.test_serving import post, start_server, stop_server
+    from tests.servers import post, start_server, stop_server
 
     params = gnn_params()
     path = tmp_path / "gnn"

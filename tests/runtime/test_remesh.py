@@ -183,10 +183,10 @@ def test_remesh_is_closed_where_jax_moves_its_serializer(exported8, monkeypatch)
 
 
 def test_multi_mesh_archive_on_one_device(tmp_path):
-    from tests.runtime.test_multi_mesh import _archived_blob
+    from tests.backcompat import multi_mesh_blob
 
     path = tmp_path / "m"
-    mlflow.jaxexp.save_model(_archived_blob(), path)
+    mlflow.jaxexp.save_model(multi_mesh_blob(), path)
     model = mlflow.jaxexp.load_model(str(path), route="remesh")
     assert model.remeshed == "2 devices (x1=1, x2=2; y2=2, y1=1) -> 1 (x1=1, x2=1; y2=1, y1=1)"
     rng = np.random.default_rng(0)

@@ -272,7 +272,7 @@ def twin_models(tmp_path_factory):
 def test_a_forged_lite_entry_is_not_run(twin_models, tmp_path):
     """Model A's real lite entry under model B's name, then a fresh process of B, then a real
     ``mlflow models serve`` of B: B's outputs every time, and B's entry written afresh."""
-    from tests.serving.test_serving import server_env, start_server, stop_server
+    from tests.servers import server_env, start_server, stop_server
 
     cache_dir = tmp_path / "cache"
     x = batch(2)

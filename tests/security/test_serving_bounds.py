@@ -28,8 +28,7 @@ import requests
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.serving import serving_guard
 from tests.models import batch, export_mlp, mlp_params
-from tests.servers import http_status
-from tests.serving.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
+from tests.servers import http_status, server_env, start_jaxexp_server, stop_server, tree_rss
 
 MAX_BODY = 256 * 1024
 RSS_BOUND_MB = 64
@@ -87,11 +86,11 @@ def test_parquet_bounded_before_decoding(served):
     url, proc, local = served
     body = _constant_parquet(1_000_000, 10)  # 10M rows: 640 MB of float64 once decoded
     assert len(body) < MAX_BODY
-    before = _tree_rss(proc.pid)
+    before = tree_rss(proc.pid)
     r = requests.post(
         f"{url}/invocations", data=body, headers={"Content-Type": PARQUET}, timeout=120
     )
-    grown_mb = (_tree_rss(proc.pid) - before) / 2**20
+    grown_mb = (tree_rss(proc.pid) - before) / 2**20
     assert r.status_code == 413, (r.status_code, r.text[:500])
     assert len(r.content) < 2048 and "x: float32[-1,8]" in r.json()["message"]
     assert "10000000 rows" in r.json()["message"]
@@ -188,11 +187,11 @@ def test_parquet_page_claiming_1_gib_is_refused_before_decompressing(served):
     holds it): refused (413) off the page headers, the server's RSS flat, still serving."""
     url, proc, _ = served
     body = _page_bomb()
-    before = _tree_rss(proc.pid)
+    before = tree_rss(proc.pid)
     r = requests.post(
         f"{url}/invocations", data=body, headers={"Content-Type": PARQUET}, timeout=120
     )
-    grown_mb = (_tree_rss(proc.pid) - before) / 2**20
+    grown_mb = (tree_rss(proc.pid) - before) / 2**20
     assert r.status_code == 413, (r.status_code, r.text[:500])
     assert len(r.content) < 2048 and "x: float32[-1,8]" in r.json()["message"], r.text[:500]
     assert grown_mb < RSS_BOUND_MB, f"server RSS grew by {grown_mb:.0f} MB"
@@ -441,10 +440,10 @@ def test_served_new_shapes_plateau_in_memory(bt_model_dir, tmp_path):
     try:
         for t in range(1, 31):  # past the 16 kept shapes
             ask(t)
-        before = _tree_rss(proc.pid)
+        before = tree_rss(proc.pid)
         for t in range(31, 91):  # 60 new shapes: ~100 MB when every executable was kept
             ask(t)
-        grown_mb = (_tree_rss(proc.pid) - before) / 2**20
+        grown_mb = (tree_rss(proc.pid) - before) / 2**20
         assert grown_mb < 40, f"server RSS grew by {grown_mb:.0f} MB over 60 new shapes"
     finally:
         stop_server(proc)

@@ -37,7 +37,7 @@ import yaml
 
 import jaxexp_mlflow  # noqa: F401
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
-from tests.serving.test_serving import _tree_rss, server_env, start_jaxexp_server, stop_server
+from tests.servers import server_env, start_jaxexp_server, stop_server, tree_rss
 
 REPO = Path(__file__).resolve().parents[2]
 RSS_BOUND_MB = 100
@@ -99,18 +99,18 @@ def _post_watching_rss(url: str, proc, body: bytes, content_type: str) -> tuple:
         except requests.RequestException as err:
             result["err"] = err
 
-    base = _tree_rss(proc.pid)
+    base = tree_rss(proc.pid)
     peak = base
     start = time.monotonic()
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
     while thread.is_alive() and time.monotonic() - start < 3 * ANSWER_WITHIN_S:
-        peak = max(peak, _tree_rss(proc.pid))
+        peak = max(peak, tree_rss(proc.pid))
         if peak - base > 4 * RSS_BOUND_MB * 2**20:
             break  # growing without bound (the defect): stop watching, the fixture kills it
         time.sleep(0.05)
     elapsed = time.monotonic() - start
-    peak = max(peak, _tree_rss(proc.pid))
+    peak = max(peak, tree_rss(proc.pid))
     return result.get("r"), elapsed, (peak - base) / 2**20
 
 
@@ -248,8 +248,8 @@ def test_valid_model_config_and_user_config_still_load(config_outcomes, case):
 
 @pytest.fixture(scope="module")
 def mlserver_url(tmp_path_factory):
-    from tests.serving.test_mlserver import OURS, start_mlserver
-    from tests.serving.test_pyfunc import two_input_example, two_input_fn
+    from tests.models import two_input_example, two_input_fn
+    from tests.servers import OURS, start_mlserver
 
     tmp = tmp_path_factory.mktemp("mlserver-safety")
     model_dir = tmp / "model"
@@ -316,7 +316,7 @@ MLSERVER_CASES = {
 
 @pytest.mark.parametrize("case", list(MLSERVER_CASES))
 def test_mlserver_client_errors_are_short_4xx(mlserver_url, case):
-    from tests.serving.test_mlserver import MODEL_NAME
+    from tests.servers import MODEL_NAME
 
     infer = f"{mlserver_url}/v2/models/{MODEL_NAME}/infer"
     r = requests.post(infer, json=MLSERVER_CASES[case], timeout=60)

@@ -20,10 +20,17 @@ import requests
 
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.errors import InputError
-from tests.cli.test_cli import run_cli
-from tests.models import batch, mlp_apply, mlp_params
-from tests.serving.test_pyfunc import input_specs, two_input_example, two_input_fn
-from tests.serving.test_serving import log_two_input_model, start_jaxexp_server, stop_server
+from tests.conftest import run_cli
+from tests.models import (
+    batch,
+    input_specs,
+    log_two_input_model,
+    mlp_apply,
+    mlp_params,
+    two_input_example,
+    two_input_fn,
+)
+from tests.servers import start_jaxexp_server, stop_server
 
 FAST = {"buckets": "off", "precompile": False}
 MARK = 12345.678  # a value that must never come back in an error message

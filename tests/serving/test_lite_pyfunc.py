@@ -195,7 +195,7 @@ def _jax_loaded(pid: int) -> bool | None:
 @needs_lite
 @pytest.mark.slow
 def test_mlflow_models_serve_answers_from_the_lite_store(mlp_dir, tmp_path):
-    from tests.serving.test_serving import server_env, start_server, stop_server
+    from tests.servers import server_env, start_server, stop_server
 
     model_dir, params = mlp_dir
     cache = tmp_path / "cache"

@@ -32,9 +32,8 @@ from mlflow.types.schema import AnyType, ColSpec, Schema
 
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.serving import signature as sig
-from tests.models import batch, export_mlp, mlp_params
-from tests.serving.test_pyfunc import two_input_example, two_input_fn
-from tests.serving.test_serving import server_env, start_server, stop_server
+from tests.models import batch, export_mlp, mlp_params, two_input_example, two_input_fn
+from tests.servers import server_env, start_server, stop_server
 
 MARK = 12345.678  # a value that must never come back in an error message
 MAX_BODY = 2048  # every 4xx body is under 2 kB

@@ -24,32 +24,14 @@ import pytest
 import requests
 
 import jaxexp_mlflow  # noqa: F401
-from tests.models import mlp_params
-from tests.serving.test_pyfunc import two_input_example, two_input_fn
-from tests.serving.test_serving import stop_server
+from tests.models import mlp_params, two_input_example, two_input_fn
+from tests.servers import MODEL_NAME, OURS, STOCK, start_mlserver, stop_server
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_mlserver  # noqa: E402
-
-MLSERVER_BIN = bench_mlserver.MLSERVER_BIN
-MODEL_NAME = "jaxexp-model"
-
-
-STOCK = "mlserver_mlflow.MLflowRuntime"
-OURS = "jaxexp_mlflow.serving.mlserver_runtime.JaxExpRuntime"
-
-
-def start_mlserver(
-    model_dir: Path, workdir: Path, runtime: str, workers: int = 0
-) -> tuple[subprocess.Popen, str]:
-    """``mlserver start`` (benchmarks/bench_mlserver.py) or skip without ``.venv-mlserver``."""
-    if not (MLSERVER_BIN / "mlserver").exists():
-        pytest.skip("no .venv-mlserver (bash scripts/mlserver_env.sh)")
-    env = {**os.environ, "JAXEXP_COMPILATION_CACHE": str(workdir / "xla")}
-    return bench_mlserver.start_mlserver(model_dir, workdir, env, runtime, workers)
 
 
 def v2_body(data: dict) -> dict:
@@ -107,7 +89,7 @@ def test_stock_runtime_cannot_load_a_model_without_input_schema(tmp_path):
     MLServer's stock ``MLflowRuntime`` reads ``signature.inputs`` in ``_sync_metadata`` and fails
     to load a jaxexp model, whose signature declares outputs only. A sentinel: when
     mlserver-mlflow loads such a model, the docs are to be updated."""
-    if not (MLSERVER_BIN / "mlserver").exists():
+    if not (bench_mlserver.MLSERVER_BIN / "mlserver").exists():
         pytest.skip("no .venv-mlserver (bash scripts/mlserver_env.sh)")
     model_dir = tmp_path / "model"
     mlflow.jaxexp.save_model(
@@ -123,9 +105,9 @@ def test_stock_runtime_cannot_load_a_model_without_input_schema(tmp_path):
     spec = {"name": MODEL_NAME, "implementation": STOCK, "parameters": {"uri": str(model_dir)}}
     (work / "model-settings.json").write_text(json.dumps(spec))
     log = work / "mlserver.log"
-    env = {**os.environ, "PATH": f"{MLSERVER_BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{bench_mlserver.MLSERVER_BIN}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.Popen(
-        [str(MLSERVER_BIN / "mlserver"), "start", str(work)],
+        [str(bench_mlserver.MLSERVER_BIN / "mlserver"), "start", str(work)],
         env=env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
@@ -176,7 +158,7 @@ def test_an_mlserver_process_loads_as_a_scoring_server(mlp_dir, module):
     from tests.conftest import result_of
     from tests.models import batch, mlp_apply
 
-    python = MLSERVER_BIN / "python"
+    python = bench_mlserver.MLSERVER_BIN / "python"
     if not python.exists():
         pytest.skip("no .venv-mlserver (bash scripts/mlserver_env.sh)")
     path, params = mlp_dir

@@ -21,7 +21,15 @@ import yaml
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.errors import InputError, UnsupportedModelError
 from jaxexp_mlflow.flavors.jaxexp import _load_pyfunc
-from tests.models import batch, export_mlp, mlp_apply, mlp_params
+from tests.models import (
+    batch,
+    export_mlp,
+    input_specs,
+    mlp_apply,
+    mlp_params,
+    two_input_example,
+    two_input_fn,
+)
 
 # small bucket set: keeps load-time precompilation short in tests
 FAST = {"buckets": [1, 2, 4, 8], "compilation_cache": False}
@@ -30,16 +38,6 @@ FAST = {"buckets": [1, 2, 4, 8], "compilation_cache": False}
 @pytest.fixture(autouse=True)
 def _no_user_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXEXP_COMPILATION_CACHE", str(tmp_path / "xla-cache"))
-
-
-def two_input_fn(params, inputs):
-    """inputs = {"x": float32[b,8], "ids": int32[b]} -> {"logits": f32[b,4], "score": f32[b]}."""
-    logits = mlp_apply(params, inputs["x"]) + inputs["ids"][:, None].astype(jnp.float32)
-    return {"logits": logits, "score": logits.sum(axis=1)}
-
-
-def two_input_example(n=3):
-    return {"x": batch(n), "ids": np.arange(n, dtype=np.int32)}
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +52,6 @@ def two_dir(tmp_path_factory):
 
 def _mlmodel(path: Path) -> dict:
     return yaml.safe_load((path / "MLmodel").read_text())
-
-
-def input_specs(path: Path) -> list[tuple[str, str, list[int]]]:
-    """``(name, dtype, shape)`` of each input, as the MLmodel's ``jaxexp.io`` declares them."""
-    io = _mlmodel(Path(path))["flavors"]["jaxexp"]["io"]["inputs"]
-    return [(e["name"], e["dtype"], e["shape"]) for e in io]
 
 
 # -- signature -------------------------------------------------------------------------------------

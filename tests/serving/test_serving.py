@@ -17,111 +17,28 @@ import threading
 import time
 from pathlib import Path
 
-import jax
 import mlflow
 import numpy as np
-import psutil
 import pytest
 import requests
 
 import jaxexp_mlflow  # noqa: F401
-from tests.conftest import free_port, sqlite_uri
-from tests.models import mlp_params
-from tests.servers import http_status
-from tests.serving.test_pyfunc import two_input_example, two_input_fn
+from tests.models import log_two_input_model, mlp_params, two_input_example
+from tests.servers import (
+    VENV_BIN,
+    http_status,
+    post,
+    server_env,
+    start_jaxexp_server,
+    start_server,
+    stop_server,
+    tree_rss,
+)
 
-VENV_BIN = str(Path(sys.executable).parent)
 REPO = Path(__file__).resolve().parents[2]
 MAX_BODY = 256 * 1024  # the model's max_request_bytes, to test the 413 cheaply
 RSS_GROWTH_BOUND_MB = 64
 SERVE_CONFIG = {"buckets": [1, 2, 4, 8, 16, 32, 64], "max_request_bytes": MAX_BODY}
-
-
-def wait_for_ping(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if requests.get(f"{url}/ping", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server did not answer /ping within {timeout} s")
-
-
-def start_server(model_uri: str, env_manager: str, env: dict, log: Path, timeout: float = 180):
-    """Start ``mlflow models serve`` on a free port; return (process, base url)."""
-    port = free_port()
-    cmd = [os.path.join(VENV_BIN, "mlflow"), "models", "serve", "-m", model_uri]
-    cmd += ["--env-manager", env_manager, "-h", "127.0.0.1", "-p", str(port)]
-    return _launch(cmd, port, env, log, timeout)
-
-
-def start_jaxexp_server(model_uri: str, env: dict, log: Path, *extra: str, timeout: float = 180):
-    """Start ``jaxexp serve`` on a free port; return (process, base url)."""
-    port = free_port()
-    cmd = [os.path.join(VENV_BIN, "jaxexp"), "serve", "-m", model_uri, "--host", "127.0.0.1"]
-    cmd += ["-p", str(port), *extra]
-    return _launch(cmd, port, env, log, timeout)
-
-
-def _launch(cmd: list[str], port: int, env: dict, log: Path, timeout: float):
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_ping(url, proc, timeout)
-    except Exception:
-        stop_server(proc)
-        raise RuntimeError(f"server failed to start; log:\n{log.read_text()[-3000:]}") from None
-    return proc, url
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """Terminate the server and its workers (its own process group)."""
-    try:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-
-
-def server_env(tmp: Path) -> dict:
-    env = dict(os.environ)
-    env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
-    env["JAXEXP_COMPILATION_CACHE"] = str(tmp / "xla-cache")
-    env["MLFLOW_TRACKING_URI"] = sqlite_uri(tmp / "mlflow.db")
-    return env
-
-
-def log_two_input_model(tmp: Path, serving_config: dict) -> tuple[str, dict, dict]:
-    """Log the two-input model (``ids``, ``x``) to a sqlite store under ``tmp``.
-
-    Returns ``(runs:/ URI, server environment, params)``; the tracking URI is left set.
-    """
-    env = server_env(tmp)
-    params = mlp_params()
-    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
-    exp_id = mlflow.create_experiment(tmp.name, artifact_location=(tmp / "artifacts").as_uri())
-    with mlflow.start_run(experiment_id=exp_id) as run:
-        mlflow.jaxexp.log_model(
-            jax.jit(two_input_fn),
-            name="model",
-            params=params,
-            input_example=two_input_example(),
-            serving_config=serving_config,
-        )
-    return f"runs:/{run.info.run_id}/model", env, params
 
 
 @pytest.fixture(scope="module")
@@ -143,16 +60,6 @@ def served(logged_model):
         yield url, local, params, proc
     finally:
         stop_server(proc)
-
-
-def post(url: str, body, *, raw: bool = False, timeout: float = 60) -> requests.Response:
-    data = body if raw else json.dumps(body)
-    return requests.post(
-        f"{url}/invocations",
-        data=data,
-        headers={"Content-Type": "application/json"},
-        timeout=timeout,
-    )
 
 
 def _rows(inp):
@@ -248,18 +155,6 @@ def test_nan_non_json_and_huge_body(served):
     assert post(url, {"inputs": _good()}).status_code == 200
 
 
-def _tree_rss(pid: int) -> int:
-    proc = psutil.Process(pid)
-    procs = [proc, *proc.children(recursive=True)]
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def _load_round(url: str, n_threads: int, per_thread: int, failures: list) -> None:
     sizes = [1, 3, 8, 17, 33, 64]
 
@@ -297,9 +192,9 @@ def test_concurrent_load_no_failures_bounded_memory(served):
     url, _, _, proc = served
     failures: list = []
     _load_round(url, 8, 25, failures)  # warm-up: 200 requests
-    before = _tree_rss(proc.pid)
+    before = tree_rss(proc.pid)
     _load_round(url, 8, 40, failures)  # measured: 320 requests
-    after = _tree_rss(proc.pid)
+    after = tree_rss(proc.pid)
     assert failures == []
     growth_mb = (after - before) / 2**20
     assert growth_mb < RSS_GROWTH_BOUND_MB, f"server RSS grew by {growth_mb:.1f} MB"
@@ -446,7 +341,7 @@ def _raw_request(port: int, head_extra: bytes = b"") -> socket.socket:
 def test_streamed_body_refused_while_it_streams(served):
     url, _, _, proc = served
     port = int(url.rsplit(":", 1)[1])
-    before = _tree_rss(proc.pid)
+    before = tree_rss(proc.pid)
     s = _raw_request(port, b"Transfer-Encoding: chunked\r\n")
     chunk = b"%x\r\n%s\r\n" % (1 << 16, b"[" + b"1," * ((1 << 15) - 1) + b"1")
     sent = 0
@@ -458,7 +353,7 @@ def test_streamed_body_refused_while_it_streams(served):
         pass  # the server answered and closed while we were still sending
     assert http_status(s) == 413
     s.close()
-    assert sent < 64 << 16 or _tree_rss(proc.pid) - before < 32 << 20
+    assert sent < 64 << 16 or tree_rss(proc.pid) - before < 32 << 20
     # in flight: bodies together may hold 4x the limit; beyond, 503 with Retry-After
     held = []
     for _ in range(4):

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 import jaxexp_mlflow  # noqa: F401
-from tests.models import batch, export_mlp, mlp_apply, mlp_params
-from tests.serving.test_pyfunc import two_input_example, two_input_fn
+from tests.models import batch, export_mlp, mlp_apply, mlp_params, two_input_example, two_input_fn
 
 pytestmark = pytest.mark.slow
 

@@ -26,9 +26,8 @@ import pytest
 
 import jaxexp_mlflow  # noqa: F401
 from tests.conftest import sqlite_uri
-from tests.models import batch, mlp_apply, mlp_params
+from tests.models import batch, mlp_apply, mlp_params, two_input_example, two_input_fn
 from tests.servers import free_port
-from tests.serving.test_pyfunc import two_input_example, two_input_fn
 
 pytestmark = pytest.mark.slow
 
