@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
 # Set up the test environments from scratch and run the tests (what CI runs via .ci/run):
-#  - main   (.venv):        Python 3.11, the frozen stack (jax/jaxlib 0.10.2, mlflow 3.17.2),
-#                           the whole default suite, the Spark standalone-cluster test, then the
+#  - main   (.venv):        Python 3.11, the frozen stack (jax/jaxlib 0.10.2, mlflow 3.17.2):
+#                           ruff, the prose check, the whole default suite, the Spark
+#                           standalone-cluster test, then the
 #                           built artifacts (sdist and wheel checked, the wheel installed in a
 #                           clean venv, the README's quickstart run from it);
 #  - newest (.venv-newest): Python 3.13 (scripts/python313.sh finds or makes one) with the newest
 #                           jax, jaxlib, mlflow and orbax-checkpoint the registry serves, resolved
 #                           now: the canary, red the day a release breaks us; the whole default suite,
 #                           then the GPU suite rehearsed on the CPU;
-#  - oldest (.venv-oldest): the oldest supported jax (0.6.2), the flavor and params tests.
+#  - oldest (.venv-oldest): the oldest supported jax (0.6.2), the flavor and params tests;
+#  - docs   (.venv-docs):   the documentation site built with strict checks (scripts/docs.sh).
 # Every stage runs even if an earlier one failed; the script fails if any did.
-# The newest stage runs beside main then oldest (two jobs on two cores: most of a test's time is
-# a fresh interpreter, a server start-up or a compile of one thread; CONTRIBUTING.md, "Tests");
-# each stage's output goes to .ci-logs/<stage>.log and is printed whole when the stage ends. JAXEXP_PARALLEL=0 runs the stages one after the other, printing as they go.
+# Two lanes on two cores: main in one, newest, oldest and docs in the other (most of a test's time
+# is a fresh interpreter, a server start-up or a compile of one thread; CONTRIBUTING.md, "Tests").
+# Each stage's output goes to .ci-logs/<stage>.log and is printed whole when the stage ends; each
+# step prints how long it took, and the run ends with every step's time (.ci-logs/steps.tsv).
+# JAXEXP_PARALLEL=0 runs the stages one after the other, printing as they go.
 # Usage: bash scripts/test.sh [pytest args...]
-#   JAXEXP_STAGES="main newest oldest" picks stages; JAXEXP_SKIP_OLDEST=1 drops the last one.
+#   JAXEXP_STAGES="main newest oldest docs" picks stages; JAXEXP_SKIP_OLDEST=1 drops oldest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-STAGES=${JAXEXP_STAGES:-main newest oldest}
+STAGES=${JAXEXP_STAGES:-main newest oldest docs}
 [ "${JAXEXP_SKIP_OLDEST:-0}" = 1 ] && STAGES=${STAGES//oldest/}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # every pytest call of every stage: quiet, no cache written into the checkout, and the 25
@@ -69,6 +73,15 @@ PYEOF
   return "$rc"
 }
 
+step() {  # step <label> <command...>: run one step of the current stage, print its time; its status
+  local label=$1 t0=$SECONDS rc=0
+  shift
+  "$@" || rc=$?
+  echo "-- ${STAGE:-?} / $label: $((SECONDS - t0)) s$([ "$rc" = 0 ] || echo ", FAILED (status $rc)")"
+  printf '%s\t%s\t%s\t%s\n' "${STAGE:-?}" "$label" "$((SECONDS - t0))" "$rc" >>"$JAXEXP_STEPS"
+  return "$rc"
+}
+
 versions() {  # versions <venv>: what the stage resolved, for the log
   "$1/bin/python" - <<'EOF'
 import sys
@@ -84,26 +97,26 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
   case $s in
     main)
       echo "== stage main: Python 3.11 + the frozen stack"
-      setup "$PY" .venv -e ".[test,iree,spark]" --group test "jax==0.10.2" "jaxlib==0.10.2" \
-        "mlflow==3.17.2" || return $?
+      STAGE=main
+      step "venv" setup "$PY" .venv -e ".[test,iree,spark]" --group test "jax==0.10.2" \
+        "jaxlib==0.10.2" "mlflow==3.17.2" || return $?
       versions .venv || return $?
       rc=0
-      .venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts || rc=$?
+      step "ruff" .venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts || rc=$?
       # text that tells how the project was made (sessions, clock times, issue numbers) fails
-      .venv/bin/python scripts/check_prose.py || rc=$?
-      # the docs site, strict: broken links and references fail it
-      bash scripts/docs.sh .venv-docs || rc=$?
+      step "prose" .venv/bin/python scripts/check_prose.py || rc=$?
       # `mlflow models serve` and `jaxexp` come from the venv
-      PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest "${PYTEST_OPTS[@]}" "$@" || rc=$?
+      PATH="$PWD/.venv/bin:$PATH" step "default suite" .venv/bin/pytest "${PYTEST_OPTS[@]}" "$@" \
+        || rc=$?
       # a real Spark standalone cluster (master + worker on 127.0.0.1; needs Java 17), unless
       # pytest arguments picked other tests
       if [ $# -eq 0 ] && command -v java >/dev/null; then
-        PATH="$PWD/.venv/bin:$PATH" .venv/bin/pytest "${PYTEST_OPTS[@]}" -m slow \
-          tests/serving/test_spark_cluster.py || rc=$?
+        PATH="$PWD/.venv/bin:$PATH" step "spark cluster" .venv/bin/pytest "${PYTEST_OPTS[@]}" \
+          -m slow tests/serving/test_spark_cluster.py || rc=$?
       fi
       # what a user installs: the built sdist and wheel, checked and run outside the checkout
       if [ $# -eq 0 ]; then
-        artifacts .venv || rc=$?
+        step "built artifacts" artifacts .venv || rc=$?
       fi
       return "$rc"
       ;;
@@ -123,7 +136,8 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
       ;;
     newest-here)  # the newest stage, with $PYTHON a CPython 3.13
       venv=${JAXEXP_NEWEST_VENV:-.venv-newest}
-      setup "$PY" "$venv" --upgrade -e ".[test,iree]" --group test jax jaxlib mlflow \
+      STAGE=newest
+      step "venv" setup "$PY" "$venv" --upgrade -e ".[test,iree]" --group test jax jaxlib mlflow \
         orbax-checkpoint || return $?
       versions "$venv" || return $?
       # installing the package into this environment (newest jax) changes no JAX version
@@ -136,26 +150,34 @@ assert not names & {"jax", "jaxlib"}, f"installing jaxexp-mlflow would change {n
 print("  pip install -e . beside this stack changes no JAX version")
 EOF
       rc=0
-      PATH="$PWD/$venv/bin:$PATH" "$venv/bin/pytest" "${PYTEST_OPTS[@]}" "$@" || rc=$?
+      PATH="$PWD/$venv/bin:$PATH" step "default suite" "$venv/bin/pytest" "${PYTEST_OPTS[@]}" "$@" \
+        || rc=$?
       # the GPU suite rehearsed on this CPU (its tests skip above without an accelerator), so
       # that it still runs the day a GPU is lent (scripts/gpu_suite.sh; docs/hardware.md)
       if [ $# -eq 0 ]; then
-        JAXEXP_GPU_TESTS_ON_CPU=1 PATH="$PWD/$venv/bin:$PATH" \
-          "$venv/bin/pytest" "${PYTEST_OPTS[@]}" \
-          -m gpu tests/e2e/test_gpu.py || rc=$?
+        JAXEXP_GPU_TESTS_ON_CPU=1 PATH="$PWD/$venv/bin:$PATH" step "GPU suite on the CPU" \
+          "$venv/bin/pytest" "${PYTEST_OPTS[@]}" -m gpu tests/e2e/test_gpu.py || rc=$?
       fi
       exit "$rc"
       ;;
     oldest)
       echo "== stage oldest: jax 0.6.2"
-      setup "$PY" .venv-oldest -e . "jax==0.6.2" "jaxlib==0.6.2" "mlflow==3.17.2" pytest hypothesis \
-        || return $?
+      STAGE=oldest
+      step "venv" setup "$PY" .venv-oldest -e . "jax==0.6.2" "jaxlib==0.6.2" "mlflow==3.17.2" \
+        pytest hypothesis || return $?
       versions .venv-oldest || return $?
       rc=0
-      PATH="$PWD/.venv-oldest/bin:$PATH" .venv-oldest/bin/pytest "${PYTEST_OPTS[@]}" \
-        tests/flavors/test_flavor.py tests/params/test_params.py \
+      PATH="$PWD/.venv-oldest/bin:$PATH" step "flavor and params tests" .venv-oldest/bin/pytest \
+        "${PYTEST_OPTS[@]}" tests/flavors/test_flavor.py tests/params/test_params.py \
         tests/internals/test_jax_private.py || rc=$?
+
       return "$rc"
+      ;;
+    docs)
+      echo "== stage docs: the documentation site"
+      STAGE=docs
+      # strict: broken links and references fail it
+      step "docs site" bash scripts/docs.sh .venv-docs
       ;;
     *) echo "unknown stage $s" >&2; return 2 ;;
   esac
@@ -163,6 +185,11 @@ EOF
 
 LOGS=${JAXEXP_CI_LOGS:-.ci-logs}
 mkdir -p "$LOGS"
+# every step's time, of every stage (the nested newest-here run appends to the same file)
+if [ -z "${JAXEXP_STEPS:-}" ]; then
+  export JAXEXP_STEPS=$PWD/$LOGS/steps.tsv
+  : >"$JAXEXP_STEPS"
+fi
 run_logged() {  # run_logged <stage> [pytest args...]: one stage in a subshell; prints its verdict
   local s=$1 t0 rc=0
   t0=$(date +%s)
@@ -185,9 +212,11 @@ rm -f "$LOGS"/*.rc
 case " $STAGES " in
   *" newest "*)
     if [ "${JAXEXP_PARALLEL:-1}" = 1 ] && [ "$(echo $STAGES | wc -w)" -gt 1 ]; then
-      echo "== stage newest beside stages" ${STAGES//newest/} "(logs: $LOGS/)"
-      PARALLEL=1 run_all "newest" "$@" &
-      PARALLEL=1 run_all "${STAGES//newest/}" "$@"
+      echo "== two lanes: main, and newest then the other stages (logs: $LOGS/)"
+      other=" $STAGES "
+      other=${other// newest / }
+      PARALLEL=1 run_all "newest${other// main / }" "$@" &
+      case " $STAGES " in *" main "*) PARALLEL=1 run_all main "$@" ;; esac
       wait
     else
       run_all "$STAGES" "$@"
@@ -196,6 +225,10 @@ case " $STAGES " in
   *) run_all "$STAGES" "$@" ;;
 esac
 
+if [ "$JAXEXP_STEPS" = "$PWD/$LOGS/steps.tsv" ] && [ -s "$JAXEXP_STEPS" ]; then
+  echo "== time per step (s)"
+  awk -F'\t' '{ printf "  %-7s %-26s %5d%s\n", $1, $2, $3, ($4 == 0 ? "" : "  FAILED") }' "$JAXEXP_STEPS"
+fi
 failed=()
 for s in $STAGES; do
   [ "$(cat "$LOGS/$s.rc" 2>/dev/null || echo 1)" = 0 ] || failed+=("$s")
