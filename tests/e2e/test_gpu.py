@@ -31,7 +31,7 @@ import requests
 # scripts/gpu_suite.sh runs it), importing it is what installs mlflow.jaxexp
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.runtime.platforms import running_platform
-from tests.conftest import CORPUS, REPO, load_case
+from tests.conftest import CORPUS, REPO, load_case, run_cli
 from tests.servers import free_port
 
 HERE = running_platform()
@@ -88,6 +88,12 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+def _jaxexp(*args: str, env: dict | None = None):
+    """The ``jaxexp`` command in this process, on the platform the suite runs on (where the
+    process is not what a test checks; JAX's deserializer still runs in its capped child)."""
+    return run_cli(*args, env=env)
+
+
 def test_readme_example_logs_loads_and_runs_here(tracking_uri):
     """The README's example, as a training loop on this machine runs it."""
     fn, params, x = _mlp()
@@ -105,8 +111,8 @@ def test_readme_example_logs_loads_and_runs_here(tracking_uri):
     g = jax.grad(lambda v: model(v).sum())(x)
     want = jax.grad(lambda v: fn(params, v).sum())(x)
     np.testing.assert_allclose(np.asarray(g), np.asarray(want), **TOL)
-    proc = _cli("verify", info.model_uri, "--json", env={"MLFLOW_TRACKING_URI": tracking_uri})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _jaxexp("verify", info.model_uri, "--json", env={"MLFLOW_TRACKING_URI": tracking_uri})
+    assert proc.exit_code == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert report["ok"] and report["environment"]["backend"] == HERE
 
@@ -155,8 +161,8 @@ def test_export_for_a_platform_this_machine_lacks(tmp_path):
         mlflow.jaxexp.load_model(str(path))
     assert f"exported for platforms ['{ABSENT}']" in str(err.value)
     assert f"runs JAX on '{HERE}'" in str(err.value) and "gpu'" not in str(err.value)
-    proc = _cli("check", str(path))
-    assert proc.returncode != 0 and "recorded-env" not in proc.stdout + proc.stderr
+    proc = _jaxexp("check", str(path))
+    assert proc.exit_code != 0 and "recorded-env" not in proc.stdout + proc.stderr
 
 
 _SAVE_ON_CPU = textwrap.dedent(
@@ -196,7 +202,7 @@ def test_model_logged_on_cpu_verifies_here(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("mlp", "nnx_bf16"):
-        out = _cli("verify", str(tmp_path / name), "--json")
+        out = _jaxexp("verify", str(tmp_path / name), "--json")
         report = json.loads(out.stdout)
         assert report["reference"]["platform"] == "cpu"
         assert report["environment"]["backend"] == HERE
@@ -204,7 +210,7 @@ def test_model_logged_on_cpu_verifies_here(tmp_path):
         print(f"GPU-FIGURE verify {name} logged on cpu, run on {HERE}: {errs}")
         assert report["ok"], report["outputs"]
         if HERE != "cpu":
-            assert "cross-platform" in _cli("verify", str(tmp_path / name)).stdout
+            assert "cross-platform" in _jaxexp("verify", str(tmp_path / name)).stdout
 
 
 def test_real_models_bf16_and_equinox_run_here(tmp_path):
@@ -298,7 +304,7 @@ def test_corpus_checks_and_runs_on_this_host():
     for blob in cases:
         case = blob.parent
         meta, inputs, outputs = load_case(case)
-        proc = _cli("check", str(case), "--json")
+        proc = _jaxexp("check", str(case), "--json")
         verdict = json.loads(proc.stdout)
         codes = {r["code"] for r in verdict["reasons"] if r["severity"] == compat.INCOMPATIBLE}
         assert "custom_calls" not in codes, (case.name, verdict["reasons"])
