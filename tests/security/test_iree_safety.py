@@ -186,54 +186,74 @@ import json, logging, os, sys
 import numpy as np
 from jaxexp_mlflow.iree import loader
 
-data, cache = open(sys.argv[1], "rb").read(), sys.argv[2]
-kind = sys.argv[3]
+data = open(sys.argv[1], "rb").read()
 records = []
 class Keep(logging.Handler):
     def emit(self, record):
         records.append(record.getMessage())
 logging.getLogger("jaxexp_mlflow").addHandler(Keep())
-entries = [os.path.join(cache, n) for n in os.listdir(cache) if not n.endswith(".tmp")]
-for entry in entries:
-    raw = open(entry, "rb").read()
-    if kind == "truncated":
-        raw = raw[: len(raw) // 2]
-    elif kind == "empty":
-        raw = b""
-    elif kind == "bitflip":  # a few bits in the middle of the compiled code
-        mid = bytearray(raw)
-        for i in range(len(mid) // 2, len(mid) // 2 + 64, 8):
-            mid[i] ^= 0x10
-        raw = bytes(mid)
-    open(entry, "wb").write(raw)
-x = np.arange(12, dtype=np.float32).reshape(4, 3)
-model = loader.build(data, {}, source="doubling", iree_cache=cache)
-y = model(x)
-again = loader.build(data, {}, source="doubling", iree_cache=cache)(x)  # the entry is good again
-print("RESULT " + json.dumps({"ok": bool(np.array_equal(y, x * 2) and np.array_equal(again, x * 2)),
-      "warnings": [r for r in records if "cache" in r]}))
+results = {}
+for kind, cache in zip(sys.argv[2::2], sys.argv[3::2]):  # each kind damages a cache of its own
+    records.clear()
+    entries = [os.path.join(cache, n) for n in os.listdir(cache) if not n.endswith(".tmp")]
+    for entry in entries:
+        raw = open(entry, "rb").read()
+        if kind == "truncated":
+            raw = raw[: len(raw) // 2]
+        elif kind == "empty":
+            raw = b""
+        elif kind == "bitflip":  # a few bits in the middle of the compiled code
+            mid = bytearray(raw)
+            for i in range(len(mid) // 2, len(mid) // 2 + 64, 8):
+                mid[i] ^= 0x10
+            raw = bytes(mid)
+        open(entry, "wb").write(raw)
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    model = loader.build(data, {}, source="doubling", iree_cache=cache)
+    y = model(x)
+    again = loader.build(data, {}, source="doubling", iree_cache=cache)(x)  # good again
+    results[kind] = {
+        "ok": bool(np.array_equal(y, x * 2) and np.array_equal(again, x * 2)),
+        "warnings": [r for r in records if "cache" in r],
+    }
+print("RESULT " + json.dumps(results))
 """
 
+DAMAGE_KINDS = ("truncated", "bitflip", "empty")
 
-@pytest.mark.parametrize("kind", ["truncated", "bitflip", "empty"])
-def test_damaged_cache_entry_is_recompiled_never_run(doubling, tmp_path, kind):
+
+@pytest.fixture(scope="module")
+def damaged_outcomes(doubling, tmp_path_factory) -> dict[str, dict]:
+    """By damage kind: what ONE child (a damaged entry may end a process) saw loading the
+    doubling blob from a copy of a good cache damaged that way: ``ok`` (both loads doubled)
+    and the cache warnings. Each kind's cache is its own; the good one was compiled here."""
     data, _ = doubling
-    cache = tmp_path / "cache"
-    (tmp_path / "blob").write_bytes(data)
+    root = tmp_path_factory.mktemp("damaged")
+    good = root / "good"
+    (root / "blob").write_bytes(data)
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
     np.testing.assert_array_equal(
-        loader.build(data, {}, source="doubling", iree_cache=str(cache))(x), x * 2
+        loader.build(data, {}, source="doubling", iree_cache=str(good))(x), x * 2
     )
-    assert [p for p in cache.iterdir() if p.suffix != ".tmp"]
+    assert [p for p in good.iterdir() if p.suffix != ".tmp"]
+    args = []
+    for kind in DAMAGE_KINDS:
+        shutil.copytree(good, root / kind)
+        args += [kind, str(root / kind)]
     proc = subprocess.run(
-        [sys.executable, "-c", DAMAGED_CACHE, str(tmp_path / "blob"), str(cache), kind],
+        [sys.executable, "-c", DAMAGED_CACHE, str(root / "blob"), *args],
         capture_output=True,
         text=True,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         timeout=300,
     )
-    result = result_of(proc)
+    return result_of(proc)
+
+
+@pytest.mark.parametrize("kind", DAMAGE_KINDS)
+def test_damaged_cache_entry_is_recompiled_never_run(damaged_outcomes, kind):
+    result = damaged_outcomes[kind]
     assert result["ok"], result
     assert len(result["warnings"]) == 1, result["warnings"]  # discarded once, then good again
     assert "recompil" in result["warnings"][0]
