@@ -16,6 +16,7 @@ import yaml
 import jaxexp_mlflow  # noqa: F401  (mlflow.jaxexp)
 from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.params import manifest as M
+from tests.conftest import result_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,27 +47,46 @@ def _huge_grid(model: Path) -> None:
 
 
 _CHILD = """
-import resource, sys
+import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 import jaxexp_mlflow, mlflow
-try:
-    mlflow.jaxexp.load_model(sys.argv[1])
-except BaseException as err:
-    print("RAISED", type(err).__name__, str(err)[:300])
+said = {}
+for path in sys.argv[1:]:
+    try:
+        mlflow.jaxexp.load_model(path)
+        said[path] = "LOADED"
+    except BaseException as err:
+        said[path] = " ".join(["RAISED", type(err).__name__, str(err)[:300]])
+print("RESULT " + json.dumps(said))
 """
 
 
-def test_a_zarr_chunk_grid_is_bounded_before_chunk_names_are_made(model):
-    _huge_grid(model)
+@pytest.fixture(scope="module")
+def capped_loads(saved_mlp, tmp_path_factory) -> dict[str, str]:
+    """What loading each forged model said in ONE child capped at 4 GiB of address space
+    (``RAISED <type> <message>`` or ``LOADED``), by forgery name; the copies are its own."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("capped")
+    forged = {}
+    for name, forge in (("huge_grid", _huge_grid), ("long_names", _long_names)):
+        forged[name] = Path(shutil.copytree(saved_mlp, root / name, symlinks=True))
+        forge(forged[name])
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(model)],
+        [sys.executable, "-c", _CHILD, *map(str, forged.values())],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=REPO,
     )
-    assert "RAISED ArtifactError" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    assert "4000000000 chunk files" in proc.stdout
+    said = result_of(proc)
+    return {name: said[str(path)] for name, path in forged.items()}
+
+
+def test_a_zarr_chunk_grid_is_bounded_before_chunk_names_are_made(capped_loads):
+    said = capped_loads["huge_grid"]  # _huge_grid's forgery
+    assert "RAISED ArtifactError" in said, said
+    assert "4000000000 chunk files" in said
 
 
 def _long_names(model: Path, rank: int = 250_000, files: int = 6_000) -> None:
@@ -93,19 +113,12 @@ def _long_names(model: Path, rank: int = 250_000, files: int = 6_000) -> None:
     M.write_manifest(model / "params")
 
 
-def test_zarr_chunk_names_are_bounded_by_rank_before_they_are_made(model):
+def test_zarr_chunk_names_are_bounded_by_rank_before_they_are_made(capped_loads):
     """Chunk names grow with the rank: the rank is bounded before a name is made, so the load
     is an ``ArtifactError`` under a 4 GiB address-space cap (it was a MemoryError)."""
-    _long_names(model)
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(model)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert "RAISED ArtifactError" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    assert "250000 dimensions" in proc.stdout and "at most 32" in proc.stdout, proc.stdout
+    said = capped_loads["long_names"]  # _long_names's forgery
+    assert "RAISED ArtifactError" in said, said
+    assert "250000 dimensions" in said and "at most 32" in said, said
 
 
 def test_zarr_chunk_name_bytes_are_counted_before_they_are_made():

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -186,72 +187,101 @@ import json, logging, os, sys
 import numpy as np
 from jaxexp_mlflow.iree import loader
 
-data, cache = open(sys.argv[1], "rb").read(), sys.argv[2]
-kind = sys.argv[3]
+data = open(sys.argv[1], "rb").read()
 records = []
 class Keep(logging.Handler):
     def emit(self, record):
         records.append(record.getMessage())
 logging.getLogger("jaxexp_mlflow").addHandler(Keep())
-entries = [os.path.join(cache, n) for n in os.listdir(cache) if not n.endswith(".tmp")]
-for entry in entries:
-    raw = open(entry, "rb").read()
-    if kind == "truncated":
-        raw = raw[: len(raw) // 2]
-    elif kind == "empty":
-        raw = b""
-    elif kind == "bitflip":  # a few bits in the middle of the compiled code
-        mid = bytearray(raw)
-        for i in range(len(mid) // 2, len(mid) // 2 + 64, 8):
-            mid[i] ^= 0x10
-        raw = bytes(mid)
-    open(entry, "wb").write(raw)
-x = np.arange(12, dtype=np.float32).reshape(4, 3)
-model = loader.build(data, {}, source="doubling", iree_cache=cache)
-y = model(x)
-again = loader.build(data, {}, source="doubling", iree_cache=cache)(x)  # the entry is good again
-print("RESULT " + json.dumps({"ok": bool(np.array_equal(y, x * 2) and np.array_equal(again, x * 2)),
-      "warnings": [r for r in records if "cache" in r]}))
+results = {}
+for kind, cache in zip(sys.argv[2::2], sys.argv[3::2]):  # each kind damages a cache of its own
+    records.clear()
+    entries = [os.path.join(cache, n) for n in os.listdir(cache) if not n.endswith(".tmp")]
+    for entry in entries:
+        raw = open(entry, "rb").read()
+        if kind == "truncated":
+            raw = raw[: len(raw) // 2]
+        elif kind == "empty":
+            raw = b""
+        elif kind == "bitflip":  # a few bits in the middle of the compiled code
+            mid = bytearray(raw)
+            for i in range(len(mid) // 2, len(mid) // 2 + 64, 8):
+                mid[i] ^= 0x10
+            raw = bytes(mid)
+        open(entry, "wb").write(raw)
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    model = loader.build(data, {}, source="doubling", iree_cache=cache)
+    y = model(x)
+    again = loader.build(data, {}, source="doubling", iree_cache=cache)(x)  # good again
+    results[kind] = {
+        "ok": bool(np.array_equal(y, x * 2) and np.array_equal(again, x * 2)),
+        "warnings": [r for r in records if "cache" in r],
+    }
+print("RESULT " + json.dumps(results))
 """
 
+DAMAGE_KINDS = ("truncated", "bitflip", "empty")
 
-@pytest.mark.parametrize("kind", ["truncated", "bitflip", "empty"])
-def test_damaged_cache_entry_is_recompiled_never_run(doubling, tmp_path, kind):
+
+@pytest.fixture(scope="module")
+def compiled_caches(doubling, tmp_path_factory) -> dict[str, Path]:
+    """IREE caches compiled once under this session's secret: ``doubling`` holds the doubling
+    blob's entry, ``triple`` an x*3 module's; never altered (a test copies what it damages)."""
     data, _ = doubling
-    cache = tmp_path / "cache"
-    (tmp_path / "blob").write_bytes(data)
+    root = tmp_path_factory.mktemp("compiled")
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
     np.testing.assert_array_equal(
-        loader.build(data, {}, source="doubling", iree_cache=str(cache))(x), x * 2
+        loader.build(data, {}, source="doubling", iree_cache=str(root / "doubling"))(x), x * 2
     )
-    assert [p for p in cache.iterdir() if p.suffix != ".tmp"]
+    triple = jax.export.export(jax.jit(lambda x: x * 3))(
+        jax.ShapeDtypeStruct((jax.export.symbolic_shape("b")[0], 3), jnp.float32)
+    )
+    loader.build(triple.serialize(), {}, source="triple", iree_cache=str(root / "triple"))
+    return {"doubling": root / "doubling", "triple": root / "triple"}
+
+
+@pytest.fixture(scope="module")
+def damaged_outcomes(doubling, compiled_caches, tmp_path_factory) -> dict[str, dict]:
+    """By damage kind: what ONE child (a damaged entry may end a process) saw loading the
+    doubling blob from a copy of a good cache damaged that way: ``ok`` (both loads doubled)
+    and the cache warnings. Each kind's cache is its own copy of ``compiled_caches``'."""
+    data, _ = doubling
+    root = tmp_path_factory.mktemp("damaged")
+    good = compiled_caches["doubling"]
+    (root / "blob").write_bytes(data)
+    assert [p for p in good.iterdir() if p.suffix != ".tmp"]
+    args = []
+    for kind in DAMAGE_KINDS:
+        shutil.copytree(good, root / kind)
+        args += [kind, str(root / kind)]
     proc = subprocess.run(
-        [sys.executable, "-c", DAMAGED_CACHE, str(tmp_path / "blob"), str(cache), kind],
+        [sys.executable, "-c", DAMAGED_CACHE, str(root / "blob"), *args],
         capture_output=True,
         text=True,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         timeout=300,
     )
-    result = result_of(proc)
+    return result_of(proc)
+
+
+@pytest.mark.parametrize("kind", DAMAGE_KINDS)
+def test_damaged_cache_entry_is_recompiled_never_run(damaged_outcomes, kind):
+    result = damaged_outcomes[kind]
     assert result["ok"], result
     assert len(result["warnings"]) == 1, result["warnings"]  # discarded once, then good again
     assert "recompil" in result["warnings"][0]
 
 
-def test_cache_entry_of_another_key_is_not_run(doubling, tmp_path, caplog):
+def test_cache_entry_of_another_key_is_not_run(doubling, compiled_caches, tmp_path, caplog):
     """An intact entry stored under another module's key (renamed or copied): refused by the key
     it records, recompiled."""
     data, _ = doubling
     cache = tmp_path / "cache"
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
-    loader.build(data, {}, source="doubling", iree_cache=str(cache))
+    shutil.copytree(compiled_caches["doubling"], cache)  # what loading the doubling blob stored
     (entry,) = [p for p in cache.iterdir() if p.suffix != ".tmp"]
-    triple = jax.export.export(jax.jit(lambda x: x * 3))(
-        jax.ShapeDtypeStruct((jax.export.symbolic_shape("b")[0], 3), jnp.float32)
-    )
-    tdata = triple.serialize()
-    loader.build(tdata, {}, source="triple", iree_cache=str(cache))
+    shutil.copytree(compiled_caches["triple"], cache, dirs_exist_ok=True)  # and the x*3 module
     (tentry,) = [p for p in cache.iterdir() if p.suffix != ".tmp" and p != entry]
     shutil.copy(tentry, entry)  # the x*3 module under the x*2 key
     with caplog.at_level("WARNING", logger="jaxexp_mlflow"):
@@ -260,7 +290,7 @@ def test_cache_entry_of_another_key_is_not_run(doubling, tmp_path, caplog):
     assert any("recompil" in r.getMessage() for r in caplog.records)
 
 
-def test_cache_entry_forged_for_another_key_is_not_run(doubling, tmp_path, caplog):
+def test_cache_entry_forged_for_another_key_is_not_run(doubling, compiled_caches, tmp_path, caplog):
     """Another module's intact entry with its header rewritten for this key (the key, size and
     sha256 all consistent, as anyone who can write the cache directory can make them): the
     HMAC under this user's secret does not verify, so it is recompiled, never run."""
@@ -269,13 +299,10 @@ def test_cache_entry_forged_for_another_key_is_not_run(doubling, tmp_path, caplo
     data, _ = doubling
     cache = tmp_path / "cache"
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
-    loader.build(data, {}, source="doubling", iree_cache=str(cache))
+    shutil.copytree(compiled_caches["doubling"], cache)  # what loading the doubling blob stored
     (entry,) = [p for p in cache.iterdir() if p.suffix == compiler.ENTRY_SUFFIX]
     key = entry.name[: -len(compiler.ENTRY_SUFFIX)]
-    triple = jax.export.export(jax.jit(lambda x: x * 3))(
-        jax.ShapeDtypeStruct((jax.export.symbolic_shape("b")[0], 3), jnp.float32)
-    )
-    loader.build(triple.serialize(), {}, source="triple", iree_cache=str(cache))
+    shutil.copytree(compiled_caches["triple"], cache, dirs_exist_ok=True)  # and the x*3 module
     (tentry,) = [p for p in cache.iterdir() if p.suffix == compiler.ENTRY_SUFFIX and p != entry]
     raw = tentry.read_bytes()
     end = raw.index(b"\n", len(compiler.ENTRY_MAGIC))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import jax
@@ -100,57 +100,67 @@ def test_reference_is_computed_from_the_params_as_stored(tmp_path):
         np.testing.assert_allclose(ref["out_0"], mlp_apply(params, x), rtol=1e-6)
 
 
-WORKER = textwrap.dedent(
-    """
-    import json, sys, time
-    from pathlib import Path
+def _race(seed: int, root: Path, n: int, other_alive=lambda: True) -> dict:
+    """Save the seed's model to ``root/m0`` .. ``m{n-1}`` once the other racer is ready too;
+    which saves this process won, and how each lost one ended. Runs in this process and, as
+    its own source, in a child: two processes saving to one path."""
+    import time
+
     import mlflow
-    import jaxexp_mlflow
-    from jaxexp_mlflow.errors import SaveConflictError
+
+    from jaxexp_mlflow.errors import SaveConflictError  # the package installs mlflow.jaxexp
     from tests.models import batch, export_mlp, mlp_params
 
-    seed, root, n = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     params = mlp_params(seed=seed)
     exp = export_mlp(params)
     (root / f"ready-{seed}").touch()
     while len(list(root.glob("ready-*"))) < 2:  # start together
+        assert other_alive(), "the other racer ended before it was ready"
         time.sleep(0.005)
     won, lost = [], []
     for i in range(n):
         try:
-            mlflow.jaxexp.save_model(exp, root / f"m{i}", params=params, input_example=batch(2),
-                                     include_package=False)
+            mlflow.jaxexp.save_model(
+                exp, root / f"m{i}", params=params, input_example=batch(2), include_package=False
+            )
             won.append(i)
         except SaveConflictError:  # both wrote a whole model, the other renamed first
             lost.append("conflict")
         except mlflow.exceptions.MlflowException as e:  # the other one was already there
             assert "already exists" in e.message, e.message
             lost.append("exists")
-    print("RESULT " + json.dumps({"seed": seed, "won": won, "lost": lost}))
-    """
+    return {"seed": seed, "won": won, "lost": lost}
+
+
+WORKER = (
+    "import json, sys\n"
+    "from pathlib import Path\n"
+    + inspect.getsource(_race)
+    + "seed, root, n = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])\n"
+    + "print('RESULT ' + json.dumps(_race(seed, root, n)))\n"
 )
 
 
 def test_two_processes_saving_to_one_path_leave_one_complete_model(tmp_path):
     n = 3
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(seed), str(tmp_path), str(n)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-            env=env,
-        )
-        for seed in (10, 20)
-    ]
-    results = {}
-    for proc in procs:
+    # the other process: a child racing this one (seed 20 here, 10 there)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, "10", str(tmp_path), str(n)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    try:
+        here = _race(20, tmp_path, n, other_alive=lambda: proc.poll() is None)
+    finally:
         out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1]
-        res = json.loads(line[len("RESULT ") :])
+    assert proc.returncode == 0, err[-3000:]
+    line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1]
+    results = {}
+    for res in (json.loads(line[len("RESULT ") :]), here):
         results[res["seed"]] = set(res["won"])
         print(res)  # how each lost race ended (conflict at rename / path already taken)
     assert not _debris(tmp_path)

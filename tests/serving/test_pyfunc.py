@@ -461,31 +461,15 @@ def test_mlflow_models_predict_cli_and_api(two_dir, tmp_path):
     want = two_input_fn(params, ex)
     body = {"inputs": {"x": ex["x"].tolist(), "ids": ex["ids"].tolist()}}
     (tmp_path / "in.json").write_text(json.dumps(body))
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "models",
-            "predict",
-            "-m",
-            str(path),
-            "-i",
-            str(tmp_path / "in.json"),
-            "-t",
-            "json",
-            "-o",
-            str(tmp_path / "out.json"),
-            "--env-manager",
-            "local",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    # MLflow's command line, in this process: with ``--env-manager local`` the command predicts
+    # in the process that parsed it (no child), as it does from a shell
+    from click.testing import CliRunner
+    from mlflow.cli import cli as mlflow_cli
+
+    args = ["models", "predict", "-m", str(path), "-i", str(tmp_path / "in.json")]
+    args += ["-t", "json", "-o", str(tmp_path / "out.json"), "--env-manager", "local"]
+    result = CliRunner().invoke(mlflow_cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
     got = json.loads((tmp_path / "out.json").read_text())["predictions"]
     np.testing.assert_allclose(np.asarray(got["logits"]), want["logits"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got["score"]), want["score"], rtol=1e-5, atol=1e-5)
