@@ -22,7 +22,7 @@ import pytest
 
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.codec import zarr
-from tests.conftest import free_port, sqlite_uri
+from tests.conftest import free_port
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 from tests.servers import mlflow_server
 
@@ -69,14 +69,13 @@ def postgres(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def server(request, tmp_path_factory):
-    """A real ``mlflow server`` on 127.0.0.1 with a sqlite or PostgreSQL backend and proxied
-    artifacts."""
-    root = tmp_path_factory.mktemp("server")
+    """A real ``mlflow server`` on 127.0.0.1 with a sqlite (the session's, tests/conftest.py) or
+    PostgreSQL backend and proxied artifacts; ``(url, artifacts_dir)``."""
     if request.param == "sqlite":
-        backend = sqlite_uri(root / "db.sqlite")
-    else:
-        backend = request.getfixturevalue("postgres")
-    with mlflow_server(root, backend=backend) as (url, _):
+        yield request.getfixturevalue("tracking_server")
+        return
+    root = tmp_path_factory.mktemp("server")
+    with mlflow_server(root, backend=request.getfixturevalue("postgres")) as (url, _):
         yield url, root / "artifacts"
 
 
@@ -97,7 +96,7 @@ def test_log_and_load_through_a_remote_server(server, tmp_path, monkeypatch):
                 registered_model_name="remote-mlp",
             )
         # the artifacts went through the server into its own artifact store
-        assert len(list(artifacts.rglob("exported.bin"))) == 1
+        assert len([p for p in artifacts.rglob("exported.bin") if info.model_id in str(p)]) == 1
         runs_uri = f"runs:/{run.info.run_id}/model"  # the logged model, found by its run
         for i, uri in enumerate((info.model_uri, "models:/remote-mlp/1", runs_uri)):
             (tmp_path / str(i)).mkdir()
@@ -145,6 +144,8 @@ _LOAD_CHILD = """
 import json, os, sys
 import mlflow
 import jaxexp_mlflow
+from click.testing import CliRunner
+from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.errors import ArtifactError
 out = {}
 for name, uri in (("hostile", sys.argv[1]), ("clean", sys.argv[2])):
@@ -154,77 +155,71 @@ for name, uri in (("hostile", sys.argv[1]), ("clean", sys.argv[2])):
     except ArtifactError as err:
         out[name] = "ArtifactError: " + str(err)[:600]
     out[name + " leaves"] = sorted(os.listdir(os.environ["TMPDIR"]))
+verify = CliRunner().invoke(main, ["verify", sys.argv[1]])
+out["verify code"] = verify.exit_code
+out["verify output"] = (verify.stdout + verify.stderr)[-4000:]
+out["verify leaves"] = sorted(os.listdir(os.environ["TMPDIR"]))
 print("RESULT " + json.dumps(out))
 """
 
 JUNK_BYTES = 1 << 30  # sparse: no disk on the server's side
 
 
-def test_files_no_array_uses_are_refused_before_download(tmp_path):
+def test_files_no_array_uses_are_refused_before_download(tracking_server, tmp_path):
     """A store adds a 1 GiB (sparse) file to a logged model's params, named like a chunk of
     ``w1`` (which has one chunk), and re-seals the manifest so that its sizes, checksums and
     binding all agree: the load through ``mlflow server`` refuses the file by name before
-    downloading it, and the loader's TMPDIR is empty once it returns (refused or loaded)."""
+    downloading it, and the loader's TMPDIR is empty once it returns (refused or loaded).
+
+    The altered model is this test's own, in the session's server; one fresh process (its
+    TMPDIR the test's) loads both models and runs ``jaxexp verify`` on the hostile one."""
     import yaml
 
     from jaxexp_mlflow.params import manifest as M
 
-    root = tmp_path / "server"
-    root.mkdir()
-    with mlflow_server(root, backend=sqlite_uri(root / "db.sqlite")) as (url, _):
-        mlflow.set_tracking_uri(url)
-        try:
-            mlflow.set_experiment("hostile-store")
-            params = mlp_params()
-            infos = []
-            for _ in range(2):
-                with mlflow.start_run():
-                    infos.append(
-                        mlflow.jaxexp.log_model(
-                            export_mlp(params), name="model", params=params, input_example=batch(2)
-                        )
+    url, artifacts = tracking_server
+    mlflow.set_tracking_uri(url)
+    try:
+        mlflow.set_experiment("hostile-store")
+        params = mlp_params()
+        infos = []
+        for _ in range(2):
+            with mlflow.start_run():
+                infos.append(
+                    mlflow.jaxexp.log_model(
+                        export_mlp(params), name="model", params=params, input_example=batch(2)
                     )
-        finally:
-            mlflow.set_tracking_uri(None)
-        hostile, clean = infos
-        found = [
-            p.parent
-            for p in (tmp_path / "server" / "artifacts").rglob("jaxexp_manifest.json")
-            if hostile.model_id in str(p)
-        ]
-        assert len(found) == 1, found
-        ckpt = found[0]
-        with open(ckpt / "w1" / "1.0", "wb") as f:
-            f.truncate(JUNK_BYTES)
-        M.write_manifest(ckpt)
-        mlmodel = yaml.safe_load((ckpt.parent / "MLmodel").read_text())
-        M.bind_manifest(ckpt, M.model_identity(mlmodel))
-        M.verify_checkpoint(ckpt, mlmodel=mlmodel).same_save()  # a consistent store
-        tmp = tmp_path / "loader-tmp"
-        tmp.mkdir()
-        env = {**os.environ, "MLFLOW_TRACKING_URI": url, "TMPDIR": str(tmp)}
-        proc = subprocess.run(
-            [sys.executable, "-c", _LOAD_CHILD, hostile.model_uri, clean.model_uri],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-        )
-        cli = "from jaxexp_mlflow.cli import main; main()"
-        verify = subprocess.run(
-            [sys.executable, "-c", cli, "verify", hostile.model_uri],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-        )
-        assert verify.returncode != 0 and "w1/1.0" in verify.stdout + verify.stderr, (
-            verify.stdout[-2000:] + verify.stderr[-2000:]
-        )
-        assert sorted(os.listdir(tmp)) == [], "jaxexp verify left files in TMPDIR"
+                )
+    finally:
+        mlflow.set_tracking_uri(None)
+    hostile, clean = infos
+    found = [
+        p.parent for p in artifacts.rglob("jaxexp_manifest.json") if hostile.model_id in str(p)
+    ]
+    assert len(found) == 1, found
+    ckpt = found[0]
+    with open(ckpt / "w1" / "1.0", "wb") as f:
+        f.truncate(JUNK_BYTES)
+    M.write_manifest(ckpt)
+    mlmodel = yaml.safe_load((ckpt.parent / "MLmodel").read_text())
+    M.bind_manifest(ckpt, M.model_identity(mlmodel))
+    M.verify_checkpoint(ckpt, mlmodel=mlmodel).same_save()  # a consistent store
+    tmp = tmp_path / "loader-tmp"
+    tmp.mkdir()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": url, "TMPDIR": str(tmp)}
+    env.pop("MLFLOW_EXPERIMENT_ID", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_CHILD, hostile.model_uri, clean.model_uri],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["verify code"] != 0 and "w1/1.0" in out["verify output"], out
+    assert out["verify leaves"] == [], "jaxexp verify left files in TMPDIR"
     assert out["hostile"].startswith("ArtifactError"), out
     assert "'w1/1.0'" in out["hostile"] and "Nothing of it was downloaded" in out["hostile"], out
     assert out["hostile leaves"] == [], out

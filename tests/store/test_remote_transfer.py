@@ -25,7 +25,7 @@ from mlflow.exceptions import MlflowException
 
 import jaxexp_mlflow  # noqa: F401
 from jaxexp_mlflow.params import save_params
-from tests.conftest import REPO, sqlite_uri
+from tests.conftest import REPO, run_cli, sqlite_uri
 from tests.models import log_registered
 from tests.servers import free_port, kill_group, mlflow_server
 
@@ -103,24 +103,32 @@ def blob_and_params(tmp_path_factory):
     return root
 
 
-def test_progress_on_a_terminal_and_silence_elsewhere(server, blob_and_params):
+def test_progress_on_a_terminal_and_silence_elsewhere(server, blob_and_params, monkeypatch):
     """``jaxexp log`` and ``jaxexp verify`` against the server show bytes, rate and ETA on a
-    terminal, and nothing of it when their output goes to a pipe."""
+    terminal, and nothing of it when their output goes elsewhere (click's runner here: no
+    terminal, the stderr it captures also holds MLflow's own bars)."""
     d = blob_and_params
-    log = ["jaxexp", "log", str(d / "exported.bin"), "--params", str(d / "ckpt")]
+    log = ["log", str(d / "exported.bin"), "--params", str(d / "ckpt")]
     log += ["--input-example", str(d / "x.npy"), "--register", "progress"]
-    code, out = run_in_pty(log, _env(server))
+    code, out = run_in_pty(["jaxexp", *log], _env(server))
     assert code == 0, out
     assert "Uploading params" in out and "B/s" in out, out
     code, out = run_in_pty(["jaxexp", "verify", "models:/progress/1"], _env(server))
     assert code == 0, out
     assert "Downloading" in out and "B/s" in out and "PASS" in out.upper(), out
 
-    piped = subprocess.run(log, env=_env(server), capture_output=True, text=True)
-    assert piped.returncode == 0, piped.stderr
-    verify = ["jaxexp", "verify", "models:/progress/2"]
-    piped2 = subprocess.run(verify, env=_env(server), capture_output=True, text=True)
-    assert piped2.returncode == 0, piped2.stderr
+    env = {"MLFLOW_TRACKING_URI": server, "MLFLOW_EXPERIMENT_NAME": None}
+    env |= {"JAXEXP_PROGRESS": None, "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": None}
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)  # set_experiment sets it: undone
+    mlflow.set_tracking_uri(server)
+    try:
+        mlflow.set_experiment("Default")  # where the console script logs
+        piped = run_cli(*log, env=env)
+        assert piped.exit_code == 0, piped.stderr
+        piped2 = run_cli("verify", "models:/progress/2", env=env)
+        assert piped2.exit_code == 0, piped2.stderr
+    finally:
+        mlflow.set_tracking_uri(None)
     for text in (piped.stderr, piped2.stderr):
         assert "B/s" not in text and "Uploading" not in text and "Downloading" not in text
 
@@ -200,68 +208,67 @@ def test_big_params_through_the_server_in_bounded_memory(gib, tmp_path):
         assert row["ratio"] < 1.25, row
 
 
-def test_download_matches_mlflows_own_and_skips_what_it_is_told(tmp_path, monkeypatch):
+def test_download_matches_mlflows_own_and_skips_what_it_is_told(
+    tracking_server, tmp_path, monkeypatch
+):
     """``download.download_model`` lists and downloads on one pool; the files it brings back
     are byte for byte those of MLflow's ``download_artifacts``, minus the skipped directory;
-    a listing the server fails to give is raised, not a silently partial download."""
+    a listing the server fails to give is raised, not a silently partial download (the model
+    damaged in the session's server is this test's own)."""
     from mlflow.artifacts import download_artifacts
     from mlflow.store.artifact.http_artifact_repo import HttpArtifactRepository
 
     from jaxexp_mlflow.store import transfer
     from jaxexp_mlflow.store.download import download_model
 
-    root = tmp_path / "server"
-    root.mkdir()
-    with mlflow_server(root, backend=sqlite_uri(root / "db.sqlite")) as (url, _):
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
-        mlflow.set_tracking_uri(url)
-        try:
-            mlflow.set_experiment("download")
-            log_registered(
-                apply,
-                make_params(6 * MiB, 3),
-                np.ones((2, 4), np.float32),
-                "dl",
-                include_package=True,  # a code/ tree to skip
-            )
-            theirs = Path(download_artifacts("models:/dl/1", dst_path=str(tmp_path / "mlflow")))
-            monkeypatch.setenv("JAXEXP_TRANSFER_WORKERS", "3")  # fewer workers than dirs
-            listed = []
-            list_artifacts = HttpArtifactRepository.list_artifacts
+    url, artifacts = tracking_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    mlflow.set_tracking_uri(url)
+    try:
+        mlflow.set_experiment("download")
+        info = log_registered(
+            apply,
+            make_params(6 * MiB, 3),
+            np.ones((2, 4), np.float32),
+            "dl",
+            include_package=True,  # a code/ tree to skip
+        )
+        theirs = Path(download_artifacts("models:/dl/1", dst_path=str(tmp_path / "mlflow")))
+        monkeypatch.setenv("JAXEXP_TRANSFER_WORKERS", "3")  # fewer workers than dirs
+        listed = []
+        list_artifacts = HttpArtifactRepository.list_artifacts
 
-            def counting(self, path=None):
-                listed.append(path)
-                return list_artifacts(self, path)
+        def counting(self, path=None):
+            listed.append(path)
+            return list_artifacts(self, path)
 
-            monkeypatch.setattr(HttpArtifactRepository, "list_artifacts", counting)
-            ours = download_model(
-                "models:/dl/1", str(tmp_path / "ours"), skip=("code/jaxexp_mlflow",)
-            )
-            monkeypatch.setattr(HttpArtifactRepository, "list_artifacts", list_artifacts)
-            assert ours.ours
-            # the params manifest named the files of the array directories: none was listed
-            assert any(p and p.split("/")[-1] == "params" for p in listed), listed
-            assert not any(p and "params/" in p for p in listed), listed
-            mine, want = _files(Path(ours.path)), _files(theirs)
-            skipped = {k for k in want if k.startswith("code/jaxexp_mlflow/")}
-            assert skipped and len(mine) > 20  # params arrays, each in its own directory
-            assert mine == {k: v for k, v in want.items() if k not in skipped}
-            # the big files were checksummed as they landed: the manifest's CRC-32C values
-            manifest = json.loads(mine["params/jaxexp_manifest.json"])["files"]
-            big = {k for k, v in mine.items() if len(v) >= transfer.CHECKSUM_MIN_BYTES}
-            assert big and set(ours.crc32c) == big
-            for rel, value in ours.crc32c.items():
-                assert int(manifest[rel.removeprefix("params/")]["crc32c"], 16) == value, rel
+        monkeypatch.setattr(HttpArtifactRepository, "list_artifacts", counting)
+        ours = download_model("models:/dl/1", str(tmp_path / "ours"), skip=("code/jaxexp_mlflow",))
+        monkeypatch.setattr(HttpArtifactRepository, "list_artifacts", list_artifacts)
+        assert ours.ours
+        # the params manifest named the files of the array directories: none was listed
+        assert any(p and p.split("/")[-1] == "params" for p in listed), listed
+        assert not any(p and "params/" in p for p in listed), listed
+        mine, want = _files(Path(ours.path)), _files(theirs)
+        skipped = {k for k in want if k.startswith("code/jaxexp_mlflow/")}
+        assert skipped and len(mine) > 20  # params arrays, each in its own directory
+        assert mine == {k: v for k, v in want.items() if k not in skipped}
+        # the big files were checksummed as they landed: the manifest's CRC-32C values
+        manifest = json.loads(mine["params/jaxexp_manifest.json"])["files"]
+        big = {k for k, v in mine.items() if len(v) >= transfer.CHECKSUM_MIN_BYTES}
+        assert big and set(ours.crc32c) == big
+        for rel, value in ours.crc32c.items():
+            assert int(manifest[rel.removeprefix("params/")]["crc32c"], 16) == value, rel
 
-            # a chunk file in the server's store turned into a dangling link: a typed error
-            (chunk,) = (tmp_path / "server" / "artifacts").rglob("w1/0.0")
-            chunk.unlink()
-            chunk.symlink_to(tmp_path / "nowhere")
-            monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-            with pytest.raises(MlflowException):
-                download_model("models:/dl/1", str(tmp_path / "cut"))
-        finally:
-            mlflow.set_tracking_uri(None)
+        # a chunk file in the server's store turned into a dangling link: a typed error
+        (chunk,) = [p for p in artifacts.rglob("w1/0.0") if info.model_id in str(p)]
+        chunk.unlink()
+        chunk.symlink_to(tmp_path / "nowhere")
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        with pytest.raises(MlflowException):
+            download_model("models:/dl/1", str(tmp_path / "cut"))
+    finally:
+        mlflow.set_tracking_uri(None)
 
 
 def test_early_upload_sends_the_checkpoint_and_its_manifest_last(server, tmp_path):
