@@ -1,9 +1,9 @@
 """Platforms and devices.
 
-Multi-device behaviour runs in subprocesses with
-``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the device count is fixed when JAX starts);
-each subprocess runs several checks and reports them as one JSON line, to pay the ~3 s import
-cost once.
+Multi-device behaviour runs in a child with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the device count is fixed when JAX starts):
+the session's one child of that device count (``tests.conftest.device_child``); each script runs
+several checks and reports them as one JSON line.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import devices
-from tests.conftest import CORPUS, corpus_cases, corpus_refusals, run_on_devices
+from tests.conftest import CORPUS, corpus_cases, corpus_refusals, run_on_device_child
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,7 +204,7 @@ WORKER = textwrap.dedent(
 
 
 def run_worker(n_devices: int, *tasks: str) -> dict:
-    res = run_on_devices(WORKER, n_devices, *tasks)
+    res = run_on_device_child(WORKER, n_devices, *tasks)
     assert res["n_devices"] == n_devices
     for task in tasks:
         assert "error" not in res[task], res[task]["error"]
@@ -218,7 +218,9 @@ needs_corpus = pytest.mark.skipif(not VERSIONS, reason="corpus not available")
 def on_two_devices() -> dict:
     """The 2-device checks of this module, run by one child (read only); each test asserts
     that its own tasks ran without error."""
-    res = run_on_devices(WORKER, 2, "named_shardings_recorded", *[f"too_few:{v}" for v in VERSIONS])
+    res = run_on_device_child(
+        WORKER, 2, "named_shardings_recorded", *[f"too_few:{v}" for v in VERSIONS]
+    )
     assert res["n_devices"] == 2
     return res
 
