@@ -508,14 +508,19 @@ def device_child(
     if proc is None or proc.poll() is not None:
         if not _DEVICE_WORKERS:
             atexit.register(_close_device_workers)
+        import tempfile
+
+        log = tempfile.TemporaryFile()  # what C code prints, for a child that dies
         proc = subprocess.Popen(
             [sys.executable, "-c", _DEVICE_WORKER],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=log,
             text=True,
             cwd=REPO,
             env=env,
         )
+        proc.log = log  # type: ignore[attr-defined]
         _DEVICE_WORKERS[key] = proc
     job = {"code": code, "argv": list(args), "env": env, "cwd": str(REPO)}
     proc.stdin.write(json.dumps(job) + "\n")
@@ -526,7 +531,11 @@ def device_child(
         proc.kill()
         rc = proc.wait()
         del _DEVICE_WORKERS[key]
-        raise AssertionError(f"the {n_devices}-device child ended ({rc}) or took over {timeout} s")
+        proc.log.seek(0)
+        said = proc.log.read().decode(errors="replace")[-3000:]
+        raise AssertionError(
+            f"the {n_devices}-device child ended ({rc}) or took over {timeout} s:\n{said}"
+        )
     reply = json.loads(line)
     return subprocess.CompletedProcess(proc.args, reply["rc"], reply["out"], reply["err"])
 
