@@ -1,8 +1,9 @@
 """The remesh and virtual-devices routes: a model exported for more devices than are visible.
 
-Models are exported on 8 simulated CPU devices (mesh ``('data', 'model') = (2, 4)``) in one
-child (``tests/remesh_cases.py``); the route runs them on 1 (this process), 2 and 4 devices (one
-child each) and every output and gradient is compared with the 8-device run. Stated tolerance:
+Models are exported on 8 simulated CPU devices (mesh ``('data', 'model') = (2, 4)``) in a
+child (``tests/remesh_cases.py``); the route runs them on 1 (this process), 2 and 4 devices (a
+child each: the session's child of that device count, ``tests.conftest.device_child``) and every
+output and gradient is compared with the 8-device run. Stated tolerance:
 ``remesh.RTOL`` (1e-5) of the reference's scale for outputs and first-order gradients (sums over
 a resized axis in another order), 1e-4 for second-order gradients.
 """
