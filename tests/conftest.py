@@ -429,3 +429,117 @@ def run_cli(*args: str, env: dict | None = None):
     from jaxexp_mlflow.cli import main
 
     return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+
+
+# --- tests/runtime, tests/params: one long-lived child per device count -----------------------
+
+#: The child that runs the scripts given to :func:`device_child`, one after another, each as
+#: ``python -c`` would (``__main__``, its own ``sys.argv``, environment and working directory),
+#: answering each with one JSON line on the process's original stdout.
+_DEVICE_WORKER = r"""
+import contextlib, io, json, os, sys, traceback
+reply = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # what C code prints lands in stderr, never in the replies
+for line in sys.stdin:
+    job = json.loads(line)
+    out, err, rc = io.StringIO(), io.StringIO(), 0
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    sys.argv = ["-c", *job["argv"]]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+    if "mlflow" in sys.modules:  # the next script starts with no run and no tracking URI set
+        import mlflow
+        from mlflow.tracking._tracking_service import utils
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+        utils._tracking_uri = None
+    reply.write(json.dumps({"rc": rc, "out": out.getvalue(), "err": err.getvalue()}) + "\n")
+    reply.flush()
+"""
+
+#: the running children, by what JAX reads as it starts (device count, platforms, ...)
+_DEVICE_WORKERS: dict[tuple, subprocess.Popen] = {}
+
+
+def _startup_key(env: dict[str, str]) -> tuple:
+    """What a child reads once, as it starts: children that differ in it are not shared."""
+    read_at_start = ("XLA_", "JAX_", "JAXEXP_", "PYTHON", "TF_", "LD_")
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(read_at_start)))
+
+
+def _close_device_workers() -> None:
+    for proc in _DEVICE_WORKERS.values():
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    _DEVICE_WORKERS.clear()
+
+
+def device_child(
+    code: str, n_devices: int, *args: str, env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Run ``code`` as ``python -c code *args`` would, in a child that sees ``n_devices`` CPU
+    devices (XLA_FLAGS, read once as jax starts), with ``env`` (default: this process's) as its
+    environment and the repository as working directory and import root. One child per device
+    count (and start-up environment) serves the whole test session, one script after another:
+    each pays no interpreter start and no ``import jax, mlflow``. The result reads as that of
+    ``subprocess.run(..., capture_output=True, text=True)``."""
+    import atexit
+    import select
+
+    env = {
+        **(os.environ if env is None else env),
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}",
+        "PYTHONPATH": str(REPO),
+    }
+    key = _startup_key(env)
+    proc = _DEVICE_WORKERS.get(key)
+    if proc is None or proc.poll() is not None:
+        if not _DEVICE_WORKERS:
+            atexit.register(_close_device_workers)
+        import tempfile
+
+        log = tempfile.TemporaryFile()  # what C code prints, for a child that dies
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _DEVICE_WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
+        proc.log = log  # type: ignore[attr-defined]
+        _DEVICE_WORKERS[key] = proc
+    job = {"code": code, "argv": list(args), "env": env, "cwd": str(REPO)}
+    proc.stdin.write(json.dumps(job) + "\n")
+    proc.stdin.flush()
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    if not line:  # died or hung: the next script gets a new child
+        proc.kill()
+        rc = proc.wait()
+        del _DEVICE_WORKERS[key]
+        proc.log.seek(0)
+        said = proc.log.read().decode(errors="replace")[-3000:]
+        raise AssertionError(
+            f"the {n_devices}-device child ended ({rc}) or took over {timeout} s:\n{said}"
+        )
+    reply = json.loads(line)
+    return subprocess.CompletedProcess(proc.args, reply["rc"], reply["out"], reply["err"])
+
+
+def run_on_device_child(code: str, n_devices: int, *args: str) -> dict:
+    """:func:`run_on_devices` in the shared child of that device count (:func:`device_child`)."""
+    return result_of(device_child(code, n_devices, *args))

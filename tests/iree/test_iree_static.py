@@ -87,10 +87,14 @@ def cnn(tmp_path_factory):
 
 
 @pytest.mark.parametrize("build, data", [(Cnn, images), (Encoder, tokens)], ids=["cnn", "encoder"])
-def test_symbolic_batch_model_runs_per_padded_batch_size(build, data, tmp_path):
-    f, params = as_function(build(nnx.Rngs(0)))
-    mlflow.jaxexp.save_model(f, tmp_path / "m", params=params, input_example=data(3))
-    model = mlflow.jaxexp.load_model(tmp_path / "m", backend="iree")
+def test_symbolic_batch_model_runs_per_padded_batch_size(build, data, tmp_path, request):
+    if build is Cnn:  # the module's saved CNN: the same model, saved the same way
+        f, params, path = request.getfixturevalue("cnn")
+    else:
+        f, params = as_function(build(nnx.Rngs(0)))
+        path = tmp_path / "m"
+        mlflow.jaxexp.save_model(f, path, params=params, input_example=data(3))
+    model = mlflow.jaxexp.load_model(path, backend="iree")
     assert isinstance(model, StaticIreeModel) and model.pads
     reasons = model.verdict.reasons  # the gather and/or reshape: warnings, not refusals
     assert reasons and {(r.code, r.severity) for r in reasons} == {("iree_ops", "warn")}
@@ -98,9 +102,9 @@ def test_symbolic_batch_model_runs_per_padded_batch_size(build, data, tmp_path):
         x = data(n, seed=n)
         np.testing.assert_allclose(model(x), np.asarray(f(params, x)), rtol=RTOL, atol=ATOL)
     assert model.sizes() == [1, 4, 8]  # 3 rows padded to 4, 5 to 8; 8 reuses 8
-    predicted = mlflow.pyfunc.load_model(
-        str(tmp_path / "m"), model_config={"backend": "iree"}
-    ).predict(data(3))
+    predicted = mlflow.pyfunc.load_model(str(path), model_config={"backend": "iree"}).predict(
+        data(3)
+    )
     np.testing.assert_allclose(predicted, np.asarray(f(params, data(3))), rtol=RTOL, atol=ATOL)
 
 

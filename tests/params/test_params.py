@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -21,6 +19,7 @@ from jaxexp_mlflow.errors import ArtifactError, ParamsMismatchError
 from jaxexp_mlflow.params import layout
 from jaxexp_mlflow.params import restore as R
 from jaxexp_mlflow.params.manifest import write_manifest
+from tests.conftest import device_child
 
 
 def sds_tree(tree):
@@ -476,12 +475,7 @@ def test_restore_into_named_sharding_on_4_devices(tmp_path):
         print("OK", R.LAST_RESTORE_STATS)
         """
     )
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    r = device_child(code, 4, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK" in r.stdout and "'orbax': 2" in r.stdout
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from jaxexp_mlflow.errors import ArtifactError
 from jaxexp_mlflow.params import orbax_io
 from jaxexp_mlflow.params.manifest import MANIFEST_FILE
 from jaxexp_mlflow.params.memory_crc import MemoryChecksums
+from tests.conftest import device_child
 
 
 def _tree():
@@ -163,11 +162,6 @@ def test_sharded_leaves_are_checksummed_from_their_files(tmp_path):
         print("OK")
         """
     )
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    r = device_child(code, 4, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK" in r.stdout

@@ -1,8 +1,9 @@
 """The verdict against what the installed jax really does with every shared-corpus blob.
 
 Each of the 32 blobs (``../shared/corpus``: jax 0.4.35, 0.6.2, 0.8.3 and 0.10.2) is deserialized
-and called on its stored inputs in a child process with 4 CPU devices, once as jax starts and
-once with ``jax_export_deserialize_expired_versions`` set; ``jaxexp check``'s verdict on the same
+and called on its stored inputs in a child process with 4 CPU devices (the session's:
+``tests.conftest.device_child``), once as jax starts and once with
+``jax_export_deserialize_expired_versions`` set as it starts; ``jaxexp check``'s verdict on the same
 blob, in the same environment, must agree: no false "runs" (a blob judged ok that jax refuses or
 that fails when called) and no false refusals (a blob judged incompatible that runs and
 reproduces its stored outputs). Nothing here is hard-coded per jax version: the truth is measured.
@@ -12,15 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from jaxexp_mlflow.codec.reader import read_blob_file
 from jaxexp_mlflow.runtime import compat
-from tests.conftest import case_id, corpus_cases
+from tests.conftest import case_id, corpus_cases, device_child
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,22 +62,11 @@ print(json.dumps(out))
 
 
 def _measure(cases: list[Path], *, flag: bool) -> dict:
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-    }
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop(compat.EXPIRED_ENV, None)
-    if flag:
+    if flag:  # read as jax starts: a child of its own (device_child shares none across it)
         env[compat.EXPIRED_ENV] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(REPO), *map(str, cases)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=600,
-    )
+    proc = device_child(_CHILD, 4, str(REPO), *map(str, cases), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

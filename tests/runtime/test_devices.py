@@ -1,9 +1,9 @@
 """Platforms and devices.
 
-Multi-device behaviour runs in subprocesses with
-``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the device count is fixed when JAX starts);
-each subprocess runs several checks and reports them as one JSON line, to pay the ~3 s import
-cost once.
+Multi-device behaviour runs in a child with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the device count is fixed when JAX starts):
+the session's one child of that device count (``tests.conftest.device_child``); each script runs
+several checks and reports them as one JSON line.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import devices
-from tests.conftest import CORPUS, corpus_cases, corpus_refusals, run_on_devices
+from tests.conftest import CORPUS, corpus_cases, corpus_refusals, run_on_device_child
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,7 +204,7 @@ WORKER = textwrap.dedent(
 
 
 def run_worker(n_devices: int, *tasks: str) -> dict:
-    res = run_on_devices(WORKER, n_devices, *tasks)
+    res = run_on_device_child(WORKER, n_devices, *tasks)
     assert res["n_devices"] == n_devices
     for task in tasks:
         assert "error" not in res[task], res[task]["error"]
@@ -212,6 +212,23 @@ def run_worker(n_devices: int, *tasks: str) -> dict:
 
 
 needs_corpus = pytest.mark.skipif(not VERSIONS, reason="corpus not available")
+
+
+@pytest.fixture(scope="module")
+def on_two_devices() -> dict:
+    """The 2-device checks of this module, run by one child (read only); each test asserts
+    that its own tasks ran without error."""
+    res = run_on_device_child(
+        WORKER, 2, "named_shardings_recorded", *[f"too_few:{v}" for v in VERSIONS]
+    )
+    assert res["n_devices"] == 2
+    return res
+
+
+def ran(res: dict, task: str) -> dict:
+    """The result of ``task``, asserting it raised nothing unexpected."""
+    assert "error" not in res[task], res[task]["error"]
+    return res[task]
 
 
 def assert_refused(version: str, r: dict, *, n_devices: int) -> None:
@@ -271,11 +288,11 @@ def test_corpus_sharded4_runs_on_more_or_equal_devices(n_devices):
         assert dp["5"]["match"] and dp["params_replicated"]
 
 
-def test_named_shardings_are_recorded_and_seen_by_data_parallel():
+def test_named_shardings_are_recorded_and_seen_by_data_parallel(on_two_devices):
     """An export whose shardings JAX serializes as NamedShardings (every export since jax
     0.10; its ``in_shardings_hlo`` is all None, and deprecated): MLmodel records the blob's own
     shardings, and ``data_parallel`` still refuses a 1-device export that carries them."""
-    r = run_worker(2, "named_shardings_recorded")["named_shardings_recorded"]
+    r = ran(on_two_devices, "named_shardings_recorded")
     assert r["nr_devices"] == 2
     assert r["mlmodel"] == r["blob"]  # the JAX-free reader's, from the blob itself
     ins, outs = r["mlmodel"]
@@ -288,10 +305,9 @@ def test_named_shardings_are_recorded_and_seen_by_data_parallel():
 
 
 @needs_corpus
-def test_fewer_devices_than_exported_fails_before_compile_with_both_counts():
-    res = run_worker(2, *[f"too_few:{v}" for v in VERSIONS])
+def test_fewer_devices_than_exported_fails_before_compile_with_both_counts(on_two_devices):
     for v in VERSIONS:
-        r = res[f"too_few:{v}"]
+        r = ran(on_two_devices, f"too_few:{v}")
         if corpus_refusals(CORPUS / f"jax-{v}" / "sharded4", expired_flag=True):
             assert_refused(v, r, n_devices=2)  # never deserialized: no plan to make
             continue

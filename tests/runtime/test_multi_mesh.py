@@ -17,7 +17,7 @@ import jaxexp_mlflow  # noqa: F401  (installs mlflow.jaxexp)
 from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.errors import IncompatibleError
 from tests.backcompat import multi_mesh_blob
-from tests.conftest import run_on_devices
+from tests.conftest import run_on_device_child
 
 ON_TWO_DEVICES = """
 import json, sys
@@ -50,7 +50,7 @@ print("RESULT " + json.dumps({"check": [check.exit_code, check.output],
 
 def test_multi_mesh_export_saves_checks_loads_and_runs_on_two_devices(tmp_path):
     multi_mesh_blob()
-    res = run_on_devices(ON_TWO_DEVICES, 2, str(tmp_path / "m"))
+    res = run_on_device_child(ON_TWO_DEVICES, 2, str(tmp_path / "m"))
     assert res["check"][0] == 0 and "ok" in res["check"][1], res["check"][1]
     assert res["verify"][0] == 0, res["verify"][1]
     assert len(res["errors"]) == 4 and max(res["errors"]) < 1e-5

@@ -8,7 +8,6 @@ suite (tests/e2e/test_gpu.py) checks the rest where an accelerator is visible.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -22,7 +21,7 @@ import jaxexp_mlflow  # noqa: F401 - installs mlflow.jaxexp
 from jaxexp_mlflow.codec.mlmodel import read_mlmodel
 from jaxexp_mlflow.errors import IncompatibleError, UnsupportedModelError
 from jaxexp_mlflow.runtime import compat, platforms
-from tests.conftest import CORPUS, REPO
+from tests.conftest import CORPUS, REPO, run_cli
 
 
 def _apply(p, x):
@@ -104,16 +103,9 @@ def test_save_for_a_platform_this_machine_lacks(tmp_path):
     with pytest.raises(IncompatibleError) as err:
         mlflow.jaxexp.load_model(str(path))
     assert "No route runs it here" in str(err.value) and "recorded-env" not in str(err.value)
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxexp_mlflow.cli", "check", str(path), "--json"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
-    )
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert json.loads(proc.stdout)["status"] == "incompatible"
+    checked = run_cli("check", str(path), "--json")  # `python -m`: test_python_dash_m_cli
+    assert checked.exit_code == 1, checked.stderr[-2000:]
+    assert json.loads(checked.stdout)["status"] == "incompatible"
 
 
 def test_an_exported_for_an_absent_platform_with_an_example_is_refused(tmp_path):

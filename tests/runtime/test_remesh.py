@@ -1,8 +1,9 @@
 """The remesh and virtual-devices routes: a model exported for more devices than are visible.
 
-Models are exported on 8 simulated CPU devices (mesh ``('data', 'model') = (2, 4)``) in one
-child (``tests/remesh_cases.py``); the route runs them on 1 (this process), 2 and 4 devices (one
-child each) and every output and gradient is compared with the 8-device run. Stated tolerance:
+Models are exported on 8 simulated CPU devices (mesh ``('data', 'model') = (2, 4)``) in a
+child (``tests/remesh_cases.py``); the route runs them on 1 (this process), 2 and 4 devices (a
+child each: the session's child of that device count, ``tests.conftest.device_child``) and every
+output and gradient is compared with the 8-device run. Stated tolerance:
 ``remesh.RTOL`` (1e-5) of the reference's scale for outputs and first-order gradients (sums over
 a resized axis in another order), 1e-4 for second-order gradients.
 """
@@ -23,7 +24,7 @@ from jaxexp_mlflow.cli import main
 from jaxexp_mlflow.errors import IncompatibleError
 from jaxexp_mlflow.runtime import remesh
 from tests import remesh_cases
-from tests.conftest import CORPUS, run_on_devices
+from tests.conftest import CORPUS, run_on_device_child
 from tests.remesh_cases import corpus_by_remesh
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) != 1, reason="runs the 1-device case here")
@@ -60,7 +61,7 @@ def _in_tmp(tmp_path, monkeypatch, tracking_uri):
 @pytest.fixture(scope="module")
 def exported8(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("remesh8")
-    res = run_on_devices(EXPORT, 8, str(out))
+    res = run_on_device_child(EXPORT, 8, str(out))
     assert "Explicit" in res["axis_types"]["explicit"]
     return out
 
@@ -80,7 +81,7 @@ def _check_run(res: dict, devices: int) -> None:
 def test_remesh_runs_the_8_device_models_on_1_2_and_4_devices(exported8):
     _check_run(remesh_cases.run_all(str(exported8), 1), 1)
     for devices in (2, 4):
-        res = run_on_devices(RUN, devices, str(exported8), str(devices))
+        res = run_on_device_child(RUN, devices, str(exported8), str(devices))
         _check_run(res, devices)
         if devices == 2 and CORPUS.is_dir():
             for version, (diff, said) in res["corpus"].items():
