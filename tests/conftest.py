@@ -457,10 +457,9 @@ for line in sys.stdin:
             rc = 1
     if "mlflow" in sys.modules:  # the next script starts with no run and no tracking URI set
         import mlflow
-        from mlflow.tracking._tracking_service import utils
         while mlflow.active_run() is not None:
             mlflow.end_run()
-        utils._tracking_uri = None
+        mlflow.set_tracking_uri(None)
     reply.write(json.dumps({"rc": rc, "out": out.getvalue(), "err": err.getvalue()}) + "\n")
     reply.flush()
 """

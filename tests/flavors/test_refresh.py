@@ -32,7 +32,7 @@ from tests.conftest import (
     corpus_refusals,
     load_case,
     reseal_reference,
-    run_on_devices,
+    run_on_device_child,
     sqlite_uri,
 )
 from tests.models import batch, export_mlp, mlp_apply, mlp_params
@@ -277,7 +277,7 @@ def test_refresh_sharded_corpus_cases_on_4_devices():
     if not cases:
         pytest.skip("corpus not available")
     versions = sorted(c.parent.name.removeprefix("jax-") for c in cases)
-    res = run_on_devices(SHARDED_WORKER, 4, *versions)
+    res = run_on_device_child(SHARDED_WORKER, 4, *versions)
     for case in cases:
         v = case.parent.name.removeprefix("jax-")
         r = res[v]
