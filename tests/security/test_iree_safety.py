@@ -225,7 +225,7 @@ DAMAGE_KINDS = ("truncated", "bitflip", "empty")
 
 @pytest.fixture(scope="module")
 def compiled_caches(doubling, tmp_path_factory) -> dict[str, Path]:
-    """IREE caches compiled once under this session's secret: ``doubling`` holds the doubling
+    """IREE caches compiled once under the test run's secret: ``doubling`` holds the doubling
     blob's entry, ``triple`` an x*3 module's; never altered (a test copies what it damages)."""
     data, _ = doubling
     root = tmp_path_factory.mktemp("compiled")
