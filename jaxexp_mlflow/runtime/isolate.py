@@ -10,8 +10,10 @@ timeout, so a crash, a runaway allocation or a hang becomes an ``ArtifactError``
 
 ``jaxexp check`` and ``jaxexp verify`` always probe; ``load_model(..., isolate=True)`` does too
 (about one second: the child imports JAX, and MLflow only to register a blob's custom pytree node
-types). Without it, ``load_model`` trusts a blob that passed the checksum and the jax-free checks
-(see docs/security.md).
+types). A blob that passed is not probed again by the same JAX under the same environment and
+limits: an authenticated record of the pass is kept beside the compilation cache
+(``runtime.probed``). Without ``isolate``, ``load_model`` trusts a blob that passed the checksum
+and the jax-free checks (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from jaxexp_mlflow import settings
 from jaxexp_mlflow.errors import ArtifactError
+from jaxexp_mlflow.runtime import probed
 
 #: Address-space cap of the child (JAX alone reserves about 1 GiB of virtual memory).
 DEFAULT_MEMORY_BYTES = settings.JAXEXP_ISOLATE_MEMORY_BYTES.get()
@@ -87,7 +90,8 @@ def probe(
     """Deserialize ``data`` (and parse its MLIR module) in a capped child; raise if it fails.
 
     Raises ``ArtifactError`` naming how the child ended: killed by a signal (a crash inside
-    JAX), out of memory under the cap, past the timeout, or a Python error from JAX.
+    JAX), out of memory under the cap, past the timeout, or a Python error from JAX. A pass is
+    recorded (``runtime.probed``): the same blob under the same conditions starts no child again.
     """
     cap = int(memory_bytes or DEFAULT_MEMORY_BYTES)
     timeout = float(timeout_s or DEFAULT_TIMEOUT_S)
@@ -107,6 +111,9 @@ def probe(
     # on sys.path; the child runs in an empty directory of its own, so that relative entries of
     # PYTHONPATH name nothing either. It imports jax and jaxexp_mlflow from the installation.
     cmd = [sys.executable, "-P", "-c", _CHILD, str(cap)]
+    record = probed.record_name(data, names, memory_bytes=cap, timeout_s=timeout, env=env)
+    if probed.passed_before(record):  # this very blob, read by this JAX, under these limits
+        return
     try:
         with tempfile.TemporaryDirectory(prefix="jaxexp-isolate-") as cwd:
             proc = subprocess.run(
@@ -126,6 +133,7 @@ def probe(
         ) from None
     code = proc.returncode
     if code == 0:
+        probed.remember(record)
         return
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else code
