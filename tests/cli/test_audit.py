@@ -59,7 +59,8 @@ def archive(tmp_path_factory):
                 mlflow.jaxexp.log_model(
                     blob, name=f"{case}-{version}".replace(".", "_"), registered_model_name=case
                 )
-            mlflow.pyfunc.log_model(name="other", python_model=_Echo())
+            # requirements given: MLflow infers none (a child that loads the model, seconds)
+            mlflow.pyfunc.log_model(name="other", python_model=_Echo(), pip_requirements=["mlflow"])
         if before is not None:
             jax.config.update(flag, before)
         yield uri

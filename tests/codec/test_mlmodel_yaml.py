@@ -46,7 +46,8 @@ def written_by_mlflow(tmp_path_factory) -> list[bytes]:
 
     out = tmp_path_factory.mktemp("pyfunc") / "m"
     x = np.ones((2, 3), np.float32)
-    mlflow.pyfunc.save_model(out, python_model=Echo(), input_example=x)
+    # requirements given: MLflow infers none (a child that loads the model, seconds)
+    mlflow.pyfunc.save_model(out, python_model=Echo(), input_example=x, pip_requirements=["mlflow"])
     found = sorted(DATA.glob("*/MLmodel")) + [out / "MLmodel"]
     assert len(found) >= 3
     return [p.read_bytes() for p in found]
