@@ -16,8 +16,8 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 # pip >= 25.1 installs PEP 735 dependency groups: the `docs` group of pyproject.toml
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --upgrade "pip>=25.1"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --group docs
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "pip>=25.1"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --group docs
 site="$(mktemp -d)"
 trap 'rm -rf "$site"' EXIT
 NO_MKDOCS_2_WARNING=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \

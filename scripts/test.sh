@@ -35,10 +35,9 @@ export JAXEXP_STRICT_PRIVATE=${JAXEXP_STRICT_PRIVATE:-1}
 setup() {  # setup <python> <venv> <pip args...>
   local py=$1 venv=$2; shift 2
   [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
-  # pip >= 25.1 installs PEP 735 dependency groups (--group); --no-compile: Python compiles the
-  # bytecode of what a stage imports as it first imports it, a fraction of what pip would compile
-  "$venv/bin/python" -m pip install -q --no-compile --upgrade "pip>=25.1"
-  "$venv/bin/python" -m pip install -q --no-compile "$@"
+  # pip >= 25.1 installs PEP 735 dependency groups (--group)
+  "$venv/bin/python" -m pip install -q --upgrade "pip>=25.1"
+  "$venv/bin/python" -m pip install -q "$@"
 }
 
 artifacts() {  # artifacts <venv>: build the sdist and wheel with <venv>'s tools (the `release`
@@ -65,7 +64,7 @@ for want in ("LICENSE", "README.md", "pyproject.toml", "jaxexp_mlflow/py.typed")
 print(f"  {wheel.name} and {sdist.name} hold LICENSE and py.typed")
 PYEOF
   "$venv/bin/python" -m venv "$clean" || return $?
-  "$clean/bin/python" -m pip install -q --no-compile "$dist"/*.whl "jax==0.10.2" "jaxlib==0.10.2" \
+  "$clean/bin/python" -m pip install -q "$dist"/*.whl "jax==0.10.2" "jaxlib==0.10.2" \
     "mlflow==3.17.2" || return $?
   tmp=$(mktemp -d)
   (cd "$tmp" && env -u PYTHONPATH -u MLFLOW_TRACKING_URI "$clean/bin/python" \
