@@ -82,6 +82,12 @@ step() {  # step <label> <command...>: run one step of the current stage, print 
   return "$rc"
 }
 
+bytecode() {  # bytecode <venv>: compile the checkout's modules once for <venv>'s Python. Where
+  # PYTHONDONTWRITEBYTECODE is set (CI's machines) Python never writes what it compiles as it
+  # imports, and every child process of the suite would compile the package anew
+  "$1/bin/python" -m compileall -q jaxexp_mlflow benchmarks tests/*.py
+}
+
 versions() {  # versions <venv>: what the stage resolved, for the log
   "$1/bin/python" - <<'EOF'
 import sys
@@ -101,6 +107,7 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
       step "venv" setup "$PY" .venv -e ".[test,iree,spark]" --group test "jax==0.10.2" \
         "jaxlib==0.10.2" "mlflow==3.17.2" || return $?
       versions .venv || return $?
+      step "bytecode" bytecode .venv || return $?
       rc=0
       step "ruff" .venv/bin/ruff check jaxexp_mlflow tests benchmarks examples scripts || rc=$?
       # text that tells how the project was made (sessions, clock times, issue numbers) fails
@@ -140,6 +147,7 @@ run_stage() {  # run_stage <name> [pytest args...]: set up and test one stage; i
       step "venv" setup "$PY" "$venv" --upgrade -e ".[test,iree]" --group test jax jaxlib mlflow \
         orbax-checkpoint || return $?
       versions "$venv" || return $?
+      step "bytecode" bytecode "$venv" || return $?
       # installing the package into this environment (newest jax) changes no JAX version
       "$venv/bin/python" -m pip install -q --dry-run --report "$venv/install-report.json" -e . \
         || return $?
@@ -166,6 +174,7 @@ EOF
       step "venv" setup "$PY" .venv-oldest -e . "jax==0.6.2" "jaxlib==0.6.2" "mlflow==3.17.2" \
         pytest hypothesis || return $?
       versions .venv-oldest || return $?
+      step "bytecode" bytecode .venv-oldest || return $?
       rc=0
       PATH="$PWD/.venv-oldest/bin:$PATH" step "flavor and params tests" .venv-oldest/bin/pytest \
         "${PYTEST_OPTS[@]}" tests/flavors/test_flavor.py tests/params/test_params.py \
