@@ -101,10 +101,15 @@ def classify(paths: list[str], *, cap: int, timeout: int = 20) -> dict[str, str]
     return {p: seen.get(p, "harness-died") for p in paths}
 
 
+def corpus_blobs() -> list[bytes]:
+    """The 0.10.2 corpus blobs, in the order the mutations take them."""
+    corpus = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))
+    return [p.read_bytes() for p in sorted(corpus.glob("jax-0.10.2/*/exported.bin"))]
+
+
 def mutations(n: int, *, seed: int = 0) -> list[bytes]:
     """The first ``n`` mutations of the 0.10.2 corpus blobs (deterministic for a seed)."""
-    corpus = Path(os.environ.get("JAXEXP_CORPUS", REPO.parent / "shared" / "corpus"))
-    blobs = [p.read_bytes() for p in sorted(corpus.glob("jax-0.10.2/*/exported.bin"))]
+    blobs = corpus_blobs()
     rng = random.Random(seed)
     return [mutate(blobs[i % len(blobs)], rng) for i in range(n)]
 
